@@ -1,0 +1,133 @@
+"""The local attention kernel: one place decides which kernel runs.
+
+Legend: ``B`` batch, ``S`` sequence, ``N`` q heads, ``K`` kv heads (``N % K == 0``; q head ``i``
+uses kv head ``i // (N // K)``), ``H`` head dim. All tensors are ``[B, S, heads, H]``.
+
+Backends:
+
+* ``"flash_attn"``: ``flash_attn.flash_attn_func`` from the flash-attn package (CUDA, fp16/bf16,
+  head dim <= 256).
+* ``"sdpa"``: :func:`torch.nn.functional.scaled_dot_product_attention` (any device and dtype;
+  on CUDA it dispatches to PyTorch's own flash / cuDNN / memory-efficient kernels).
+* ``"auto"``: ``flash_attn`` when the package imports and the inputs suit it, else ``sdpa``.
+
+An explicitly requested backend that cannot run raises; it never silently becomes another. Tests
+and benchmarks can pin the ``auto`` choice with :func:`force_backend` or the environment variable
+``DTENSOR_ULYSSES_ATTENTION`` (``flash_attn`` or ``sdpa``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "BACKENDS",
+    "flash_attn_available",
+    "force_backend",
+    "local_attention",
+    "resolve_backend",
+]
+
+BACKENDS = ("auto", "flash_attn", "sdpa")
+ENV_VAR = "DTENSOR_ULYSSES_ATTENTION"
+_forced: str | None = None
+
+
+@functools.cache
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func
+    except Exception:  # ImportError, or a broken build (undefined CUDA symbols)
+        return None
+    return flash_attn_func
+
+
+def flash_attn_available() -> bool:
+    """Whether the flash-attn package imports in this environment."""
+    return _flash_attn_func() is not None
+
+
+@contextlib.contextmanager
+def force_backend(name: str) -> Iterator[None]:
+    """Make ``backend="auto"`` resolve to ``name`` inside the block (for tests and benchmarks)."""
+    global _forced
+    if name not in ("flash_attn", "sdpa"):
+        raise ValueError(f"cannot force backend {name!r}; choose 'flash_attn' or 'sdpa'")
+    previous, _forced = _forced, name
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def _flash_attn_problem(q: torch.Tensor) -> str | None:
+    """Why flash-attn cannot run on ``q``, or ``None`` if it can."""
+    if not flash_attn_available():
+        return "the flash-attn package is not importable (pip install 'dtensor-ulysses[flash]')"
+    if q.device.type != "cuda":
+        return f"flash-attn needs CUDA tensors, got device {q.device}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs float16 or bfloat16, got {q.dtype}"
+    if q.shape[-1] > 256:
+        return f"flash-attn supports head dim <= 256, got {q.shape[-1]}"
+    return None
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The concrete backend (``"flash_attn"`` or ``"sdpa"``) that runs for ``backend`` on ``q``.
+
+    Raises:
+        ValueError: unknown backend name.
+        RuntimeError: an explicit backend that cannot run on these inputs.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        backend = _forced or os.environ.get(ENV_VAR) or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"{ENV_VAR}={backend!r} is not one of {BACKENDS[1:]}")
+        if backend == "auto":
+            return "flash_attn" if _flash_attn_problem(q) is None else "sdpa"
+    if backend == "flash_attn":
+        problem = _flash_attn_problem(q)
+        if problem is not None:
+            raise RuntimeError(f"backend='flash_attn' cannot run: {problem}; use backend='sdpa'")
+    return backend
+
+
+def local_attention(
+    q_BSNH: torch.Tensor,
+    k_BSKH: torch.Tensor,
+    v_BSKH: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention on local, full-length tensors; returns ``o[B, S, N, H]``.
+
+    GQA/MQA: ``K`` may be smaller than ``N`` when it divides it.
+    """
+    N, K = q_BSNH.shape[2], k_BSKH.shape[2]
+    if N % K:
+        raise ValueError(f"{N} q heads are not a multiple of {K} kv heads")
+    chosen = resolve_backend(backend, q_BSNH)
+    if chosen == "flash_attn":
+        return _flash_attn_func()(
+            q_BSNH, k_BSKH, v_BSKH, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal
+        )
+    o_BNSH = F.scaled_dot_product_attention(
+        q_BSNH.transpose(1, 2),
+        k_BSKH.transpose(1, 2),
+        v_BSKH.transpose(1, 2),
+        is_causal=causal,
+        scale=softmax_scale,
+        enable_gqa=K != N,
+    )
+    return o_BNSH.transpose(1, 2)
