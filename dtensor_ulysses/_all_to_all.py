@@ -37,7 +37,7 @@ def _pack(xs: Sequence[torch.Tensor], scatter_dim: int, P: int) -> torch.Tensor:
 def _unpack(
     buf: torch.Tensor, shapes: Sequence[torch.Size], scatter_dim: int, gather_dim: int, P: int
 ) -> list[torch.Tensor]:
-    """Inverse of the exchange: ``buf[j]`` came from rank ``j``; place it at slot ``j`` of gather dim."""
+    """Inverse of the exchange: ``buf[j]`` came from rank ``j``; slot ``j`` of gather dim."""
     out = []
     # Each source rank sent tensors with its input's shape, scatter dim cut to 1/P.
     chunk_shapes = []

@@ -111,7 +111,7 @@ class CommCounter(TorchDispatchMode):
         ]
 
     def count(self, kind: str | None = None, group: dist.ProcessGroup | None = None) -> int:
-        """Number of collectives of ``kind`` (all kinds if ``None``) on ``group`` (any if ``None``)."""
+        """Number of collectives of ``kind`` (any if ``None``) on ``group`` (any if ``None``)."""
         return len(self._select(kind, group))
 
     def bytes(self, kind: str | None = None, group: dist.ProcessGroup | None = None) -> int:

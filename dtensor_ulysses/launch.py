@@ -94,13 +94,16 @@ def run_local_world(
                 if time.monotonic() > deadline:
                     alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
                     raise TimeoutError(
-                        f"{fn.__name__} on {world_size} ranks passed its {timeout_s:.0f} s deadline; "
+                        f"{fn.__name__} on {world_size} ranks passed its {timeout_s:.0f} s "
+                        f"deadline; "
                         f"ranks still running: {alive} (a collective mismatch or a hang)"
                     )
         except mp.ProcessRaisedException as e:
-            errors = [
-                open(os.path.join(tmp, n)).read() for n in sorted(os.listdir(tmp)) if "error" in n
-            ]
+            errors = []
+            for name in sorted(os.listdir(tmp)):
+                if name.startswith("error_"):
+                    with open(os.path.join(tmp, name)) as f:
+                        errors.append(f.read())
             raise RuntimeError("\n".join(errors) or str(e)) from None
         finally:
             for p in ctx.processes:

@@ -239,7 +239,7 @@ def ulysses_attention(
     backend: str = "auto",
     fuse_qkv: bool = True,
 ) -> DTensor:
-    """Attention on sequence-sharded DTensors, each rank computing full-length attention for N/P heads.
+    """Attention on sequence-sharded DTensors: each rank attends over all of S for N/P heads.
 
     ``q[B, S_sp, Nq, H]``, ``k/v[B, S_sp, Nkv, H]`` -> all-to-all -> ``[B, S, heads_sp, H]`` ->
     local attention (see :mod:`dtensor_ulysses.attention`) -> all-to-all -> ``o[B, S_sp, Nq, H]``.
@@ -267,7 +267,8 @@ def ulysses_attention(
     for t, n in ((k, "k"), (v, "v")):
         if t.device_mesh != mesh:
             raise ValueError(
-                f"{n} is on mesh {t.device_mesh} but q is on mesh {mesh}; put q, k and v on one mesh"
+                f"{n} is on mesh {t.device_mesh} but q is on mesh {mesh}; "
+                f"put q, k and v on one mesh"
             )
     sp_axis = _sp_axis(mesh)
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
