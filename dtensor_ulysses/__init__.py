@@ -2,20 +2,31 @@
 
 Sequence-sharded activations ``x[B, S_sp, N, H]`` become head-sharded ``x[B, S, N_sp, H]`` around
 attention (``Shard(1) -> Shard(2)`` on the ``sp`` mesh axis) and go back afterwards.
+
+Public names are imported on first use (PEP 562), so torch-free submodules such as
+``dtensor_ulysses.presets`` can be imported by the torch-free simulator without importing torch.
 """
 
-from dtensor_ulysses.attention import force_backend, local_attention
-from dtensor_ulysses.comm import CommCounter
-from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
-from dtensor_ulysses.ulysses import (
-    UlyssesAttention,
-    head_to_seq,
-    kv_head_index,
-    seq_to_head,
-    ulysses_attention,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_EXPORTS = {
+    "CommCounter": "comm",
+    "UlyssesAttention": "ulysses",
+    "flatten_dp_sp": "mesh",
+    "force_backend": "attention",
+    "head_to_seq": "ulysses",
+    "init_mesh": "mesh",
+    "kv_head_index": "ulysses",
+    "local_attention": "attention",
+    "seq_to_head": "ulysses",
+    "ulysses_attention": "ulysses",
+}
 
 __all__ = [
     "CommCounter",
@@ -29,3 +40,28 @@ __all__ = [
     "seq_to_head",
     "ulysses_attention",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from dtensor_ulysses.attention import force_backend, local_attention
+    from dtensor_ulysses.comm import CommCounter
+    from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
+    from dtensor_ulysses.ulysses import (
+        UlyssesAttention,
+        head_to_seq,
+        kv_head_index,
+        seq_to_head,
+        ulysses_attention,
+    )
