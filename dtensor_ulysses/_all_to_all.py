@@ -100,13 +100,13 @@ def all_to_all(
     """
     single = isinstance(xs, torch.Tensor)
     tensors = [xs] if single else list(xs)
-    P = dist.get_world_size(group)
     ndim = tensors[0].dim()
     for d, name in ((scatter_dim, "scatter_dim"), (gather_dim, "gather_dim")):
         if not 0 <= d < ndim:
             raise ValueError(f"{name}={d} is out of range for {ndim}-D tensors; use 0..{ndim - 1}")
     if scatter_dim == gather_dim:
         raise ValueError(f"scatter_dim and gather_dim are both {scatter_dim}; they must differ")
+    P = dist.get_world_size(group)
     for i, t in enumerate(tensors):
         if t.dim() != ndim or t.dtype != tensors[0].dtype or t.device != tensors[0].device:
             raise ValueError(

@@ -73,6 +73,12 @@ def _check_dtensor(x: object, name: str) -> DTensor:
     return x
 
 
+def _fmt(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    return "Replicate()" if isinstance(p, Replicate) else repr(p)
+
+
 def _check_placements(x: DTensor, name: str, sp_axis: int, sp_dim: int) -> None:
     """The sp axis must shard ``sp_dim``; other axes may only replicate or shard the batch."""
     for axis, p in enumerate(x.placements):
@@ -81,13 +87,14 @@ def _check_placements(x: DTensor, name: str, sp_axis: int, sp_dim: int) -> None:
             if not (isinstance(p, Shard) and p.dim % 4 == sp_dim):
                 want = "sequence" if sp_dim == SEQ_DIM else "head"
                 raise ValueError(
-                    f"{name} has placement {p} on the {SP_AXIS!r} axis; expected Shard({sp_dim}) "
-                    f"({want}-sharded [B, S, N, H]); redistribute or build it with Shard({sp_dim})"
+                    f"{name} has placement {_fmt(p)} on the {SP_AXIS!r} axis; expected "
+                    f"Shard({sp_dim}) ({want}-sharded [B, S, N, H]); redistribute or build it "
+                    f"with Shard({sp_dim})"
                 )
         elif not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % 4 == 0)):
             raise ValueError(
-                f"{name} has placement {p} on mesh axis {axis_name!r}; only Shard(0) (batch) or "
-                f"Replicate() are supported outside the {SP_AXIS!r} axis"
+                f"{name} has placement {_fmt(p)} on mesh axis {axis_name!r}; only Shard(0) "
+                f"(batch) or Replicate() are supported outside the {SP_AXIS!r} axis"
             )
 
 
@@ -275,7 +282,8 @@ def ulysses_attention(
         _check_placements(t, n, sp_axis, SEQ_DIM)
     if k.placements != q.placements or v.placements != q.placements:
         raise ValueError(
-            f"q, k, v placements differ: {q.placements}, {k.placements}, {v.placements}; "
+            f"q, k, v placements differ: "
+            f"{[[_fmt(p) for p in t.placements] for t in (q, k, v)]}; "
             f"place them alike"
         )
     (B, S, N, H), (Bk, Sk, K, Hk) = q.shape, k.shape
