@@ -1,0 +1,520 @@
+"""Training data: a byte tokenizer, packed documents, deterministic dp sampling, sp slicing.
+
+Legend (``X_sp`` means "dim X split over the ``sp`` mesh axis"):
+
+    G global batch (samples per step), b = G / dp local batch, S seq_len, s = S / sp
+    T tokens in the packed stream, W = (T - 1) // S windows, L = S + 1 tokens per window
+    stream[T] -> window[L] -> ids[b, S], labels[b, S] -> ids[b, S_sp], labels[b, S_sp]
+
+Tensor names carry their local shape: ``win_bL`` is a rank's ``b`` windows of ``L`` tokens,
+``ids_bS`` their inputs, ``ids_bs`` this sp rank's slice of them.
+
+**Tokenizer.** Bytes are tokens: ids ``0..255`` are the UTF-8 bytes of the text and
+``SEP_ID = 256`` starts every document, so ``VOCAB_SIZE = 257``. No files to download, and any text
+(and any language) encodes without unknown tokens.
+
+**Packing.** Documents are concatenated as ``[SEP] doc0 [SEP] doc1 ...`` into one stream, stored
+once as an ``int16`` tensor (two bytes a token). Window ``w`` is ``stream[w*S : w*S + S + 1]``:
+windows overlap by one token, so the inputs ``window[:-1]`` tile the stream without gaps and each
+input's label ``window[1:]`` is the token after it (the last label of window ``w`` is the first
+input of window ``w + 1``). Documents run across window edges; no token is padding.
+
+**Sampling.** Sample ``i`` of the global batch at step ``t`` is global sample ``g = t*G + i``, in
+epoch ``e = g // W``; it reads window ``perm_e[g % W]``, where ``perm_e`` is a permutation of the
+``W`` windows drawn from a ``torch.Generator`` seeded by ``(seed, e)``. Every window is read once
+per epoch, and the batch at step ``t`` is a pure function of ``(t, seed)`` and the data: resuming at
+step ``t`` needs no sampler state, only the step. dp rank ``r`` reads samples ``[r*b, (r+1)*b)``
+of the global batch, so any ``(dp, sp)`` with the same ``G`` and seed trains on the same tokens.
+
+**Sequence slicing.** All sp ranks of one dp group read the same ``b`` windows and keep their
+contiguous slice ``[r*s, (r+1)*s)`` of the sequence: ``ids[b, S] -> ids[b, S_sp]``. Labels are
+shifted *before* slicing, so the last token of a slice keeps its label (the first token of the next
+slice) and no sp rank needs a halo exchange. Position ids are global (``arange(S)`` sliced), or,
+with ``pack_docs=True``, restart at 0 at each ``SEP`` so that attention (and RoPE) treats every
+document on its own; the tokens before a window's first ``SEP`` count from 0 at the window start.
+
+**Default corpus.** With no data files, the corpus is the ``.py`` sources of the running Python's
+standard library (about 30 MB on CPython 3.11): real, long documents present on every machine,
+listed in a fixed order. Reading and packing it takes well under a second and is cached per process
+(:meth:`PackedCorpus.from_paths`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "IGNORE_INDEX",
+    "SEP_ID",
+    "VOCAB_SIZE",
+    "Batch",
+    "PackedCorpus",
+    "decode",
+    "default_corpus_paths",
+    "document_positions",
+    "encode",
+    "get_batch",
+    "read_documents",
+    "sample_index",
+]
+
+SEP_ID = 256  # starts every document; ids 0..255 are bytes
+VOCAB_SIZE = 257
+IGNORE_INDEX = -100  # label value the loss skips (torch.nn.functional.cross_entropy's default)
+
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_MASK64 = (1 << 64) - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer
+# ----------------------------------------------------------------------------------------------
+def _bytes_to_ids(data: bytes | bytearray) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+
+
+def encode(text: str) -> torch.Tensor:
+    """Token ids of ``text``: its UTF-8 bytes as an int64 tensor ``[len(text.encode())]``.
+
+    No ``SEP`` is added; packing adds one before every document.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"encode takes a str, got {type(text).__name__}; decode bytes first")
+    return _bytes_to_ids(text.encode("utf-8"))
+
+
+def decode(ids: torch.Tensor | Sequence[int]) -> str:
+    """Text of token ids: byte ids (0..255) as UTF-8, invalid sequences replaced with U+FFFD.
+
+    ``SEP`` and any other non-byte id (e.g. ``IGNORE_INDEX``, or the spare rows of an embedding
+    larger than ``VOCAB_SIZE``) are skipped.
+    """
+    if isinstance(ids, torch.Tensor):
+        flat = ids.detach().reshape(-1).to("cpu", torch.int64)
+        values = flat[(flat >= 0) & (flat < 256)].tolist()
+    else:
+        values = [int(t) for t in ids if 0 <= int(t) < 256]
+    return bytes(values).decode("utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------------------------------------
+# reading documents
+# ----------------------------------------------------------------------------------------------
+@functools.cache
+def _default_paths() -> tuple[pathlib.Path, ...]:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    found: list[tuple[str, pathlib.Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):  # does not follow symlinked dirs
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                path = pathlib.Path(dirpath, name)
+                found.append((path.relative_to(root).as_posix(), path))
+    found.sort(key=lambda item: item[0])
+    return tuple(path for _, path in found)
+
+
+def default_corpus_paths() -> list[pathlib.Path]:
+    """The built-in corpus: the running Python's standard-library ``.py`` files.
+
+    Files under ``site-packages``/``dist-packages`` are left out (they differ between machines),
+    and the list is sorted by path relative to the stdlib root, so it is identical on every rank
+    and every run with the same Python.
+    """
+    return list(_default_paths())
+
+
+def _read_bytes(path: pathlib.Path) -> bytes:
+    if not path.exists():
+        raise ValueError(
+            f"data file {str(path)!r} does not exist; check the path (or pass no data files to "
+            f"train on the built-in standard-library corpus)"
+        )
+    if path.is_dir():
+        raise ValueError(
+            f"data file {str(path)!r} is a directory; pass the files in it (e.g. {path}/*.txt)"
+        )
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ValueError(
+            f"cannot read data file {str(path)!r} ({e.strerror or e}); check its permissions"
+        ) from None
+
+
+def _jsonl_documents(path: pathlib.Path, data: bytes) -> list[bytes]:
+    docs = []
+    for lineno, raw in enumerate(data.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"{str(path)!r} line {lineno}"
+        fix = 'each line must be a JSON object with a "text" string, e.g. {"text": "hello"}'
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{where} is not valid UTF-8; {fix}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not valid JSON ({e.msg}); {fix}") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            got = f"keys {sorted(record)}" if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f'{where} has no "text" string (got {got}); {fix}')
+        if record["text"]:
+            docs.append(record["text"].encode("utf-8"))
+    return docs
+
+
+def _file_documents(path: pathlib.Path, *, allow_empty: bool = False) -> list[bytes]:
+    data = _read_bytes(path)
+    if path.suffix.lower() == ".jsonl":
+        docs = _jsonl_documents(path, data)
+    else:
+        docs = [data] if data.strip() else []
+    if not docs and not allow_empty:
+        what = 'no line with a non-empty "text"' if path.suffix.lower() == ".jsonl" else "no text"
+        raise ValueError(
+            f"data file {str(path)!r} has {what}; remove it from the data files or fill it"
+        )
+    return docs
+
+
+@functools.cache
+def _default_documents() -> tuple[bytes, ...]:
+    # Some stdlib files (empty __init__.py) have no text; the default corpus skips them.
+    docs = tuple(d for p in _default_paths() for d in _file_documents(p, allow_empty=True))
+    if not docs:
+        root = sysconfig.get_paths()["stdlib"]
+        raise ValueError(
+            f"the built-in corpus is empty: no .py files with text under {root!r} (this Python "
+            f"ships without its standard-library sources); pass data files instead (--data PATH)"
+        )
+    return docs
+
+
+def read_documents(paths: Sequence[str | os.PathLike] | None = None) -> list[bytes]:
+    """Documents (as UTF-8 bytes) from data files, in the order given.
+
+    A ``.jsonl`` file gives one document per line, from the line's ``"text"`` field (blank lines
+    and empty texts are skipped); any other file is one document, its whole content.
+
+    Args:
+        paths: data files (a single path is accepted too); ``None`` reads the built-in corpus
+            (:func:`default_corpus_paths`), cached per process.
+
+    Returns:
+        The documents, none empty.
+
+    Raises:
+        ValueError: no paths; a file is missing, a directory or unreadable; a JSONL line is not
+            valid JSON or has no ``"text"`` string (the message gives the line number); a file
+            has no text; the built-in corpus is empty.
+    """
+    if paths is None:
+        return list(_default_documents())
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if len(paths) == 0:
+        raise ValueError(
+            "no data files given; pass at least one file, or None for the built-in corpus"
+        )
+    return [d for p in paths for d in _file_documents(pathlib.Path(p))]
+
+
+# ----------------------------------------------------------------------------------------------
+# packing
+# ----------------------------------------------------------------------------------------------
+def _pack(documents: Sequence[bytes]) -> torch.Tensor:
+    """``[SEP] doc0 [SEP] doc1 ...`` as an int16 stream ``[T]``."""
+    if len(documents) == 0:
+        raise ValueError("no documents to pack; read_documents() gives the built-in corpus")
+    for j, d in enumerate(documents):
+        if not isinstance(d, (bytes, bytearray)):
+            raise TypeError(
+                f"document {j} is a {type(d).__name__}; documents are bytes (use text.encode())"
+            )
+    # A 0 byte holds each SEP's place in the byte buffer; the SEP ids are written afterwards.
+    buf = bytearray(b"\x00")
+    buf += b"\x00".join(documents)
+    stream_T = torch.frombuffer(buf, dtype=torch.uint8).to(torch.int16)
+    sizes = torch.tensor([len(d) + 1 for d in documents], dtype=torch.int64)
+    stream_T[torch.cumsum(sizes, 0) - sizes] = SEP_ID
+    return stream_T
+
+
+@functools.cache
+def _default_stream() -> torch.Tensor:
+    # Unwrapped: holding the stream does not also hold the documents' bytes in a cache.
+    return _pack(_default_documents.__wrapped__())
+
+
+@functools.lru_cache(maxsize=4)
+def _files_stream(key: tuple[tuple[str, int, int], ...]) -> torch.Tensor:
+    return _pack(read_documents([path for path, _, _ in key]))
+
+
+def _stream_for(paths: Sequence[str | os.PathLike] | None) -> torch.Tensor:
+    if paths is None:
+        return _default_stream()
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    try:  # cache on (path, mtime, size), so an edited file is read again
+        key = tuple((os.path.abspath(p), (st := os.stat(p)).st_mtime_ns, st.st_size) for p in paths)
+    except OSError:  # let read_documents say what is wrong
+        return _pack(read_documents(paths))
+    return _files_stream(key)
+
+
+class PackedCorpus:
+    """Documents packed into one token stream, read as overlapping windows of ``seq_len + 1``.
+
+    ``stream`` is ``[SEP] doc0 [SEP] doc1 ...`` (int16 ``[T]``); window ``w`` is
+    ``stream[w*seq_len : w*seq_len + seq_len + 1]`` for ``w < len(corpus) = (T - 1) // seq_len``:
+    inputs ``window[:-1]``, labels ``window[1:]``. The few tokens after the last full window are
+    only ever read as the label of its last input.
+
+    Args:
+        documents: document bytes, e.g. from :func:`read_documents`.
+        seq_len: tokens per sample ``S``.
+
+    Raises:
+        ValueError: ``seq_len < 1``; no documents; fewer than ``seq_len + 1`` tokens in all.
+    """
+
+    def __init__(self, documents: Sequence[bytes], seq_len: int) -> None:
+        self._init(_pack(documents), seq_len)
+
+    @classmethod
+    def from_paths(
+        cls, paths: Sequence[str | os.PathLike] | None = None, *, seq_len: int
+    ) -> PackedCorpus:
+        """``PackedCorpus(read_documents(paths), seq_len)``, with the stream cached per process.
+
+        The stream does not depend on ``seq_len``, so corpora of any length share it; a file's
+        cache entry is keyed on its path, mtime and size.
+        """
+        corpus = cls.__new__(cls)
+        corpus._init(_stream_for(paths), seq_len)
+        return corpus
+
+    def _init(self, stream_T: torch.Tensor, seq_len: int) -> None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len={seq_len!r} must be a positive int")
+        n_tokens = stream_T.numel()
+        if n_tokens < seq_len + 1:
+            raise ValueError(
+                f"the corpus has {n_tokens} tokens but one window of seq_len={seq_len} needs "
+                f"{seq_len + 1} (seq_len + 1, for the labels); add data or use "
+                f"seq_len <= {n_tokens - 1}"
+            )
+        self.stream = stream_T
+        self.seq_len = seq_len
+        self.n_windows = (n_tokens - 1) // seq_len
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the stream, ``SEP``s included."""
+        return self.stream.numel()
+
+    @property
+    def n_documents(self) -> int:
+        return int((self.stream == SEP_ID).sum())
+
+    def __len__(self) -> int:
+        return self.n_windows
+
+    def windows(self, index: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Windows ``index`` as int64 ``[len(index), seq_len + 1]``."""
+        w = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+        if w.numel() and (int(w.min()) < 0 or int(w.max()) >= self.n_windows):
+            bad = int(w[(w < 0) | (w >= self.n_windows)][0])
+            raise IndexError(f"window {bad} out of range; the corpus has {self.n_windows}")
+        L = self.seq_len + 1
+        offsets_nL = w[:, None] * self.seq_len + torch.arange(L)
+        return self.stream[offsets_nL].to(torch.int64)
+
+    def __getitem__(self, w: int) -> torch.Tensor:
+        """Window ``w`` as int64 ``[seq_len + 1]``."""
+        return self.windows([w])[0]
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedCorpus(n_tokens={self.n_tokens}, seq_len={self.seq_len}, "
+            f"n_windows={self.n_windows})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling
+# ----------------------------------------------------------------------------------------------
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ epoch))
+    return torch.randperm(n_windows, generator=generator)
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    return value
+
+
+def sample_index(step: int, i: int, global_batch_size: int, n_windows: int, seed: int) -> int:
+    """Window read by sample ``i`` of the global batch at ``step``.
+
+    ``g = step * global_batch_size + i`` is the global sample number; epoch ``g // n_windows``
+    reads window ``perm[g % n_windows]`` of a permutation drawn from a ``torch.Generator`` seeded
+    by ``(seed, epoch)``. A pure function: every window once per epoch, the same answer on every
+    rank, and nothing to restore on resume.
+
+    Raises:
+        ValueError: negative ``step``, ``i`` outside ``[0, global_batch_size)``, no windows.
+    """
+    _check_int("step", step, 0)
+    _check_int("global_batch_size", global_batch_size, 1)
+    _check_int("n_windows", n_windows, 1)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} must be an int")
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < global_batch_size:
+        raise ValueError(
+            f"sample i={i!r} is out of range for global batch {global_batch_size}; "
+            f"use 0..{global_batch_size - 1}"
+        )
+    g = step * global_batch_size + i
+    epoch, k = divmod(g, n_windows)
+    return int(_permutation(n_windows, seed, epoch)[k])
+
+
+# ----------------------------------------------------------------------------------------------
+# batches
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    """One rank's slice of a step's global batch; all int64 ``[b, S_sp]``.
+
+    Attributes:
+        input_ids: token ids.
+        labels: the token after each input (already shifted, so slice edges are right).
+        position_ids: global positions ``0..S-1``, or per-document positions with ``pack_docs``.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
+        """The batch on ``device``."""
+        return Batch(
+            *(
+                t.to(device, non_blocking=non_blocking)
+                for t in (self.input_ids, self.labels, self.position_ids)
+            )
+        )
+
+
+def document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 at each ``SEP`` along the last dim (int64, ``ids``' shape).
+
+    Tokens before the first ``SEP`` count from 0 at index 0 (a document that began in an earlier
+    window). Example: ``[7, 8, SEP, 9, SEP, 5] -> [0, 1, 0, 1, 0, 1]``.
+    """
+    idx = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
+    starts = torch.where(ids == SEP_ID, idx, torch.zeros_like(idx))
+    return idx - torch.cummax(starts, dim=-1).values
+
+
+def _nearby_multiples(n: int, k: int) -> str:
+    lo, hi = n // k * k, (n // k + 1) * k
+    return f"{lo} or {hi}" if lo > 0 else str(hi)
+
+
+def get_batch(
+    corpus: PackedCorpus,
+    step: int,
+    *,
+    global_batch_size: int,
+    dp_rank: int,
+    dp: int,
+    sp_rank: int,
+    sp: int,
+    seed: int,
+    pack_docs: bool = False,
+) -> Batch:
+    """This rank's slice ``[b, S_sp]`` of the global batch ``[G, S]`` at ``step``.
+
+    dp rank ``r`` reads samples ``[r*b, (r+1)*b)`` (``b = G / dp``) of the global batch, whose
+    windows are given by :func:`sample_index`; sp rank ``q`` keeps tokens ``[q*s, (q+1)*s)``
+    (``s = S / sp``) of each. Labels are shifted before slicing.
+
+    Args:
+        corpus: the packed corpus; ``S = corpus.seq_len``.
+        step: training step (0-based); the batch is a pure function of ``(step, seed)``.
+        global_batch_size: samples per step over all dp ranks, ``G``.
+        dp_rank: this rank's coordinate on the ``dp`` mesh axis.
+        dp: size of the ``dp`` mesh axis.
+        sp_rank: this rank's coordinate on the ``sp`` mesh axis.
+        sp: size of the ``sp`` mesh axis.
+        seed: sampling seed.
+        pack_docs: position ids restart at 0 at each document start (``SEP``).
+
+    Returns:
+        :class:`Batch` of int64 ``[b, S_sp]`` tensors on the CPU.
+
+    Raises:
+        ValueError: ``G`` not divisible by ``dp``; ``S`` not divisible by ``sp``; a rank out of
+            range; a negative step.
+    """
+    if not isinstance(corpus, PackedCorpus):
+        raise TypeError(f"corpus must be a PackedCorpus, got {type(corpus).__name__}")
+    _check_int("step", step, 0)
+    _check_int("global_batch_size", global_batch_size, 1)
+    _check_int("dp", dp, 1)
+    _check_int("sp", sp, 1)
+    for name, rank, size in (("dp_rank", dp_rank, dp), ("sp_rank", sp_rank, sp)):
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            axis = name.removesuffix("_rank")
+            raise ValueError(
+                f"{name}={rank!r} is out of range for {axis}={size}; use 0..{size - 1}"
+            )
+    if global_batch_size % dp:
+        raise ValueError(
+            f"global batch {global_batch_size} is not divisible by dp={dp}; use a multiple of "
+            f"{dp}, e.g. {-(-global_batch_size // dp) * dp}"
+        )
+    S = corpus.seq_len
+    if S % sp:
+        raise ValueError(
+            f"seq_len {S} is not divisible by sp={sp}; use a multiple of {sp}, "
+            f"e.g. {_nearby_multiples(S, sp)}"
+        )
+    b, s = global_batch_size // dp, S // sp
+    samples = range(dp_rank * b, (dp_rank + 1) * b)
+    index = [sample_index(step, i, global_batch_size, len(corpus), seed) for i in samples]
+    win_bL = corpus.windows(index)
+    ids_bS, labels_bS = win_bL[:, :-1], win_bL[:, 1:]  # shift first, then slice
+    if pack_docs:  # document starts may lie on an earlier slice: positions over all of S
+        pos_bS = document_positions(ids_bS)
+    else:
+        pos_bS = torch.arange(S, dtype=torch.int64).expand(b, S)
+    lo, hi = sp_rank * s, (sp_rank + 1) * s
+    return Batch(
+        input_ids=ids_bS[:, lo:hi].contiguous(),
+        labels=labels_bS[:, lo:hi].contiguous(),
+        position_ids=pos_bS[:, lo:hi].contiguous(),
+    )
