@@ -18,6 +18,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CommCounter": "comm",
     "UlyssesAttention": "ulysses",
+    "build_model": "model",
+    "init_weights": "model",
+    "parallelize": "parallelize",
     "flatten_dp_sp": "mesh",
     "force_backend": "attention",
     "head_to_seq": "ulysses",
@@ -31,12 +34,15 @@ _EXPORTS = {
 __all__ = [
     "CommCounter",
     "UlyssesAttention",
+    "build_model",
     "flatten_dp_sp",
     "force_backend",
     "head_to_seq",
     "init_mesh",
+    "init_weights",
     "kv_head_index",
     "local_attention",
+    "parallelize",
     "seq_to_head",
     "ulysses_attention",
 ]
@@ -58,6 +64,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from dtensor_ulysses.attention import force_backend, local_attention
     from dtensor_ulysses.comm import CommCounter
     from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
+    from dtensor_ulysses.model import build_model, init_weights
+    from dtensor_ulysses.parallelize import parallelize
     from dtensor_ulysses.ulysses import (
         UlyssesAttention,
         head_to_seq,

@@ -1,0 +1,87 @@
+"""Token-weighted cross entropy across sequence and data shards.
+
+The single-device loss of a global batch is the mean over its valid tokens (label != -100)::
+
+    L = sum_{all tokens t} ce(t) / T_valid
+
+Each rank holds a slice of the tokens (its dp samples, its sp slice of each), so it computes
+``sum_{its tokens} ce(t) / T_valid`` with the *global* count ``T_valid`` (one all-reduce of one
+integer); the rank losses add up to ``L`` and so do their gradients. FSDP2 averages gradients over
+the ``W = dp * sp`` ranks instead of summing them, so the value passed to ``backward`` is
+multiplied by ``W`` (:func:`loss_for_backward`). Whatever (dp, sp) is, loss and gradients equal
+the single-device run.
+
+:func:`tiled_cross_entropy_sum` computes the same sum without materializing ``[B, s, V]`` logits:
+chunks of the sequence are projected, scored and discarded, and recomputed in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "IGNORE_INDEX",
+    "cross_entropy_sum",
+    "global_valid_tokens",
+    "loss_for_backward",
+    "tiled_cross_entropy_sum",
+]
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits_BsV: torch.Tensor, labels_Bs: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token cross entropy over valid labels, in float32."""
+    return F.cross_entropy(
+        logits_BsV.flatten(0, 1).float(),
+        labels_Bs.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def _chunk_ce_sum(h_CD: torch.Tensor, weight_VD: torch.Tensor, labels_C: torch.Tensor):
+    return F.cross_entropy(
+        (h_CD @ weight_VD.t()).float(), labels_C, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def tiled_cross_entropy_sum(
+    h_BsD: torch.Tensor, weight_VD: torch.Tensor, labels_Bs: torch.Tensor, chunk_tokens: int = 4096
+) -> torch.Tensor:
+    """:func:`cross_entropy_sum` of ``h @ weight.T``, at most ``chunk_tokens`` logit rows at once.
+
+    Args:
+        h_BsD: final hidden states.
+        weight_VD: output projection (``Transformer.output_weight()``).
+        labels_Bs: labels, ``IGNORE_INDEX`` where no loss is taken.
+        chunk_tokens: rows of logits materialized at a time, forward and backward.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    h_TD, labels_T = h_BsD.flatten(0, 1), labels_Bs.flatten()
+    total = h_TD.new_zeros((), dtype=torch.float32)
+    for start in range(0, h_TD.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        total = total + checkpoint(
+            _chunk_ce_sum, h_TD[start:end], weight_VD, labels_T[start:end], use_reentrant=False
+        )
+    return total
+
+
+def global_valid_tokens(labels_Bs: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
+    """Valid labels summed over all ranks of ``group`` (default: the world); one all-reduce."""
+    count = (labels_Bs != IGNORE_INDEX).sum().to(torch.int64).reshape(1)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(count, group=group)
+    return int(count.item())
+
+
+def loss_for_backward(local_sum: torch.Tensor, n_valid_global: int, fsdp_world: int):
+    """The value to ``backward()`` so FSDP2's averaged gradients equal the single-device ones."""
+    if n_valid_global < 1:
+        raise ValueError("the global batch has no valid labels; check the data and seq_len")
+    return local_sum * (fsdp_world / n_valid_global)
