@@ -1,17 +1,20 @@
 """Differentiable all-to-all over a process group: communication only, no attention logic.
 
-Legend: ``P`` ranks in the group; a tensor's *scatter dim* is split into ``P`` chunks, chunk ``j``
-going to rank ``j``; the chunks received are concatenated, in rank order, along the *gather dim*.
+Legend: ``P`` ranks in the group; a tensor's *scatter dim* is cut into ``P`` pieces, piece ``j``
+going to rank ``j``; the pieces received are concatenated, in rank order, along the *gather dim*.
 
     x[..., n_scatter, ..., m_gather, ...]  ->  y[..., n_scatter / P, ..., m_gather * P, ...]
 
-Several tensors that share the group and the dims can travel in one collective (``all_to_all`` with
-a list): each rank packs, per destination, the chunks of every tensor into one buffer, so q, k and v
-move with one launch and the same bytes as three.
+Pieces may be uneven: ``scatter_sizes[j]`` is how much of the scatter dim goes to rank ``j`` and
+``gather_sizes[j]`` how much of the gather dim arrives from rank ``j`` (every rank must pass the
+same lists, except that ``gather_sizes`` lists the *senders'* sizes). Several tensors that share
+the group and the dims can travel in one collective (pass a list): each rank packs, per
+destination, the pieces of every tensor into one buffer, so q, k and v move with one launch and
+the same bytes as three.
 
-The backward of an all-to-all is the all-to-all with scatter and gather dims swapped, so forward and
-backward are one ``all_to_all_single`` each, on every backend (NCCL and gloo alike). Only the
-public ``torch.distributed.all_to_all_single`` is used.
+The backward of an all-to-all is the all-to-all with scatter and gather swapped (and their size
+lists swapped), so forward and backward are one ``all_to_all_single`` each, on every backend
+(NCCL and gloo alike). Only the public ``torch.distributed.all_to_all_single`` is used.
 """
 
 from __future__ import annotations
@@ -21,61 +24,82 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all"]
+__all__ = ["all_to_all", "even_sizes"]
+
+Sizes = Sequence[int]
 
 
-def _pack(xs: Sequence[torch.Tensor], scatter_dim: int, P: int) -> torch.Tensor:
-    """Per destination rank, the chunks of every tensor: a contiguous ``[P, total / P]`` buffer."""
-    parts = []
-    for x in xs:
-        n = x.shape[scatter_dim]
-        split = x.reshape(*x.shape[:scatter_dim], P, n // P, *x.shape[scatter_dim + 1 :])
-        parts.append(split.movedim(scatter_dim, 0).reshape(P, -1))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
+def even_sizes(n: int, P: int) -> list[int]:
+    """``n`` split in ``P`` equal parts (``n`` divisible by ``P``)."""
+    return [n // P] * P
 
 
-def _unpack(
-    buf: torch.Tensor, shapes: Sequence[torch.Size], scatter_dim: int, gather_dim: int, P: int
-) -> list[torch.Tensor]:
-    """Inverse of the exchange: ``buf[j]`` came from rank ``j``; slot ``j`` of gather dim."""
-    out = []
-    # Each source rank sent tensors with its input's shape, scatter dim cut to 1/P.
-    chunk_shapes = []
-    for s in shapes:
-        cs = list(s)
-        cs[scatter_dim] //= P
-        chunk_shapes.append(cs)
-    sizes = [int(torch.Size(cs).numel()) for cs in chunk_shapes]
-    for piece, cs in zip(buf.split(sizes, dim=1), chunk_shapes):
-        y = piece.reshape(P, *cs).movedim(0, gather_dim)  # [..., P, m, ...] at gather dim
-        cs_out = list(cs)
-        cs_out[gather_dim] *= P
-        out.append(y.reshape(cs_out))
+def _piece_shape(shape: torch.Size, dim_a: int, size_a: int, dim_b: int, size_b: int) -> list[int]:
+    out = list(shape)
+    out[dim_a], out[dim_b] = size_a, size_b
     return out
 
 
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def _exchange(
-    xs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int, group: dist.ProcessGroup
+    xs: Sequence[torch.Tensor],
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: Sequence[Sizes],
+    gather_sizes: Sequence[Sizes],
+    group: dist.ProcessGroup,
 ) -> list[torch.Tensor]:
-    P = dist.get_world_size(group)
-    send = _pack(xs, scatter_dim, P)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return _unpack(recv, [x.shape for x in xs], scatter_dim, gather_dim, P)
+    """The collective: per destination, the pieces of every tensor, in one 1-D buffer."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    pieces, in_splits = [], []
+    offsets = [0] * len(xs)
+    for j in range(P):
+        numel = 0
+        for i, x in enumerate(xs):
+            piece = x.narrow(scatter_dim, offsets[i], scatter_sizes[i][j])
+            offsets[i] += scatter_sizes[i][j]
+            pieces.append(piece.reshape(-1))
+            numel += piece.numel()
+        in_splits.append(numel)
+    send = torch.cat(pieces)
+    # from rank j, tensor i arrives with scatter dim = my share, gather dim = j's size
+    recv_shapes = [
+        [
+            _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim, gather_sizes[i][j])
+            for i, x in enumerate(xs)
+        ]
+        for j in range(P)
+    ]
+    out_splits = [sum(_numel(s) for s in shapes) for shapes in recv_shapes]
+    recv = send.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+    parts: list[list[torch.Tensor]] = [[] for _ in xs]
+    for j, chunk in enumerate(recv.split(out_splits)):
+        sizes = [_numel(s) for s in recv_shapes[j]]
+        for i, flat in enumerate(chunk.split(sizes)):
+            parts[i].append(flat.view(recv_shapes[j][i]))
+    return [torch.cat(p, dim=gather_dim) for p in parts]
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scatter_dim, gather_dim, group, *xs):  # type: ignore[override]
-        ctx.dims = (scatter_dim, gather_dim)
-        ctx.group = group
-        return tuple(_exchange(xs, scatter_dim, gather_dim, group))
+    def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, *xs):  # type: ignore[override]
+        ctx.args = (scatter_dim, gather_dim, scatter_sizes, gather_sizes, group)
+        return tuple(_exchange(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        scatter_dim, gather_dim = ctx.dims
+        scatter_dim, gather_dim, scatter_sizes, gather_sizes, group = ctx.args
         grads = [g.contiguous() for g in grads]
-        return (None, None, None, *_exchange(grads, gather_dim, scatter_dim, ctx.group))
+        # reverse: scatter along the old gather dim by the senders' sizes, gather back ours
+        back = _exchange(grads, gather_dim, scatter_dim, gather_sizes, scatter_sizes, group)
+        return (None, None, None, None, None, *back)
 
 
 def all_to_all(
@@ -84,15 +108,20 @@ def all_to_all(
     scatter_dim: int,
     gather_dim: int,
     group: dist.ProcessGroup,
+    scatter_sizes: Sizes | Sequence[Sizes] | None = None,
+    gather_sizes: Sizes | Sequence[Sizes] | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """All-to-all of one tensor or several tensors in a single collective, differentiable.
 
     Args:
-        xs: a tensor, or a sequence of tensors of one dtype and device with the same rank, whose
-            ``scatter_dim`` sizes are divisible by the group size.
-        scatter_dim: dim cut into ``P`` chunks, chunk ``j`` sent to rank ``j``.
-        gather_dim: dim along which the received chunks are concatenated in rank order.
+        xs: a tensor, or a sequence of tensors of one dtype and device with the same rank.
+        scatter_dim: dim cut into ``P`` pieces, piece ``j`` sent to rank ``j``.
+        gather_dim: dim along which the received pieces are concatenated in rank order.
         group: the process group (e.g. ``mesh.get_group("sp")``).
+        scatter_sizes: per destination rank, how much of the scatter dim it gets (one list, or
+            one list per tensor). Default: equal parts.
+        gather_sizes: per source rank, the size of the gather dim it holds (one list, or one
+            per tensor). Default: equal, this rank's own size.
 
     Returns:
         The exchanged tensor (or a list, if ``xs`` was a sequence). Forward issues exactly one
@@ -113,12 +142,45 @@ def all_to_all(
                 f"tensor {i} is {t.dim()}-D {t.dtype} on {t.device}, tensor 0 is "
                 f"{ndim}-D {tensors[0].dtype} on {tensors[0].device}; fused tensors must match"
             )
-        if t.shape[scatter_dim] % P:
+    sc = _per_tensor(scatter_sizes, tensors, P, "scatter_sizes")
+    ga = _per_tensor(gather_sizes, tensors, P, "gather_sizes")
+    for i, t in enumerate(tensors):
+        if sc[i] is None:
+            if t.shape[scatter_dim] % P:
+                raise ValueError(
+                    f"tensor {i}: dim {scatter_dim} has size {t.shape[scatter_dim]}, not "
+                    f"divisible by the group size {P}; pass scatter_sizes for uneven pieces"
+                )
+            sc[i] = even_sizes(t.shape[scatter_dim], P)
+        elif sum(sc[i]) != t.shape[scatter_dim]:
             raise ValueError(
-                f"tensor {i}: dim {scatter_dim} has size {t.shape[scatter_dim]}, not divisible "
-                f"by the group size {P}"
+                f"tensor {i}: scatter_sizes {list(sc[i])} sum to {sum(sc[i])}, but dim "
+                f"{scatter_dim} has size {t.shape[scatter_dim]}"
+            )
+        if ga[i] is None:
+            ga[i] = [t.shape[gather_dim]] * P
+        elif ga[i][dist.get_rank(group)] != t.shape[gather_dim]:
+            raise ValueError(
+                f"tensor {i}: gather_sizes {list(ga[i])} say this rank holds "
+                f"{ga[i][dist.get_rank(group)]} along dim {gather_dim}, it holds "
+                f"{t.shape[gather_dim]}"
             )
     if P == 1:
         return xs if single else tensors
-    out = _AllToAll.apply(scatter_dim, gather_dim, group, *tensors)
+    sc_t = tuple(tuple(s) for s in sc)
+    ga_t = tuple(tuple(g) for g in ga)
+    out = _AllToAll.apply(scatter_dim, gather_dim, sc_t, ga_t, group, *tensors)
     return out[0] if single else list(out)
+
+
+def _per_tensor(sizes, tensors, P: int, name: str) -> list:
+    if sizes is None:
+        return [None] * len(tensors)
+    if len(sizes) and isinstance(sizes[0], int):
+        sizes = [sizes] * len(tensors)
+    if len(sizes) != len(tensors):
+        raise ValueError(f"{name}: {len(sizes)} lists for {len(tensors)} tensors")
+    for s in sizes:
+        if len(s) != P or any(v < 0 for v in s):
+            raise ValueError(f"{name}: {list(s)} must hold {P} non-negative sizes, one per rank")
+    return [list(s) for s in sizes]

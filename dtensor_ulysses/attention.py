@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "BACKENDS",
+    "document_starts",
     "flash_attn_available",
     "force_backend",
     "local_attention",
@@ -101,6 +102,18 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
+def document_starts(position_ids_BS: torch.Tensor) -> list[list[int]]:
+    """Per batch row, the token indices where a document starts: index 0, and every token whose
+    position id is not its predecessor's plus one (ids restart at 0 per document)."""
+    breaks_BS = torch.ones_like(position_ids_BS, dtype=torch.bool)
+    breaks_BS[:, 1:] = position_ids_BS[:, 1:] != position_ids_BS[:, :-1] + 1
+    return [row.nonzero().flatten().tolist() for row in breaks_BS.cpu()]
+
+
+def _segments(starts: list[int], S: int) -> list[tuple[int, int]]:
+    return list(zip(starts, starts[1:] + [S]))
+
+
 def local_attention(
     q_BSNH: torch.Tensor,
     k_BSKH: torch.Tensor,
@@ -109,25 +122,76 @@ def local_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention on local, full-length tensors; returns ``o[B, S, N, H]``.
 
     GQA/MQA: ``K`` may be smaller than ``N`` when it divides it.
+
+    Packed documents: with ``position_ids[B, S]`` (restarting at 0 per document, see
+    :func:`document_starts`) no token attends across a document boundary: flash-attn runs
+    ``flash_attn_varlen_func`` over the documents; SDPA runs once per document (exact, no
+    ``[S, S]`` mask is built).
     """
     N, K = q_BSNH.shape[2], k_BSKH.shape[2]
     if N % K:
         raise ValueError(f"{N} q heads are not a multiple of {K} kv heads")
     chosen = resolve_backend(backend, q_BSNH)
+    if position_ids is not None:
+        if tuple(position_ids.shape) != tuple(q_BSNH.shape[:2]):
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)}; expected [B, S] = "
+                f"{tuple(q_BSNH.shape[:2])}"
+            )
+        starts = document_starts(position_ids)
+        if chosen == "flash_attn":
+            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, starts, causal, softmax_scale)
+        out = []
+        for b, row_starts in enumerate(starts):
+            for lo, hi in _segments(row_starts, q_BSNH.shape[1]):
+                out.append(
+                    _sdpa(q_BSNH[b : b + 1, lo:hi], k_BSKH[b : b + 1, lo:hi],
+                          v_BSKH[b : b + 1, lo:hi], causal, softmax_scale)
+                )  # fmt: skip
+        S = q_BSNH.shape[1]
+        return torch.cat(out, dim=1).view(q_BSNH.shape[0], S, N, -1)
     if chosen == "flash_attn":
         return _flash_attn_func()(
             q_BSNH, k_BSKH, v_BSKH, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal
         )
+    return _sdpa(q_BSNH, k_BSKH, v_BSKH, causal, softmax_scale)
+
+
+def _sdpa(q_BSNH, k_BSKH, v_BSKH, causal: bool, softmax_scale: float | None) -> torch.Tensor:
     o_BNSH = F.scaled_dot_product_attention(
         q_BSNH.transpose(1, 2),
         k_BSKH.transpose(1, 2),
         v_BSKH.transpose(1, 2),
         is_causal=causal,
         scale=softmax_scale,
-        enable_gqa=K != N,
+        enable_gqa=k_BSKH.shape[2] != q_BSNH.shape[2],
     )
     return o_BNSH.transpose(1, 2)
+
+
+def _flash_varlen(q_BSNH, k_BSKH, v_BSKH, starts, causal, softmax_scale) -> torch.Tensor:
+    """flash-attn over the documents of every row, flattened to ``[B*S, heads, H]``."""
+    from flash_attn import flash_attn_varlen_func
+
+    B, S, N, H = q_BSNH.shape
+    bounds = [b * S + t for b, row in enumerate(starts) for t in row] + [B * S]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=q_BSNH.device)
+    longest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+    o_TNH = flash_attn_varlen_func(
+        q_BSNH.reshape(B * S, N, H),
+        k_BSKH.reshape(B * S, -1, H),
+        v_BSKH.reshape(B * S, -1, H),
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=longest,
+        max_seqlen_k=longest,
+        dropout_p=0.0,
+        softmax_scale=softmax_scale,
+        causal=causal,
+    )
+    return o_TNH.view(B, S, N, H)

@@ -9,19 +9,30 @@ Legend (scaling-book notation; ``X_sp`` means "dim X split over the ``sp`` mesh 
 Tensor names carry their local shape: ``q_BsNH`` is a rank's sequence slice (``s = S / P``),
 ``q_BSnH`` its head slice (``n = N / P``), ``k_BSmH`` the kv heads a rank holds after the exchange.
 
+Uneven layouts: when ``P`` does not divide ``S`` (DTensor's uneven ``Shard(1)``) or ``N``
+(:func:`head_split`), the all-to-alls carry uneven pieces (``all_to_all_single`` with split
+sizes); nothing is padded, no token is dropped, and results stay exact.
+
+Packed documents: with ``position_ids`` (restarting at 0 per document) every rank all-gathers the
+small ``[B, S]`` ids after the exchange and the kernel keeps attention inside each document.
+
 GQA/MQA (``K < N``): when ``P`` divides ``K`` the kv heads are sharded like q heads. When it does
 not (e.g. ``P > K``), each rank is sent the kv heads its own q heads use, which replicates a kv head
 on several ranks; the replication is an ``index_select`` before the all-to-all, so gradients of the
 copies are summed back into the original head by autograd.
 
 Communication per call (``e`` bytes per element; a rank's bytes are the buffer it passes in):
-forward one fused all-to-all of ``B*s*(N + 2*K')*H*e`` (q, k, v; ``K' = P*m`` kv heads after
-replication) and one of ``B*s*N*H*e`` (o); backward the same two again.
+forward one fused all-to-all of ``B*s*(N + 2*K')*H*e`` (q, k, v; ``K'`` the kv heads summed
+over the ranks they are sent to, after replication) and one of ``B*s*N*H*e`` (o); backward the
+same two again; with ``position_ids`` one all-gather of ``B*ceil(S/P)*8`` bytes in forward.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,9 +45,13 @@ from dtensor_ulysses.attention import local_attention
 
 __all__ = [
     "SP_AXIS",
+    "HeadPlan",
     "UlyssesAttention",
+    "head_plan",
+    "head_split",
     "head_to_seq",
     "kv_head_index",
+    "seq_split",
     "seq_to_head",
     "ulysses_attention",
 ]
@@ -104,42 +119,120 @@ def _check_divisible(what: str, n: int, P: int, fix: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# GQA: which kv heads each rank receives
+# how heads and tokens are split over the sp ranks
 # ----------------------------------------------------------------------------------------------
-def kv_head_index(n_q: int, n_kv: int, sp: int) -> list[int] | None:
-    """Kv heads to send, rank by rank, so every rank holds the kv heads its q heads use.
+def seq_split(S: int, P: int) -> list[int]:
+    """Tokens per sp rank under DTensor's ``Shard(1)``: chunks of ``ceil(S / P)``, the last ones
+    shorter or empty (``S=37, P=4 -> [10, 10, 10, 7]``)."""
+    chunk = -(-S // P)
+    return [max(0, min(chunk, S - r * chunk)) for r in range(P)]
 
-    Rank ``r`` gets q heads ``[r*n, (r+1)*n)`` with ``n = n_q / sp``; q head ``i`` uses kv head
-    ``i // (n_q / n_kv)``. The returned list has ``sp * m`` entries: entries ``[r*m, (r+1)*m)`` are
-    the kv heads for rank ``r``, in an order such that local q head ``j`` uses local kv head
-    ``j // (n / m)``. ``None`` means "no replication needed: shard the kv heads as they are"
-    (``sp`` divides ``n_kv``).
+
+def head_split(N: int, P: int) -> list[int]:
+    """q heads per sp rank inside attention: as even as possible, the first ``N % P`` ranks one
+    more (``N=12, P=8 -> [2, 2, 2, 2, 1, 1, 1, 1]``)."""
+    return [N // P + (1 if r < N % P else 0) for r in range(P)]
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """Which q and kv heads each sp rank attends with.
+
+    Attributes:
+        q_heads: q heads per rank (rank ``r`` holds a contiguous range, in rank order).
+        kv_index: per rank, the kv heads sent to it, ordered so that its local q head ``j`` uses
+            its local kv head ``j // (q_heads[r] / len(kv_index[r]))``.
+        n_kv: kv heads of the model.
+    """
+
+    q_heads: tuple[int, ...]
+    kv_index: tuple[tuple[int, ...], ...]
+    n_kv: int
+
+    @property
+    def kv_heads(self) -> list[int]:
+        """kv heads per rank after replication."""
+        return [len(k) for k in self.kv_index]
+
+    @property
+    def is_plain_shard(self) -> bool:
+        """True when the kv heads are simply split in order (no replication, no reordering)."""
+        return [h for heads in self.kv_index for h in heads] == list(range(self.n_kv))
+
+    @property
+    def imbalance(self) -> float:
+        """Attention work of the busiest rank over the mean (1.0 when N divides evenly)."""
+        return max(self.q_heads) * len(self.q_heads) / sum(self.q_heads)
+
+
+def head_plan(n_q: int, n_kv: int, sp: int) -> HeadPlan:
+    """Split ``n_q`` q heads over ``sp`` ranks and give each rank the kv heads its q heads use.
+
+    q head ``i`` uses kv head ``i // (n_q / n_kv)``. A rank whose q heads use each of its distinct
+    kv heads for equally many consecutive q heads receives just those (sharded, or replicated on
+    several ranks when ``sp > n_kv``); otherwise it receives one kv head per q head.
+
+    Raises:
+        ValueError: ``n_kv`` does not divide ``n_q``, or ``sp > n_q`` (a rank would hold no head).
+    """
+    if n_q % n_kv:
+        raise ValueError(f"{n_q} q heads are not a multiple of {n_kv} kv heads")
+    if sp > n_q:
+        raise ValueError(
+            f"sp={sp} exceeds the {n_q} q heads (a rank would hold no head); "
+            f"use sp <= {n_q} (the largest valid sp is {n_q})"
+        )
+    group = n_q // n_kv
+    q_heads = head_split(n_q, sp)
+    kv_index, first = [], 0
+    for n in q_heads:
+        needed = [i // group for i in range(first, first + n)]
+        first += n
+        distinct = list(dict.fromkeys(needed))
+        m = len(distinct)
+        uniform = n % m == 0 and all(needed[j] == distinct[j // (n // m)] for j in range(n))
+        kv_index.append(tuple(distinct if uniform else needed))
+    return HeadPlan(tuple(q_heads), tuple(kv_index), n_kv)
+
+
+def kv_head_index(n_q: int, n_kv: int, sp: int) -> list[int] | None:
+    """The kv heads sent to each rank, concatenated in rank order (see :func:`head_plan`).
+
+    ``None`` means "no replication needed: the kv heads are sharded as they are".
 
     Examples: ``(8, 2, 4) -> [0, 0, 1, 1]`` (each kv head on two ranks);
     ``(8, 1, 4) -> [0, 0, 0, 0]``; ``(8, 4, 2) -> None``.
     """
-    if n_q % n_kv:
-        raise ValueError(f"{n_q} q heads are not a multiple of {n_kv} kv heads")
-    _check_divisible("q heads are", n_q, sp, f"choose sp in {_divisors(n_q)}")
-    if n_kv % sp == 0:
-        return None
-    n, group = n_q // sp, n_q // n_kv
-    per_rank = []
-    for r in range(sp):
-        needed = [i // group for i in range(r * n, (r + 1) * n)]
-        distinct = list(dict.fromkeys(needed))
-        m = len(distinct)
-        uniform = n % m == 0 and all(needed[j] == distinct[j // (n // m)] for j in range(n))
-        per_rank.append(distinct if uniform else needed)
-    if len({len(x) for x in per_rank}) != 1:  # ranks disagree: fall back to one kv head per q head
-        per_rank = [[i // group for i in range(r * n, (r + 1) * n)] for r in range(sp)]
-    return [h for heads in per_rank for h in heads]
+    plan = head_plan(n_q, n_kv, sp)
+    return None if plan.is_plain_shard else [h for heads in plan.kv_index for h in heads]
+
+
+@functools.cache
+def _warn_imbalance(n_q: int, sp: int) -> None:
+    plan_q = head_split(n_q, sp)
+    warnings.warn(
+        f"{n_q} q heads on sp={sp}: ranks attend with {max(plan_q)} or {min(plan_q)} heads, "
+        f"an attention load imbalance of {max(plan_q) * sp / n_q:.2f}x (max/mean); "
+        f"sp in {_divisors(n_q)} balances it",
+        stacklevel=3,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # the algorithm on local tensors (shared by the DTensor API and the nn.Module)
 # ----------------------------------------------------------------------------------------------
 AttnFn = Callable[..., torch.Tensor]
+
+
+def _gather_positions(pos_Bs: torch.Tensor, seq_sizes: list[int], group) -> torch.Tensor:
+    """``pos[B, S_sp] -> pos[B, S]`` on every sp rank: one all-gather of the int64 ids only."""
+    P = len(seq_sizes)
+    chunk = max(seq_sizes)
+    padded = pos_Bs.new_full((pos_Bs.shape[0], chunk), -1)
+    padded[:, : pos_Bs.shape[1]] = pos_Bs
+    pieces = [torch.empty_like(padded) for _ in range(P)]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([p[:, :n] for p, n in zip(pieces, seq_sizes)], dim=1)
 
 
 def _ulysses_local(
@@ -149,28 +242,44 @@ def _ulysses_local(
     group: dist.ProcessGroup,
     attn_fn: AttnFn,
     *,
+    seq_sizes: list[int] | None = None,
+    position_ids_Bs: torch.Tensor | None = None,
     fuse_qkv: bool = True,
     **attn_kwargs,
 ) -> torch.Tensor:
     P = dist.get_world_size(group)
     N, K = q_BsNH.shape[HEAD_DIM], k_BsKH.shape[HEAD_DIM]
-    index = kv_head_index(N, K, P)
-    if index is not None:  # GQA with sp not dividing K: replicate kv heads where needed
-        idx = torch.tensor(index, device=k_BsKH.device)
+    plan = head_plan(N, K, P)
+    if plan.imbalance > 1:
+        _warn_imbalance(N, P)
+    seq_sizes = seq_sizes or [q_BsNH.shape[SEQ_DIM]] * P
+    if not plan.is_plain_shard:  # GQA with sp not dividing K: replicate kv heads where needed
+        idx = torch.tensor([h for heads in plan.kv_index for h in heads], device=k_BsKH.device)
         k_BsKH, v_BsKH = k_BsKH.index_select(HEAD_DIM, idx), v_BsKH.index_select(HEAD_DIM, idx)
+    q_sizes, kv_sizes = list(plan.q_heads), plan.kv_heads
     # q[B, S_sp, N, H] -> q[B, S, N_sp, H]   (Shard(1) -> Shard(2) on sp), same for k and v
+    exchange = dict(scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, group=group, gather_sizes=seq_sizes)
     if fuse_qkv:
         q_BSnH, k_BSmH, v_BSmH = all_to_all(
-            [q_BsNH, k_BsKH, v_BsKH], scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, group=group
+            [q_BsNH, k_BsKH, v_BsKH], scatter_sizes=[q_sizes, kv_sizes, kv_sizes], **exchange
         )
     else:
         q_BSnH, k_BSmH, v_BSmH = (
-            all_to_all(t, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, group=group)
-            for t in (q_BsNH, k_BsKH, v_BsKH)
+            all_to_all(t, scatter_sizes=sizes, **exchange)
+            for t, sizes in ((q_BsNH, q_sizes), (k_BsKH, kv_sizes), (v_BsKH, kv_sizes))
         )
+    if position_ids_Bs is not None:
+        attn_kwargs["position_ids"] = _gather_positions(position_ids_Bs, seq_sizes, group)
     o_BSnH = attn_fn(q_BSnH, k_BSmH, v_BSmH, **attn_kwargs)
     # o[B, S, N_sp, H] -> o[B, S_sp, N, H]   (Shard(2) -> Shard(1) on sp)
-    return all_to_all(o_BSnH, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM, group=group)
+    return all_to_all(
+        o_BSnH,
+        scatter_dim=SEQ_DIM,
+        gather_dim=HEAD_DIM,
+        group=group,
+        scatter_sizes=seq_sizes,
+        gather_sizes=q_sizes,
+    )
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -216,7 +325,8 @@ def seq_to_head(x: DTensor) -> DTensor:
     """``x[B, S_sp, N, H] -> x[B, S, N_sp, H]``: on the ``sp`` axis, ``Shard(1) -> Shard(2)``.
 
     One all-to-all on the ``sp`` group in forward and one in backward; placements on other mesh
-    axes (e.g. ``Shard(0)`` on ``dp``) are kept.
+    axes (e.g. ``Shard(0)`` on ``dp``) are kept. ``N`` and ``S`` must be divisible by sp (uneven
+    layouts are handled inside :func:`ulysses_attention`, which never exposes them).
 
     Args:
         x: ``[B, S, N, H]`` DTensor on a mesh with an ``"sp"`` axis, ``Shard(1)`` on it.
@@ -244,9 +354,11 @@ def ulysses_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    position_ids: DTensor | None = None,
+    allow_uneven: bool = False,
     fuse_qkv: bool = True,
 ) -> DTensor:
-    """Attention on sequence-sharded DTensors: each rank attends over all of S for N/P heads.
+    """Attention on sequence-sharded DTensors: each rank attends over all of S for its heads.
 
     ``q[B, S_sp, Nq, H]``, ``k/v[B, S_sp, Nkv, H]`` -> all-to-all -> ``[B, S, heads_sp, H]`` ->
     local attention (see :mod:`dtensor_ulysses.attention`) -> all-to-all -> ``o[B, S_sp, Nq, H]``.
@@ -259,15 +371,26 @@ def ulysses_attention(
         causal: causal (lower-triangular) masking.
         softmax_scale: defaults to ``1 / sqrt(H)``.
         backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``; an explicit one that cannot run raises.
+        position_ids: packed documents: a ``[B, S]`` int64 DTensor placed like ``q`` whose values
+            restart at 0 at each document start (any break in ``+1`` steps starts a document).
+            Attention then never crosses a document boundary. Costs one all-gather of the ids.
+        allow_uneven: accept ``S`` not divisible by sp (DTensor's uneven ``Shard(1)``, e.g.
+            ``S=37`` on sp=4 is ``[10, 10, 10, 7]``): the all-to-alls carry uneven pieces, no
+            token is padded or dropped and results are exact. Off by default so a length that
+            does not divide is a visible choice; the trainer turns it on.
         fuse_qkv: move q, k and v in one all-to-all (same bytes, one launch instead of three).
+
+    ``Nq`` need not divide by sp: ranks then attend with ``ceil`` or ``floor(Nq / sp)`` heads
+    (a one-time warning reports the imbalance); ``sp > Nq`` is an error.
 
     Returns:
         ``o`` with ``q``'s shape and placements.
 
     Raises:
         TypeError: an input is not a DTensor.
-        ValueError: mismatched meshes, placements, shapes or head dims; ``Nq`` or ``S`` not
-            divisible by sp; ``Nq`` not a multiple of ``Nkv``; no ``sp`` mesh axis.
+        ValueError: mismatched meshes, placements, shapes or head dims; ``S`` not divisible by
+            sp without ``allow_uneven``; ``sp > Nq``; ``Nq`` not a multiple of ``Nkv``; no
+            ``sp`` mesh axis.
     """
     q, k, v = (_check_dtensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     mesh = q.device_mesh
@@ -298,16 +421,24 @@ def ulysses_attention(
     if N % K:
         raise ValueError(f"{N} q heads are not a multiple of {K} kv heads (GQA needs Nkv | Nq)")
     P = mesh.size(sp_axis)
-    _check_divisible("q heads are", N, P, f"choose sp in {_divisors(N)}")
-    _check_divisible(
-        "tokens (sequence length) are", S, P, f"pad the sequence to a multiple of {P} tokens"
-    )
+    head_plan(N, K, P)  # validates sp <= N
+    if S % P and not allow_uneven:
+        raise ValueError(
+            f"{S} tokens (sequence length) are not divisible by sp={P}; pad the sequence to a "
+            f"multiple of {P} tokens, or pass allow_uneven=True (exact, uneven pieces)"
+        )
+    pos_local = None
+    if position_ids is not None:
+        position_ids = _check_positions(position_ids, q, sp_axis)
+        pos_local = position_ids.to_local()
     o_BsNH = _ulysses_local(
         q.to_local(),
         k.to_local(),
         v.to_local(),
         mesh.get_group(sp_axis),
         local_attention,
+        seq_sizes=seq_split(S, P),
+        position_ids_Bs=pos_local,
         fuse_qkv=fuse_qkv,
         causal=causal,
         softmax_scale=softmax_scale,
@@ -316,14 +447,35 @@ def ulysses_attention(
     return _rewrap(q, o_BsNH, sp_axis, SEQ_DIM)
 
 
+def _check_positions(pos: object, q: DTensor, sp_axis: int) -> DTensor:
+    if not isinstance(pos, DTensor):
+        raise TypeError(
+            f"position_ids must be a [B, S] int64 DTensor placed like q, got {type(pos).__name__}"
+        )
+    if tuple(pos.shape) != tuple(q.shape[:2]):
+        raise ValueError(
+            f"position_ids has shape {tuple(pos.shape)}; expected [B, S] = {tuple(q.shape[:2])}"
+        )
+    if pos.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"position_ids must be integer (int64), got {pos.dtype}")
+    if pos.device_mesh != q.device_mesh or pos.placements != q.placements:
+        raise ValueError(
+            f"position_ids must be placed like q ({[_fmt(p) for p in q.placements]} on the same "
+            f"mesh), got {[_fmt(p) for p in pos.placements]}"
+        )
+    return pos
+
+
 class UlyssesAttention(nn.Module):
     """Wrap any local attention kernel with Ulysses, for local (non-DTensor) tensors.
 
     ``forward(q, k, v, **kwargs)`` takes this rank's sequence slices ``q[B, S/P, Nq, H]``,
     ``k/v[B, S/P, Nkv, H]`` (every rank of the sp group holding an equal slice, in rank order), runs
-    ``attn_fn(q, k, v, **kwargs)`` on full-length, head-sharded tensors ``[B, S, heads/P, H]``, and
-    returns this rank's slice ``o[B, S/P, Nq, H]``. With GQA the kernel receives fewer kv heads
-    than q heads (local q head ``j`` uses local kv head ``j // (nq / nkv)``) and must handle that.
+    ``attn_fn(q, k, v, **kwargs)`` on full-length, head-sharded tensors ``[B, S, heads_r, H]``, and
+    returns this rank's slice ``o[B, S/P, Nq, H]``. ``heads_r`` is ``Nq / P`` when P divides Nq,
+    else ``ceil`` or ``floor`` of it (see :func:`head_split`). With GQA the kernel receives fewer
+    kv heads than q heads (local q head ``j`` uses local kv head ``j // (nq / nkv)``) and must
+    handle that.
 
     Example::
 
@@ -370,8 +522,7 @@ class UlyssesAttention(nn.Module):
         N, K = q.shape[HEAD_DIM], k.shape[HEAD_DIM]
         if N % K:
             raise ValueError(f"{N} q heads are not a multiple of {K} kv heads")
-        P = dist.get_world_size(self.group)
-        _check_divisible("q heads are", N, P, f"choose sp in {_divisors(N)}")
+        head_plan(N, K, dist.get_world_size(self.group))  # validates sp <= N
         return _ulysses_local(
             q, k, v, self.group, self.attn_fn, fuse_qkv=self.fuse_qkv, **attn_kwargs
         )

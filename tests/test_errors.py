@@ -12,8 +12,12 @@ from dtensor_ulysses.launch import run_local_world
 from tests import workers
 
 EXPECTED = {
-    "heads_not_divisible": ("ValueError", r"6 q heads are not divisible by sp=4; choose sp in \{1, 2, 3, 6\}"),
-    "seq_not_divisible": ("ValueError", r"6 tokens .* not divisible by sp=4; pad the sequence to a multiple of 4"),
+    "sp_exceeds_heads": ("ValueError", r"sp=4 exceeds the 2 q heads \(a rank would hold no head\); use sp <= 2"),
+    "s2h_heads_not_divisible": ("ValueError", r"6 heads are not divisible by sp=4; choose sp in \{1, 2, 3, 6\}"),
+    "s2h_seq_not_divisible": ("ValueError", r"6 tokens .* not divisible by sp=4; pad the sequence to a multiple of 4"),
+    "positions_not_dtensor": ("TypeError", r"position_ids must be a \[B, S\] int64 DTensor placed like q, got Tensor"),
+    "positions_wrong_shape": ("ValueError", r"position_ids has shape \(1, 4\); expected \[B, S\] = \(1, 8\)"),
+    "seq_not_divisible": ("ValueError", r"6 tokens .* not divisible by sp=4; pad the sequence to a multiple of 4 tokens, or pass allow_uneven=True"),
     "not_seq_sharded": ("ValueError", r"q has placement Shard\(2\) on the 'sp' axis; expected Shard\(1\)"),
     "replicated_on_sp": ("ValueError", r"placement Replicate\(\) on the 'sp' axis; expected Shard\(1\)"),
     "seq_on_dp": ("ValueError", r"placement Shard\(1\) on mesh axis 'dp'; only Shard\(0\)"),
@@ -29,7 +33,7 @@ EXPECTED = {
     "init_mesh_sp_negative": ("ValueError", r"sp=-1 is not a positive degree; use sp >= 1"),
     "init_mesh_dp_not_dividing": ("ValueError", r"dp=3 does not divide world_size=4; choose dp in \[1, 2, 4\]"),
     "module_dtensor_input": ("TypeError", r"q is a DTensor; UlyssesAttention takes local tensors"),
-    "module_heads": ("ValueError", r"6 q heads are not divisible by sp=4; choose sp in \{1, 2, 3, 6\}"),
+    "module_heads": ("ValueError", r"sp=4 exceeds the 2 q heads"),
     "module_bad_mesh": ("TypeError", r"mesh must be a DeviceMesh with an 'sp' axis or a ProcessGroup"),
     "flash_on_cpu": ("RuntimeError", r"backend='flash_attn' cannot run: .*; use backend='sdpa'"),
     "unknown_backend": ("ValueError", r"unknown attention backend 'xformers'; choose one of"),

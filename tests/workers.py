@@ -206,8 +206,16 @@ def error_worker(rank: int, world_size: int) -> list[dict]:
 
     q = dt((1, 8, 8, 4))
     cases = {
-        "heads_not_divisible": lambda: du.ulysses_attention(
-            dt((1, 8, 6, 4)), dt((1, 8, 6, 4)), dt((1, 8, 6, 4))
+        "sp_exceeds_heads": lambda: du.ulysses_attention(
+            dt((1, 8, 2, 4)), dt((1, 8, 2, 4)), dt((1, 8, 2, 4))
+        ),
+        "s2h_heads_not_divisible": lambda: du.seq_to_head(dt((1, 8, 6, 4))),
+        "s2h_seq_not_divisible": lambda: du.seq_to_head(dt((1, 6, 8, 4))),
+        "positions_not_dtensor": lambda: du.ulysses_attention(
+            q, q, q, position_ids=torch.zeros(1, 8, dtype=torch.long)
+        ),
+        "positions_wrong_shape": lambda: du.ulysses_attention(
+            q, q, q, position_ids=dt((1, 4)).long()
         ),
         "seq_not_divisible": lambda: du.ulysses_attention(
             dt((1, 6, 8, 4)), dt((1, 6, 8, 4)), dt((1, 6, 8, 4))
@@ -234,7 +242,7 @@ def error_worker(rank: int, world_size: int) -> list[dict]:
         "init_mesh_dp_not_dividing": lambda: du.init_mesh(dp=3),
         "module_dtensor_input": lambda: du.UlyssesAttention(du.local_attention, mesh)(q, q, q),
         "module_heads": lambda: du.UlyssesAttention(du.local_attention, mesh)(
-            torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+            torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
         ),
         "module_bad_mesh": lambda: du.UlyssesAttention(du.local_attention, "sp"),
         "flash_on_cpu": lambda: du.ulysses_attention(q, q, q, backend="flash_attn"),
@@ -249,3 +257,78 @@ def error_worker(rank: int, world_size: int) -> list[dict]:
             out.append({"name": name, "type": type(e).__name__, "msg": str(e)})
         dist.barrier()  # keep ranks in step so one rank's early error cannot skew the next case
     return out
+
+
+def long_context_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Uneven S, uneven heads and packed documents vs a per-document float64 reference.
+
+    A case may carry ``docs``: per batch row, the document lengths (summing to S); the reference
+    then runs attention on each document alone.
+    """
+    results = []
+    for case in cases:
+        mesh = get_mesh(case["dp"], case["sp"])
+        sp_group = mesh.get_group("sp")
+        placements = placements_for(mesh)
+        q, k, v, go = make_inputs(case, torch.float64)
+        B, S = case["B"], case["S"]
+        docs = case.get("docs") or [[S]] * B
+
+        q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
+        rows = []
+        for b, lengths in enumerate(docs):
+            pieces, lo = [], 0
+            for n in lengths:
+                sl = slice(lo, lo + n)
+                pieces.append(
+                    reference_attention(
+                        q64[b : b + 1, sl], k64[b : b + 1, sl], v64[b : b + 1, sl],
+                        causal=case["causal"],
+                    )
+                )  # fmt: skip
+                lo += n
+            rows.append(torch.cat(pieces, dim=1))
+        o64 = torch.cat(rows, dim=0)
+        o64.backward(go)
+
+        def shard(t):
+            return distribute_tensor(t, mesh, placements, src_data_rank=None)
+
+        pos = None
+        if case.get("docs"):
+            pos_BS = torch.cat(
+                [torch.cat([torch.arange(n) for n in lengths]).reshape(1, S) for lengths in docs]
+            )
+            pos = shard(pos_BS)
+        qd, kd, vd = (shard(t).requires_grad_() for t in (q, k, v))
+        with du.CommCounter() as fwd:
+            od = du.ulysses_attention(
+                qd, kd, vd, causal=case["causal"], backend="sdpa", position_ids=pos,
+                allow_uneven=True,
+            )  # fmt: skip
+        with du.CommCounter() as bwd:
+            od.backward(shard(go))
+        want = {
+            "o": shard(o64.detach()).to_local(),
+            "dq": shard(q64.grad).to_local(),
+            "dk": shard(k64.grad).to_local(),
+            "dv": shard(v64.grad).to_local(),
+        }
+        got = {"o": od.to_local(), "dq": qd.grad.to_local(), "dk": kd.grad.to_local(),
+               "dv": vd.grad.to_local()}  # fmt: skip
+        results.append(
+            {
+                "case": {kk: vv for kk, vv in case.items()},
+                "local_S": qd.to_local().shape[1],
+                "sp_rank": mesh.get_local_rank("sp"),
+                "local_B": qd.to_local().shape[0],
+                "errors": {
+                    n: (got[n] - want[n]).abs().max().item() if want[n].numel() else 0.0
+                    for n in want
+                },  # fmt: skip
+                "fwd": [(c.kind, c.bytes, c.group_name == sp_group.group_name) for c in fwd.calls],
+                "bwd": [(c.kind, c.bytes, c.group_name == sp_group.group_name) for c in bwd.calls],
+                "meta_ok": od.shape == qd.shape and od.placements == qd.placements,
+            }
+        )
+    return results
