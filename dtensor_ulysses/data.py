@@ -455,6 +455,7 @@ def get_batch(
     sp: int,
     seed: int,
     pack_docs: bool = False,
+    uneven: bool = False,
 ) -> Batch:
     """This rank's slice ``[b, S_sp]`` of the global batch ``[G, S]`` at ``step``.
 
@@ -472,6 +473,9 @@ def get_batch(
         sp: size of the ``sp`` mesh axis.
         seed: sampling seed.
         pack_docs: position ids restart at 0 at each document start (``SEP``).
+        uneven: accept ``S`` not divisible by ``sp``: sp rank ``q`` then keeps DTensor's uneven
+            ``Shard(1)`` piece (chunks of ``ceil(S / sp)``, the last ones shorter or empty, as
+            :func:`dtensor_ulysses.ulysses.seq_split`); every token is still on exactly one rank.
 
     Returns:
         :class:`Batch` of int64 ``[b, S_sp]`` tensors on the CPU.
@@ -498,12 +502,12 @@ def get_batch(
             f"{dp}, e.g. {-(-global_batch_size // dp) * dp}"
         )
     S = corpus.seq_len
-    if S % sp:
+    if S % sp and not uneven:
         raise ValueError(
             f"seq_len {S} is not divisible by sp={sp}; use a multiple of {sp}, "
             f"e.g. {_nearby_multiples(S, sp)}"
         )
-    b, s = global_batch_size // dp, S // sp
+    b, chunk = global_batch_size // dp, -(-S // sp)
     samples = range(dp_rank * b, (dp_rank + 1) * b)
     index = [sample_index(step, i, global_batch_size, len(corpus), seed) for i in samples]
     win_bL = corpus.windows(index)
@@ -512,7 +516,7 @@ def get_batch(
         pos_bS = document_positions(ids_bS)
     else:
         pos_bS = torch.arange(S, dtype=torch.int64).expand(b, S)
-    lo, hi = sp_rank * s, (sp_rank + 1) * s
+    lo, hi = min(S, sp_rank * chunk), min(S, (sp_rank + 1) * chunk)
     return Batch(
         input_ids=ids_bS[:, lo:hi].contiguous(),
         labels=labels_bS[:, lo:hi].contiguous(),

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         if index is not None:
             print(f"GQA: sp={sp} does not divide {K} kv heads; kv heads sent per rank: {index}")
         print("\n".join(gathered))
+    dist.barrier()  # leave together (see train.main)
     dist.destroy_process_group()
 
 

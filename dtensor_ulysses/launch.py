@@ -47,6 +47,7 @@ def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, coll
         result = fn(rank, world_size, *args)
         with open(f"{tmp}/result_{rank}.pkl", "wb") as f:
             pickle.dump(result, f)
+        dist.barrier()  # leave together: a gloo teardown racing a peer's collective can abort
     except BaseException:
         with open(f"{tmp}/error_{rank}.txt", "w") as f:
             f.write(traceback.format_exc())

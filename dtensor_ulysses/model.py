@@ -152,9 +152,18 @@ class Attention(nn.Module):
         self.backend: str = "auto"
 
     def forward(
-        self, x_BsD: torch.Tensor, cos_Bs1R: torch.Tensor, sin_Bs1R: torch.Tensor
+        self,
+        x_BsD: torch.Tensor,
+        cos_Bs1R: torch.Tensor,
+        sin_Bs1R: torch.Tensor,
+        position_ids_Bs: torch.Tensor | None = None,
+        seq_len: int | None = None,
     ) -> torch.Tensor:
-        """``x[B, s, D] -> y[B, s, D]``; ``cos``/``sin`` from :func:`rope_cos_sin`."""
+        """``x[B, s, D] -> y[B, s, D]``; ``cos``/``sin`` from :func:`rope_cos_sin`.
+
+        ``position_ids_Bs`` (packed documents: attention stays inside each document) and
+        ``seq_len`` (the global ``S`` when the slices are uneven) come from the Transformer.
+        """
         B, s, _ = x_BsD.shape
         N, K, H = self.n_heads, self.n_kv_heads, self.head_dim
         q_BsNH = self.wq(x_BsD).view(B, s, N, H)
@@ -166,13 +175,25 @@ class Attention(nn.Module):
         k_BsKH = apply_rope(k_BsKH, cos_Bs1R, sin_Bs1R)
 
         if self.sp_mesh is None:
-            o_BsNH = local_attention(q_BsNH, k_BsKH, v_BsKH, causal=True, backend=self.backend)
+            o_BsNH = local_attention(
+                q_BsNH, k_BsKH, v_BsKH, causal=True, backend=self.backend,
+                position_ids=position_ids_Bs,
+            )  # fmt: skip
         else:
-            q, k, v = (
-                DTensor.from_local(t, self.sp_mesh, [Shard(1)], run_check=False)
-                for t in (q_BsNH, k_BsKH, v_BsKH)
-            )
-            o_BsNH = ulysses_attention(q, k, v, causal=True, backend=self.backend).to_local()
+            S = seq_len if seq_len is not None else s * self.sp_mesh.size()
+
+            def dt(t: torch.Tensor) -> DTensor:  # this rank's slice of the global [B, S, ...]
+                shape = (B, S, *t.shape[2:])
+                stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+                return DTensor.from_local(
+                    t, self.sp_mesh, [Shard(1)], run_check=False, shape=shape, stride=stride
+                )
+
+            pos = None if position_ids_Bs is None else dt(position_ids_Bs)
+            o_BsNH = ulysses_attention(
+                dt(q_BsNH), dt(k_BsKH), dt(v_BsKH), causal=True, backend=self.backend,
+                position_ids=pos, allow_uneven=True,
+            ).to_local()  # fmt: skip
         return self.wo(o_BsNH.reshape(B, s, N * H))
 
 
@@ -206,18 +227,23 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(shape.dim, shape.ffn_dim)
         self.checkpoint: bool = False
 
-    def _forward(
-        self, h_BsD: torch.Tensor, cos_Bs1R: torch.Tensor, sin_Bs1R: torch.Tensor
-    ) -> torch.Tensor:
-        h_BsD = h_BsD + self.attention(self.attention_norm(h_BsD), cos_Bs1R, sin_Bs1R)
+    def _forward(self, h_BsD, cos_Bs1R, sin_Bs1R, position_ids_Bs, seq_len) -> torch.Tensor:
+        attn_in = self.attention_norm(h_BsD)
+        h_BsD = h_BsD + self.attention(attn_in, cos_Bs1R, sin_Bs1R, position_ids_Bs, seq_len)
         return h_BsD + self.feed_forward(self.ffn_norm(h_BsD))
 
     def forward(
-        self, h_BsD: torch.Tensor, cos_Bs1R: torch.Tensor, sin_Bs1R: torch.Tensor
+        self,
+        h_BsD: torch.Tensor,
+        cos_Bs1R: torch.Tensor,
+        sin_Bs1R: torch.Tensor,
+        position_ids_Bs: torch.Tensor | None = None,
+        seq_len: int | None = None,
     ) -> torch.Tensor:
+        args = (h_BsD, cos_Bs1R, sin_Bs1R, position_ids_Bs, seq_len)
         if self.checkpoint and torch.is_grad_enabled():
-            return checkpoint(self._forward, h_BsD, cos_Bs1R, sin_Bs1R, use_reentrant=False)
-        return self._forward(h_BsD, cos_Bs1R, sin_Bs1R)
+            return checkpoint(self._forward, *args, use_reentrant=False)
+        return self._forward(*args)
 
 
 class Transformer(nn.Module):
@@ -242,13 +268,23 @@ class Transformer(nn.Module):
         )
 
     def forward_hidden(
-        self, input_ids_Bs: torch.Tensor, position_ids_Bs: torch.Tensor
+        self,
+        input_ids_Bs: torch.Tensor,
+        position_ids_Bs: torch.Tensor,
+        *,
+        seq_len: int | None = None,
+        document_masking: bool = False,
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``h[B, s, D]`` (for a tiled loss).
 
         Args:
             input_ids_Bs: ``[B, s]`` token ids of this rank's sequence slice.
-            position_ids_Bs: ``[B, s]`` their global positions.
+            position_ids_Bs: ``[B, s]`` their positions: global, or restarting at 0 at each
+                packed document.
+            seq_len: the global sequence length ``S``; needed only when the sp slices are
+                uneven (``S`` not divisible by sp). Default: ``s * sp``.
+            document_masking: packed documents: attention never crosses a document start
+                (where the position ids restart).
         """
         if input_ids_Bs.shape != position_ids_Bs.shape:
             raise ValueError(
@@ -259,17 +295,27 @@ class Transformer(nn.Module):
         cos_Bs1R, sin_Bs1R = rope_cos_sin(
             position_ids_Bs, self.shape.head_dim, self.shape.rope_theta, _compute_dtype(h_BsD.dtype)
         )
+        doc_pos = position_ids_Bs if document_masking else None
         for layer in self.layers:
-            h_BsD = layer(h_BsD, cos_Bs1R, sin_Bs1R)
+            h_BsD = layer(h_BsD, cos_Bs1R, sin_Bs1R, doc_pos, seq_len)
         return self.norm(h_BsD)
 
     def output_weight(self) -> torch.Tensor:
         """The ``[V, D]`` output projection (the embedding matrix when tied)."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def forward(self, input_ids_Bs: torch.Tensor, position_ids_Bs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids_Bs: torch.Tensor,
+        position_ids_Bs: torch.Tensor,
+        *,
+        seq_len: int | None = None,
+        document_masking: bool = False,
+    ) -> torch.Tensor:
         """Logits ``[B, s, V]`` for this rank's slice (see :meth:`forward_hidden`)."""
-        h_BsD = self.forward_hidden(input_ids_Bs, position_ids_Bs)
+        h_BsD = self.forward_hidden(
+            input_ids_Bs, position_ids_Bs, seq_len=seq_len, document_masking=document_masking
+        )
         if self.output is None:
             return F.linear(h_BsD, self.tok_embeddings.weight)
         return self.output(h_BsD)  # through the module, so FSDP2 hooks on it (if any) run

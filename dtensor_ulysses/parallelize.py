@@ -50,6 +50,7 @@ def parallelize(
     activation_checkpointing: bool = False,
     mixed_precision: MixedPrecisionPolicy | None | str = "auto",
     attention_backend: str = "auto",
+    allow_uneven_heads: bool = False,
 ) -> Transformer:
     """Ulysses -> activation checkpointing -> ``fully_shard(blocks)`` -> ``fully_shard(root)``.
 
@@ -60,12 +61,15 @@ def parallelize(
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy``, ``None`` for full precision, or
             ``"auto"`` (bf16 compute + fp32 reduce on CUDA, fp32 on CPU).
         attention_backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``.
+        allow_uneven_heads: accept q heads not divisible by sp (ranks attend with ceil or floor
+            of ``N / sp`` heads; a warning reports the imbalance).
 
     Returns:
         The same model, modified in place.
 
     Raises:
-        ValueError: the mesh is not ``("dp", "sp")``, or the q heads are not divisible by sp.
+        ValueError: the mesh is not ``("dp", "sp")``, or the q heads are not divisible by sp
+            (without ``allow_uneven_heads``).
     """
     if mesh.mesh_dim_names != MESH_AXES:
         raise ValueError(
@@ -74,7 +78,7 @@ def parallelize(
         )
     shape = model.shape
     sp = mesh["sp"].size()
-    if shape.n_heads % sp:
+    if shape.n_heads % sp and not allow_uneven_heads:
         raise ValueError(
             f"{shape.n_heads} heads of model {shape.name!r} are not divisible by sp={sp}; "
             f"choose sp in {{{', '.join(map(str, shape.valid_sp()))}}}"

@@ -75,6 +75,8 @@ class TrainConfig:
     activation_checkpointing: bool = False
     attention_backend: str = "auto"
     pack_docs: bool = False
+    strict_seq_len: bool = False
+    allow_uneven_heads: bool = False
     device: str | None = None
     collective_timeout_s: float = 600.0
     extra: dict = field(default_factory=dict)
@@ -110,7 +112,21 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--attention-backend", default=d.attention_backend,
                    choices=["auto", "flash_attn", "sdpa"])  # fmt: skip
-    p.add_argument("--pack-docs", action="store_true", help="position ids restart per document")
+    p.add_argument(
+        "--pack-docs",
+        action="store_true",
+        help="attention and positions restart at each document (packed documents)",
+    )
+    p.add_argument(
+        "--strict-seq-len",
+        action="store_true",
+        help="refuse a --seq-len not divisible by sp (default: uneven sp slices, exact)",
+    )
+    p.add_argument(
+        "--allow-uneven-heads",
+        action="store_true",
+        help="accept q heads not divisible by sp (ranks get ceil/floor heads)",
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--collective-timeout-s", type=float, default=d.collective_timeout_s)
     args = p.parse_args(argv)
@@ -143,16 +159,21 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"{world_size} processes; make dp * sp equal --nproc-per-node x --nnodes"
         )
     shape = get_shape(cfg.model)
-    if shape.n_heads % cfg.sp:
+    if cfg.sp > shape.n_heads:
+        raise ValueError(
+            f"sp={cfg.sp} exceeds the {shape.n_heads} heads of model {cfg.model!r}; use sp <= "
+            f"{shape.n_heads} (the largest valid sp)"
+        )
+    if shape.n_heads % cfg.sp and not cfg.allow_uneven_heads:
         valid = ", ".join(str(v) for v in shape.valid_sp())
         raise ValueError(
             f"model {cfg.model!r} has {shape.n_heads} heads, not divisible by sp={cfg.sp}; "
-            f"choose sp in {{{valid}}}"
+            f"choose sp in {{{valid}}} (or pass --allow-uneven-heads to accept a load imbalance)"
         )
-    if cfg.seq_len % cfg.sp:
+    if cfg.seq_len % cfg.sp and cfg.strict_seq_len:
         raise ValueError(
             f"--seq-len {cfg.seq_len} is not divisible by sp={cfg.sp}; use a multiple of "
-            f"{cfg.sp}, e.g. {_nearby(cfg.seq_len, cfg.sp)}"
+            f"{cfg.sp}, e.g. {_nearby(cfg.seq_len, cfg.sp)} (or drop --strict-seq-len)"
         )
     if cfg.batch_size % cfg.dp:
         raise ValueError(
@@ -192,6 +213,7 @@ def build(cfg: TrainConfig, mesh, device: torch.device):
         mesh,
         activation_checkpointing=cfg.activation_checkpointing,
         attention_backend=cfg.attention_backend,
+        allow_uneven_heads=cfg.allow_uneven_heads,
     )
     model.to_empty(device=device)
     init_weights(model, seed=cfg.seed)
@@ -292,9 +314,10 @@ def train(cfg: TrainConfig) -> list[dict]:
         t0 = time.perf_counter()
         batch = get_batch(
             corpus, step, global_batch_size=cfg.batch_size, dp_rank=dp_rank, dp=cfg.dp,
-            sp_rank=sp_rank, sp=cfg.sp, seed=cfg.seed, pack_docs=cfg.pack_docs,
+            sp_rank=sp_rank, sp=cfg.sp, seed=cfg.seed, pack_docs=cfg.pack_docs, uneven=True,
         ).to(device)  # fmt: skip
-        logits = model(batch.input_ids, batch.position_ids)
+        logits = model(batch.input_ids, batch.position_ids, seq_len=cfg.seq_len,
+                       document_masking=cfg.pack_docs)  # fmt: skip
         local_sum = cross_entropy_sum(logits, batch.labels)
         n_valid = global_valid_tokens(batch.labels)
         loss_for_backward(local_sum, n_valid, world).backward()
@@ -350,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=timedelta(seconds=cfg.collective_timeout_s),
             )
         train(cfg)
+        # every rank leaves together: tearing down gloo while a peer is still in its last
+        # collective can abort the process ("terminate called without an active exception")
+        dist.barrier()
         return 0
     except ValueError as e:
         if rank == 0:

@@ -211,7 +211,8 @@ def test_readme_main_job_runs():
 
 BAD = [
     (["--dp", "2", "--sp", "2"], 2, r"--dp 2 x --sp 2 = 4 but torchrun started 2 processes"),
-    (["--sp", "2", "--seq-len", "63"], 2, r"--seq-len 63 is not divisible by sp=2; use a multiple of 2, e.g. 62 or 64"),
+    (["--sp", "2", "--seq-len", "63", "--strict-seq-len"], 2, r"--seq-len 63 is not divisible by sp=2; use a multiple of 2, e.g. 62 or 64"),
+    (["--sp", "2", "--model", "tiny", "--seq-len", "64", "--batch-size", "2"], 3, r"--dp 1 x --sp 2 = 2 but torchrun started 3 processes"),
     (["--sp", "3", "--seq-len", "63"], 3, r"model 'tiny' has 8 heads, not divisible by sp=3; choose sp in \{1, 2, 4, 8\}"),
     (["--model", "gpt-9000"], 2, r"unknown model preset 'gpt-9000'; choose one of tiny, llama3-1b"),
     (["--resume", "--checkpoint-dir", "{tmp}/none"], 2, r"--resume: no checkpoint in .*; run once without --resume"),
@@ -246,3 +247,64 @@ def test_resume_with_another_model_shape_is_refused(tmp_path):
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "holds model 'tiny' but this run builds 'llama3-1b'" in errors[0]
+
+
+def _per_document_reference(seq_len: int, steps: int) -> list[float]:
+    """Plain single-device training where every packed document runs through the model *alone*
+    (positions 0..n-1), so nothing can leak across documents; returns the per-step losses."""
+    cfg = dict(CFG, seq_len=seq_len)
+    model = build_model(cfg["model"], device="cpu")
+    init_weights(model, seed=cfg["seed"])
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8,
+    )  # fmt: skip
+    corpus = PackedCorpus.from_paths(None, seq_len=seq_len)
+    warm = cfg["warmup_steps"]
+    losses = []
+    for step in range(steps):
+        b = get_batch(corpus, step, global_batch_size=cfg["batch_size"], dp_rank=0, dp=1,
+                      sp_rank=0, sp=1, seed=cfg["seed"], pack_docs=True)  # fmt: skip
+        total, count = 0.0, 0
+        for row in range(b.input_ids.shape[0]):
+            starts = (b.position_ids[row] == 0).nonzero().flatten().tolist()
+            if not starts or starts[0] != 0:
+                starts = [0, *starts]
+            for lo, hi in zip(starts, starts[1:] + [seq_len]):
+                ids = b.input_ids[row : row + 1, lo:hi]
+                pos = torch.arange(hi - lo).reshape(1, -1)
+                logits = model(ids, pos)
+                total = total + F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), b.labels[row, lo:hi], reduction="sum"
+                )
+                count += hi - lo
+        loss = total / count
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in opt.param_groups:  # warmup only: these steps stay below warmup_steps + 1
+            group["lr"] = cfg["lr"] * min(1.0, (step + 1) / warm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pack_docs_with_odd_seq_len_equals_per_document_single_device(world_size):
+    """--pack-docs and a prime --seq-len (uneven sp slices): the first losses equal a single
+    device that runs each document on its own."""
+    seq_len, steps = 61, 2
+    ref = _per_document_reference(seq_len, steps)
+    layouts = {2: [(1, 2)], 4: [(1, 4), (2, 2)]}[world_size]
+    runs = [dict(CFG, dp=dp, sp=sp, steps=steps, seq_len=seq_len, pack_docs=True)
+            for dp, sp in layouts]  # fmt: skip
+    results = run_local_world(train_workers.run_training, world_size, runs)
+    for per_rank in results:
+        for run, losses in zip(runs, per_rank):
+            for (step, got), want in zip(losses, ref):
+                assert abs(got - want) < 1e-4, (
+                    f"{run['dp'], run['sp']} step {step}: {got} vs {want}"
+                )
