@@ -1,0 +1,7 @@
+"""``python -m simulations``: see :mod:`simulations.cli`."""
+
+import sys
+
+from simulations.cli import main
+
+sys.exit(main())

@@ -1,0 +1,268 @@
+"""Command line: ``python -m simulations {predict,plan,compare,published,validate}``.
+
+    python -m simulations predict --model llama3-8b --seq-len 131072 --dp 1 --sp 8 --gpu h100 --json
+    python -m simulations plan --model llama3-8b --gpus 8 --gpu h100 --json
+    python -m simulations compare --model llama3-8b --seq-len 131072 --sp 8 --gpu h100
+    python -m simulations published [--row M3] [--json]
+    python -m simulations validate [--skip-comm] [--skip-memory]
+
+Bad input prints ``error: <what and how to fix it>`` and exits 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from dtensor_ulysses.presets import PRESETS
+from simulations.config import AC_MODES, DTYPE_BYTES, IMPLEMENTATIONS, METHODS, Workload
+from simulations.hardware import GPUS
+from simulations.planner import plan
+from simulations.predict import Prediction, compare_methods, predict
+
+__all__ = ["main"]
+
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------------------------
+# arguments
+# ----------------------------------------------------------------------------------------------
+def _common(p: argparse.ArgumentParser, *, layout: bool) -> None:
+    p.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--gpu", default="h100", help=f"GPU profile: {', '.join(GPUS)}")
+    if layout:
+        p.add_argument("--seq-len", type=int, required=True, help="sequence length S (tokens)")
+        p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+        p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree")
+        p.add_argument("--gpus", type=int, default=None, help="total GPUs (must be dp * sp)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per dp rank per step")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--ac", default="full", choices=AC_MODES, help="activation checkpointing")
+    p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--offload-params", action="store_true")
+    p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--tiled-mlp", action="store_true")
+    p.add_argument("--tiled-loss", action="store_true")
+    p.add_argument("--attention", default="ulysses", choices=METHODS)
+    p.add_argument("--ulysses-degree", type=int, default=None, help="usp: the Ulysses part of sp")
+    p.add_argument("--reduce-dtype", default="fp32", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--sharding", default="fsdp", choices=("fsdp", "ddp"))
+    p.add_argument("--impl", default="dtensor-ulysses", choices=IMPLEMENTATIONS,
+                   help="accounting profile (see simulations/memory.py)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also write plots (needs matplotlib)")  # fmt: skip
+
+
+def _options(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        gpu=a.gpu,
+        micro_batch=a.micro_batch,
+        dtype=a.dtype,
+        ac=a.ac,
+        offload_optimizer=a.offload_optimizer,
+        offload_params=a.offload_params,
+        offload_activations=a.offload_activations,
+        tiled_mlp=a.tiled_mlp,
+        tiled_loss=a.tiled_loss,
+        attention=a.attention,
+        ulysses_degree=a.ulysses_degree,
+        reduce_dtype=a.reduce_dtype,
+        sharding=a.sharding,
+        impl=a.impl,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m simulations",
+        description="Cost model of Ulysses sequence parallelism and its alternatives.",
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("predict", help="communication, memory and time of one layout")
+    _common(p, layout=True)
+    p = sub.add_parser("compare", help="one layout under every attention method")
+    _common(p, layout=True)
+    p = sub.add_parser("plan", help="rank the (dp, sp) layouts for a GPU count")
+    _common(p, layout=False)
+    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--seq-len", type=int, default=None, help="target sequence (optional)")
+    p = sub.add_parser("published", help="the published rows against the model")
+    p.add_argument("--row", default=None, help="one row id (C1..C4, M1..M4, T1..T3, HW)")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("validate", help="measured vs predicted, and every published row")
+    p.add_argument("--skip-comm", action="store_true", help="skip the gloo communication runs")
+    p.add_argument("--skip-memory", action="store_true", help="skip the fake-tensor memory trace")
+    return ap
+
+
+# ----------------------------------------------------------------------------------------------
+# human-readable output
+# ----------------------------------------------------------------------------------------------
+def _b(x: float) -> str:
+    for unit, k in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= k:
+            return f"{x / k:,.2f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def _table(rows: list[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_prediction(p: Prediction) -> str:
+    """The human-readable report of one prediction."""
+    w = p.workload
+    m = w.shape
+    head = (
+        f"{m.name} ({m.n_params / 1e9:.2f}B params), S={w.seq_len:,}, dp={w.dp}, sp={w.sp} "
+        f"({w.attention}), {w.world}x {w.gpu.name}, B={w.micro_batch}, {w.dtype}, ac={w.ac}"
+    )
+    out = [head, ""]
+    c = p.comm
+    rows = [
+        (k, c.calls_by_kind[k], _b(c.bytes_by_kind[k]), _b(c.wire_by_kind[k]),
+         _b(c.per_layer["forward"][k]), _b(c.per_layer["backward"][k]))
+        for k in c.bytes_by_kind
+    ]  # fmt: skip
+    out.append("Communication per rank per step (bytes = input buffers; sent = on the wire)")
+    out.append(_table(rows, ("collective", "calls", "bytes", "sent", "layer fwd", "layer bwd")))
+    out.append("")
+    mem = p.memory
+    rows = [(k, _b(v)) for k, v in mem.components.items() if v]
+    rows.append(("peak", _b(mem.peak)))
+    rows.append(("capacity", _b(mem.capacity)))
+    out.append(f"Memory per rank at the peak ({mem.peak_moment}); fits: {mem.fits}")
+    out.append(_table(rows, ("component", "bytes")))
+    if mem.cpu_bytes:
+        out.append(f"host memory per rank (offloaded): {_b(mem.cpu_bytes)}")
+    out.append("")
+    t = p.time
+    rows = [
+        ("step time", f"{p.step_time_s:.4g} s"),
+        ("  compute (matmul / attention / memory-bound)",
+         f"{t.compute:.4g} s ({t.matmul:.3g} / {t.attention:.3g} / {t.memory_bound:.3g})"),
+        ("  communication exposed (total)", f"{t.comm_exposed:.4g} s ({t.comm_total:.4g} s)"),
+        ("  offload exposed", f"{t.offload_exposed:.4g} s"),
+        ("tokens/s (job)", f"{p.tokens_per_s:,.0f}"),
+        ("TFLOP/s per GPU (model FLOPs)", f"{p.tflops_per_gpu:.1f}"),
+        ("MFU", f"{p.mfu:.1%}"),
+    ]  # fmt: skip
+    out.append(_table(rows, ("time", "value")))
+    return "\n".join(out)
+
+
+def _format_plan(pl) -> str:
+    rows = []
+    for x in pl.layouts:
+        tps = f"{x.tokens_per_s:,.0f}" if x.fits else "-"
+        mfu = f"{x.prediction.mfu:.1%}" if x.prediction and x.fits else "-"
+        max_s = f"{x.max_seq_len:,}" if x.valid else "-"
+        at_s = f"{x.eval_seq_len:,}" if x.eval_seq_len else "-"
+        rows.append((x.dp, x.sp, max_s, at_s, tps, mfu, x.why))
+    head = f"{pl.model} on {pl.gpus}x {pl.gpu}" + (
+        f", target S={pl.seq_len:,}" if pl.seq_len else ""
+    )
+    return head + "\n" + _table(rows, ("dp", "sp", "max S", "at S", "tokens/s", "MFU", "why"))
+
+
+def _format_compare(res: dict) -> str:
+    rows = []
+    for method, p in res.items():
+        if isinstance(p, str):
+            rows.append((method, "-", "-", "-", "-", p))
+            continue
+        rows.append((method, _b(p.comm.total_wire), _b(p.memory.peak), f"{p.step_time_s:.4g} s",
+                     f"{p.mfu:.1%}", "fits" if p.fits else "OOM"))  # fmt: skip
+    return _table(rows, ("method", "sent/step", "peak", "step", "MFU", "memory"))
+
+
+# ----------------------------------------------------------------------------------------------
+# commands
+# ----------------------------------------------------------------------------------------------
+def _cmd_predict(a) -> int:
+    p = predict(a.model, a.seq_len, dp=a.dp, sp=a.sp, gpus=a.gpus, **_options(a))
+    print(json.dumps(p.to_dict(), indent=2) if a.json else format_prediction(p))
+    if a.plot:
+        from simulations.plots import plot_workload
+
+        plot_workload(p.workload, a.plot)
+    return 0
+
+
+def _cmd_compare(a) -> int:
+    w = Workload(shape=a.model, seq_len=a.seq_len, dp=a.dp, sp=a.sp, gpus=a.gpus, **_options(a))
+    res = compare_methods(w)
+    if a.json:
+        obj = {k: (v if isinstance(v, str) else v.to_dict()) for k, v in res.items()}
+        print(json.dumps(obj, indent=2))
+    else:
+        print(_format_compare(res))
+    if a.plot:
+        from simulations.plots import plot_workload
+
+        plot_workload(w, a.plot)
+    return 0
+
+
+def _cmd_plan(a) -> int:
+    pl = plan(a.model, a.gpus, a.gpu, seq_len=a.seq_len,
+              **{k: v for k, v in _options(a).items() if k != "gpu"})  # fmt: skip
+    print(json.dumps(pl.to_dict(), indent=2) if a.json else _format_plan(pl))
+    if a.plot:
+        from simulations.plots import plot_plan
+
+        plot_plan(pl, a.plot, **{k: v for k, v in _options(a).items() if k != "gpu"})
+    return 0
+
+
+def _cmd_published(a) -> int:
+    from simulations.published import check_all, check_row
+
+    checks = check_row(a.row) if a.row else check_all()
+    if a.json:
+        print(json.dumps([c.to_dict() for c in checks], indent=2))
+    else:
+        rows = [(c.row, c.status.upper(), c.item, c.published, c.predicted, c.band) for c in checks]
+        print(_table(rows, ("row", "status", "item", "published", "predicted", "band")))
+    return 0 if all(c.ok for c in checks) else 1
+
+
+def _cmd_validate(a) -> int:
+    from simulations.validate import run
+
+    return run(comm=not a.skip_comm, memory=not a.skip_memory)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for bad input)."""
+    a = _parser().parse_args(argv)
+    cmd = {
+        "predict": _cmd_predict,
+        "compare": _cmd_compare,
+        "plan": _cmd_plan,
+        "published": _cmd_published,
+        "validate": _cmd_validate,
+    }[a.cmd]
+    try:
+        if getattr(a, "plot", None):
+            from simulations.plots import require_matplotlib
+
+            require_matplotlib()  # fail before any work, not after printing the report
+        return cmd(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        if "matplotlib" in str(e):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise

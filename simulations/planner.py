@@ -1,0 +1,237 @@
+"""Planner: for a model, a GPU count and a GPU type, rank the (dp, sp) layouts.
+
+For every ``sp`` dividing the GPU count (``dp = gpus / sp``) the planner finds the longest sequence
+that fits in memory (binary search over multiples of ``sp * 256`` tokens; the peak grows with the
+sequence) and the throughput, and says why each layout loses to the best one.
+
+Ranking: with a target ``seq_len``, layouts that fit it come first, fastest first; without one,
+the longest trainable sequence wins and throughput at a common reference length breaks ties.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtensor_ulysses.presets import ModelShape
+from simulations.config import Workload, divisors
+from simulations.predict import Prediction, predict
+
+__all__ = ["Layout", "Plan", "max_seq_len", "plan"]
+
+GRANULE = 256  # the search moves in steps of sp * GRANULE tokens
+MAX_TOKENS = 2**28  # search ceiling (268M tokens)
+GiB = 2**30
+
+
+def max_seq_len(w: Workload) -> int:
+    """Longest sequence (a multiple of ``sp * 256``) whose predicted peak fits; 0 if none."""
+    step = w.sp * GRANULE
+
+    def fits(k: int) -> bool:
+        return predict(w.with_(seq_len=k * step)).fits
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi * step > MAX_TOKENS:
+            return lo * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+@dataclass
+class Layout:
+    """One (dp, sp) choice and what it costs."""
+
+    dp: int
+    sp: int
+    valid: bool
+    max_seq_len: int = 0
+    prediction: Prediction | None = None  # at the evaluation length
+    eval_seq_len: int = 0
+    fits: bool = False
+    why: str = ""
+    binding: str = ""  # largest memory component at max_seq_len
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prediction.tokens_per_s if self.prediction and self.fits else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "dp": self.dp,
+            "sp": self.sp,
+            "valid": self.valid,
+            "max_seq_len": self.max_seq_len,
+            "eval_seq_len": self.eval_seq_len,
+            "fits": self.fits,
+            "tokens_per_s": self.tokens_per_s,
+            "binding_memory_component": self.binding,
+            "why": self.why,
+        }
+        if self.prediction is not None:
+            p = self.prediction
+            d.update(
+                step_time_s=p.step_time_s,
+                mfu=p.mfu,
+                tflops_per_gpu=p.tflops_per_gpu,
+                peak_memory_bytes=int(p.memory.peak),
+                comm_bytes={k: int(v) for k, v in p.comm.bytes_by_kind.items()},
+            )
+        return d
+
+
+@dataclass
+class Plan:
+    """Ranked layouts; ``layouts[0]`` is the best."""
+
+    model: str
+    gpus: int
+    gpu: str
+    seq_len: int | None
+    layouts: list[Layout] = field(default_factory=list)
+
+    @property
+    def best(self) -> Layout | None:
+        return self.layouts[0] if self.layouts and self.layouts[0].valid else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "gpus": self.gpus,
+            "gpu": self.gpu,
+            "seq_len": self.seq_len,
+            "layouts": [x.to_dict() for x in self.layouts],
+            "best": self.best.to_dict() if self.best else None,
+        }
+
+
+def _largest_component(p: Prediction) -> str:
+    comps = p.memory.components
+    return max(comps, key=lambda k: comps[k])
+
+
+def plan(
+    model: str | ModelShape,
+    gpus: int,
+    gpu: str = "h100",
+    *,
+    seq_len: int | None = None,
+    **options: Any,
+) -> Plan:
+    """Rank every (dp, sp) with ``dp * sp = gpus``.
+
+    Args:
+        model: preset name or shape.
+        gpus: total GPUs.
+        gpu: GPU profile name.
+        seq_len: target sequence length; ``None`` ranks by the longest trainable sequence.
+        **options: other :class:`~simulations.config.Workload` fields (``ac``, ``tiled_loss``,
+            ``attention``, ``offload_optimizer``, ...). ``dp``/``sp`` are chosen here.
+
+    Raises:
+        ValueError: bad inputs (unknown model or GPU, ``gpus < 1``, ...).
+    """
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus={gpus!r} must be a positive integer")
+    for k in ("dp", "sp", "gpus"):
+        if k in options:
+            raise ValueError(f"plan chooses {k} itself; do not pass {k}=")
+    probe = Workload(shape=model, seq_len=gpus, gpu=gpu, **options)  # validates the rest
+    name = probe.shape.name
+    layouts: list[Layout] = []
+    for sp in divisors(gpus):
+        dp = gpus // sp
+        try:
+            w = probe.with_(dp=dp, sp=sp, seq_len=sp * GRANULE)
+        except ValueError as e:
+            layouts.append(Layout(dp, sp, valid=False, why=str(e)))
+            continue
+        lay = Layout(dp, sp, valid=True)
+        lay.max_seq_len = max_seq_len(w)
+        if lay.max_seq_len:
+            lay.binding = _largest_component(predict(w.with_(seq_len=lay.max_seq_len)))
+        layouts.append(lay)
+    valid = [x for x in layouts if x.valid]
+    if seq_len is not None:
+        ref = seq_len
+    else:
+        positive = [x.max_seq_len for x in valid if x.max_seq_len]
+        ref = (min(positive) // gpus) * gpus if positive else 0
+    for lay in valid:
+        target = ref if ref else lay.max_seq_len
+        if target and target % lay.sp == 0:
+            try:
+                lay.prediction = predict(probe.with_(dp=lay.dp, sp=lay.sp, seq_len=target))
+                lay.eval_seq_len = target
+                lay.fits = lay.prediction.fits
+            except ValueError as e:
+                lay.why = str(e)
+    if seq_len is not None:
+        valid.sort(key=lambda x: (x.fits, x.tokens_per_s, x.max_seq_len), reverse=True)
+    else:
+        valid.sort(key=lambda x: (x.max_seq_len, x.tokens_per_s), reverse=True)
+    ordered = valid + [x for x in layouts if not x.valid]
+    _explain(ordered, seq_len)
+    return Plan(name, gpus, probe.gpu.name, seq_len, ordered)
+
+
+def _fmt_tokens(n: float) -> str:
+    if n >= 1e6:
+        return f"{n / 1e6:.2f}M"
+    if n >= 1e3:
+        return f"{n / 1e3:.0f}K"
+    return str(int(n))
+
+
+def _explain(layouts: list[Layout], seq_len: int | None) -> None:
+    if not layouts or not layouts[0].valid:
+        return
+    best = layouts[0]
+    if not best.why:
+        best.why = (
+            f"best: trains up to {_fmt_tokens(best.max_seq_len)} tokens "
+            f"({_fmt_tokens(best.max_seq_len / best.sp)} per rank)"
+        )
+        if best.fits and best.prediction:
+            best.why += f"; {best.tokens_per_s:,.0f} tokens/s at {_fmt_tokens(best.eval_seq_len)}"
+    for lay in layouts[1:]:
+        if not lay.valid or lay.why:
+            continue
+        reasons = []
+        if seq_len is not None and not lay.fits:
+            p = lay.prediction
+            if p is not None:
+                reasons.append(
+                    f"does not fit {_fmt_tokens(seq_len)}: peak {p.memory.peak / GiB:.1f} GiB > "
+                    f"{p.memory.capacity / GiB:.1f} GiB (largest: {_largest_component(p)})"
+                )
+            else:
+                reasons.append(f"cannot run {_fmt_tokens(seq_len)} tokens with sp={lay.sp}")
+        elif lay.max_seq_len < best.max_seq_len:
+            if lay.max_seq_len == 0:
+                reasons.append("model states alone do not fit")
+            else:
+                reasons.append(
+                    f"max sequence {_fmt_tokens(lay.max_seq_len)} < "
+                    f"{_fmt_tokens(best.max_seq_len)}: each rank holds S/{lay.sp} tokens "
+                    f"(limit set by {lay.binding})"
+                )
+        if lay.fits and best.fits and lay.tokens_per_s < best.tokens_per_s:
+            slower = 1 - lay.tokens_per_s / best.tokens_per_s
+            if not math.isclose(slower, 0.0, abs_tol=5e-4):
+                reasons.append(
+                    f"{slower:.0%} fewer tokens/s at {_fmt_tokens(lay.eval_seq_len)} "
+                    f"(step {lay.prediction.step_time_s:.3g} s vs "
+                    f"{best.prediction.step_time_s:.3g} s)"
+                )
+        lay.why = "; ".join(reasons) or "ties with the best"

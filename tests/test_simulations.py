@@ -1,0 +1,421 @@
+"""Unit tests of the torch-free cost model (``simulations/``): hand-worked formulas, scaling laws,
+published rows, planner, bad input and the command line. Fast: no process groups are spawned here
+(see ``test_simulations_measured.py`` for the real-code comparison)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import simulations as sim
+from dtensor_ulysses.presets import ModelShape, get_shape
+from simulations import comm, flops, memory
+from simulations.cli import main
+from simulations.config import Workload
+from simulations.published import ROWS, check_row
+
+GiB = 2**30
+
+
+def _w(model="llama3-8b", S=131072, **kw) -> Workload:
+    return Workload(model, S, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch-free import
+# ----------------------------------------------------------------------------------------------
+def test_import_predict_plan_do_not_import_torch():
+    code = (
+        "import sys, simulations as s\n"
+        "s.predict('llama3-8b', 131072, dp=1, sp=8, gpu='h100')\n"
+        "s.plan('llama3-8b', 8, 'h100')\n"
+        "from simulations import published; published.check_all()\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# communication: hand-worked cases
+# ----------------------------------------------------------------------------------------------
+def test_ulysses_bytes_hand_worked_llama3_8b():
+    # s = 131072 / 8 = 16384 tokens, bf16; q,k,v: 16384 * (32 + 2*8) * 128 * 2; o: 16384*32*128*2
+    qkv, o = 16384 * 48 * 128 * 2, 16384 * 32 * 128 * 2
+    assert (qkv, o) == (201_326_592, 134_217_728)
+    p = sim.predict(_w(sp=8, ac="full"))
+    assert p.comm.per_layer["forward"]["all_to_all"] == qkv + o
+    assert p.comm.per_layer["backward"]["all_to_all"] == qkv + o
+    assert p.comm.per_layer["recompute"]["all_to_all"] == qkv + o
+    assert p.comm.bytes_by_kind["all_to_all"] == 32 * 3 * (qkv + o) == 32_212_254_720
+    assert p.comm.calls_by_kind["all_to_all"] == 32 * 3 * 2
+    # wire: (P-1)/P of the buffer
+    assert p.comm.wire_by_kind["all_to_all"] == pytest.approx(32 * 3 * (qkv + o) * 7 / 8)
+    no_ac = sim.predict(_w(sp=8, ac="none"))
+    assert no_ac.comm.bytes_by_kind["all_to_all"] == 32 * 2 * (qkv + o)
+
+
+@pytest.mark.parametrize(
+    "n_q, n_kv, sp, expected",
+    [(32, 8, 8, 8), (32, 8, 16, 16), (32, 8, 32, 32), (8, 2, 4, 4), (8, 1, 4, 4), (12, 3, 4, 8),
+     (6, 2, 3, 4), (8, 4, 2, 4), (64, 8, 16, 16), (32, 32, 8, 32)],
+)  # fmt: skip
+def test_gqa_replication_hand_worked(n_q, n_kv, sp, expected):
+    assert comm.kv_heads_after_replication(n_q, n_kv, sp) == expected
+
+
+def test_gqa_replication_matches_the_real_kv_head_index():
+    from dtensor_ulysses.ulysses import kv_head_index
+
+    for n_q in range(1, 25):
+        for n_kv in (d for d in range(1, n_q + 1) if n_q % d == 0):
+            for sp in (d for d in range(1, n_q + 1) if n_q % d == 0):
+                idx = kv_head_index(n_q, n_kv, sp)
+                want = n_kv if idx is None else len(idx)
+                assert comm.kv_heads_after_replication(n_q, n_kv, sp) == want, (n_q, n_kv, sp)
+
+
+def test_ulysses_gqa_replication_bytes():
+    # llama3-8b at sp=16 > 8 kv heads: each rank is sent one kv head, K' = 16
+    p = sim.predict(_w(S=65536, sp=16, ac="none"))
+    s = 65536 // 16
+    assert p.comm.per_layer["forward"]["all_to_all"] == s * (32 + 2 * 16) * 128 * 2 + s * 32 * 256
+
+
+def test_megatron_sp_bytes_hand_worked():
+    w = _w("gpt-7b", S=8192, sp=4, attention="megatron-sp", ac="none")
+    shard, full = 1 * 2048 * 4096 * 2, 1 * 8192 * 4096 * 2
+    items = {
+        (c.kind, c.phase): c for c in comm.per_layer_attention(w) if c.what != "tp+sp norm grads"
+    }
+    assert items["all_gather", "forward"].bytes == 2 * shard
+    assert items["reduce_scatter", "forward"].bytes == 2 * full
+    assert items["all_gather", "backward"].bytes == 4 * shard  # conjugate + re-gather
+    assert items["reduce_scatter", "backward"].bytes == 2 * full
+
+
+def test_ring_bytes_hand_worked():
+    w = _w("llama3-8b", S=65536, sp=4, attention="ring", ac="none")
+    kv = 16384 * 2 * 8 * 128  # elements of one local k,v block
+    by = {(c.what, c.phase): c for c in comm.per_layer_attention(w)}
+    assert by["ring k,v", "forward"].bytes == 3 * kv * 2
+    assert by["ring k,v", "backward"].bytes == 3 * kv * 2
+    assert by["ring dk,dv", "backward"].bytes == 4 * kv * 4  # fp32 accumulators, P hops
+
+
+def test_usp_splits_ulysses_and_ring():
+    w = _w("llama3-8b", S=131072, sp=16, attention="usp", gpu="h100")
+    assert (w.a2a_degree, w.ring_degree) == (8, 2)
+    kinds = {c.kind for c in comm.per_layer_attention(w)}
+    assert kinds == {"all_to_all", "p2p"}
+    with pytest.raises(ValueError, match="ulysses_degree=3 does not divide sp=16"):
+        _w("llama3-8b", sp=16, attention="usp", ulysses_degree=3)
+
+
+def test_fsdp_bytes_hand_worked_tiny():
+    # tiny: D=64, N=8, K=2, H=8, F=176, V=272, 2 layers; W=2 shards, bf16 params, fp32 reduce
+    w = Workload("tiny", 64, dp=1, sp=2, ac="none")
+    block = 64 * 64 + 16 * 64 + 16 * 64 + 64 * 64 + 3 * 176 * 64 + 64 + 64
+    root = 272 * 64 + 64 + 272 * 64
+    assert (block, root) == (44160, 34880)
+    by = {(c.what, c.phase): c for c in comm.collectives(w)}
+    ag_f = by["fsdp params", "forward"]
+    assert (ag_f.calls, ag_f.bytes) == (3, (2 * block // 2 + root // 2) * 2)
+    assert by["fsdp params", "backward"].bytes == 2 * block // 2 * 2
+    rs = by["fsdp grads", "backward"]
+    assert (rs.calls, rs.bytes) == (3, (2 * block + root) * 4)
+
+
+def test_fsdp_padding_to_the_shard_count():
+    # dim 0 of each parameter is padded to a multiple of the shard count
+    shard, full = comm._padded_shard_numel([(10, 3), (7,)], 4)
+    assert (shard, full) == (3 * 3 + 2, (3 * 3 + 2) * 4)
+
+
+def test_nccl_bus_factors_and_wire_bytes():
+    assert comm.bus_factor("all_reduce", 8) == 2 * 7 / 8
+    assert comm.wire_bytes("all_gather", 100, 4) == 300  # (n-1) x the shard
+    assert comm.wire_bytes("reduce_scatter", 400, 4) == 300
+    assert comm.wire_bytes("all_to_all", 400, 4) == 300
+    assert comm.wire_bytes("p2p", 123, 4) == 123
+
+
+# ----------------------------------------------------------------------------------------------
+# scaling laws
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["gpt-7b", "llama3-8b"])
+def test_ulysses_bytes_per_rank_constant_when_S_and_P_grow_together(model):
+    vals = {
+        sim.predict(_w(model, S=16384 * P, sp=P, ac="none")).comm.per_layer["forward"]["all_to_all"]
+        for P in (2, 4, 8)
+    }
+    assert len(vals) == 1
+
+
+@pytest.mark.parametrize("P", [2, 4, 8, 16, 32])
+def test_megatron_sp_sends_P_times_ulysses(P):
+    def sent(attention):
+        w = _w("gpt-7b", S=65536, sp=P, attention=attention, ac="none")
+        return sum(
+            c.wire_bytes
+            for c in comm.per_layer_attention(w)
+            if c.phase == "forward" and c.kind in ("all_to_all", "all_gather", "reduce_scatter")
+        )
+
+    assert sent("megatron-sp") == pytest.approx(P * sent("ulysses"), rel=1e-12)
+
+
+def test_ring_bytes_per_rank_grow_with_P_at_fixed_tokens_per_rank():
+    b = [
+        sim.predict(
+            _w("llama3-8b", S=8192 * P, sp=P, attention="ring", ac="none")
+        ).comm.bytes_by_kind["p2p"]
+        for P in (2, 4, 8)
+    ]
+    assert b[0] < b[1] < b[2]
+
+
+def test_activation_memory_per_rank_scales_as_one_over_sp():
+    one = memory.block_activation_bytes(_w(S=65536, sp=2))
+    per_tok = sum(one.values())
+    for P in (2, 4, 8):
+        w = _w(S=65536, sp=P)
+        assert sum(memory.block_activation_bytes(w).values()) * w.local_seq == pytest.approx(
+            per_tok * 65536 / P
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# memory and FLOPs: hand-worked
+# ----------------------------------------------------------------------------------------------
+def test_block_activation_bytes_hand_worked_llama3_8b():
+    # RMSNorm: fp32 input (4) + fp32 normalized (4) + bf16 output (2) per element, twice;
+    # FlashAttention q,k,v,o + fp32 logsumexp; o again (the all-to-all output); SwiGLU 4 x F
+    b = memory.block_activation_bytes(_w(sp=8))
+    assert b["attention_norm"] == b["mlp_norm"] == 10 * 4096
+    assert b["attention_qkv"] == 2 * (32 + 16) * 128
+    assert b["attention_out"] == 2 * 4096 + 4 * 32
+    assert b["o_proj_input"] == 2 * 4096
+    assert b["mlp"] == 4 * 2 * 14336
+    assert sum(b.values()) == 225_408
+    assert memory.block_activation_bytes(_w(sp=1))["o_proj_input"] == 0
+    assert memory.block_activation_bytes(_w(sp=8, tiled_mlp=True))["mlp"] == 0
+
+
+def test_model_states_fsdp2():
+    w = _w(sp=8)
+    p = memory.estimate(w)
+    n = get_shape("llama3-8b").n_params / 8
+    assert p.components["parameters"] == pytest.approx(4 * n)
+    assert p.components["optimizer_states"] == pytest.approx(8 * n)
+    off = memory.estimate(w.with_(offload_optimizer=True))
+    assert off.components["optimizer_states"] == 0
+    assert off.cpu_bytes == pytest.approx(8 * n)
+
+
+def test_checkpointing_and_offload_reduce_activation_memory():
+    full = memory.estimate(_w(S=262144, sp=8))
+    none = memory.estimate(_w(S=262144, sp=8, ac="none"))
+    assert full.peak < none.peak
+    off = memory.estimate(_w(S=262144, sp=8, offload_activations=True))
+    assert off.components["activations_checkpoints"] < full.components["activations_checkpoints"]
+    tiled = memory.estimate(_w(S=262144, sp=8, tiled_loss=True))
+    assert tiled.peak < full.peak
+
+
+def test_model_flops_match_the_real_models_convention():
+    from dtensor_ulysses.model import model_flops_per_token
+
+    for name, S in (("llama3-8b", 131072), ("qwen3-4b", 8192), ("llama3-1b", 4096)):
+        shape = get_shape(name)
+        fl = flops.count(shape, S, 1, recompute=False)
+        assert fl.model / S == pytest.approx(model_flops_per_token(shape, S), rel=1e-12)
+
+
+def test_megatron_formula_rebuilt_op_by_op():
+    for args in ((1, 2048, 96, 12288, 51200), (2, 8192, 32, 4096, 50304)):
+        assert flops.gpt_block_flops(*args) == pytest.approx(flops.megatron_flops(*args), 1e-12)
+
+
+def test_time_and_mfu_are_sane():
+    p = sim.predict(_w(sp=8))
+    assert 0 < p.mfu < 1
+    assert p.step_time_s == pytest.approx(p.time.compute + p.time.comm_exposed)
+    assert p.tokens_per_s == pytest.approx(131072 / p.step_time_s)
+    # attention efficiency stays under the FlashAttention-2 ceiling (row T3)
+    assert p.workload.gpu.peak_flops * p.workload.gpu.attention_efficiency <= 335e12
+    # an sp group across nodes pays the NIC: slower than inside one node
+    intra = sim.predict(_w(S=262144, sp=8)).time.comm_total
+    inter = sim.predict(_w(S=262144, sp=16)).time.comm_total
+    assert inter > intra
+
+
+# ----------------------------------------------------------------------------------------------
+# published rows: one test per row
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("row", list(ROWS))
+def test_published_row(row):
+    checks = check_row(row)
+    assert checks
+    failing = [c for c in checks if c.status == "fail"]
+    assert not failing, failing
+
+
+def test_c1_and_c2_are_exact():
+    for c in check_row("C1"):
+        assert c.status == "pass" and c.published == c.predicted, c
+    c2 = {c.item: c for c in check_row("C2")}
+    assert c2["Ulysses MHA (x bs L d)"].status == "pass"
+    assert c2["Ulysses GQA G=4"].status == "pass"
+    assert c2["Megatron TP-sp"].predicted == "10"
+    # Ring differs only by the backward k,v pass the publication does not count
+    assert "without the backward k,v pass: 4)" in c2["Ring MHA (x bs L d)"].predicted
+
+
+# ----------------------------------------------------------------------------------------------
+# planner
+# ----------------------------------------------------------------------------------------------
+def test_plan_ranks_sp8_first_for_llama3_8b_on_8_gpus():
+    pl = sim.plan("llama3-8b", 8, "h100")
+    assert [(x.dp, x.sp) for x in pl.layouts][0] == (1, 8)
+    lens = {x.sp: x.max_seq_len for x in pl.layouts}
+    assert lens[8] > lens[4] > lens[2] > lens[1] > 0
+    assert all(x.why for x in pl.layouts)
+    best = sim.predict("llama3-8b", lens[8], dp=1, sp=8, gpu="h100")
+    assert best.fits
+    assert not sim.predict("llama3-8b", lens[8] + 8 * 256, dp=1, sp=8, gpu="h100").fits
+
+
+def test_plan_with_a_target_sequence_and_invalid_layouts():
+    pl = sim.plan("llama3-8b", 64, "h100", seq_len=1_048_576, tiled_loss=True)
+    assert pl.best is not None and pl.best.fits
+    invalid = [x for x in pl.layouts if not x.valid]
+    assert [x.sp for x in invalid] == [64] and "not divisible by sp=64" in invalid[0].why
+    losers = [x for x in pl.layouts[1:] if x.valid and not x.fits]
+    assert losers and all("does not fit" in x.why for x in losers)
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(sp=6), r"32 heads are not divisible by sp=6; choose sp in \{1, 2, 4, 8, 16, 32\}"),
+        (dict(model="llama3-9b"), "unknown model preset 'llama3-9b'; choose one of"),
+        (dict(S=-5), "seq_len=-5 must be a positive integer"),
+        (dict(dp=0), "dp=0 must be a positive integer"),
+        (dict(micro_batch=-1), "micro_batch=-1 must be a positive integer"),
+        (dict(S=1000, sp=16), "seq_len=1000 tokens are not divisible by sp=16; pad"),
+        (dict(sp=4, gpus=8), r"gpus=8 but dp \* sp = 1 \* 4 = 4"),
+        (dict(gpu="h300"), "unknown GPU profile 'h300'; choose one of h100"),
+        (dict(sp=16, attention="megatron-sp"), "megatron-sp needs tp=sp=16 to divide"),
+        (dict(ac="selective"), "ac='selective' is not supported"),
+        (dict(offload_activations=True, ac="none"), "needs ac='full'"),
+    ],
+)
+def test_bad_input_is_a_clear_value_error(kwargs, message):
+    model = kwargs.pop("model", "llama3-8b")
+    S = kwargs.pop("S", 131072)
+    with pytest.raises(ValueError, match=message):
+        sim.predict(model, S, **kwargs)
+
+
+def test_bad_plan_input():
+    with pytest.raises(ValueError, match="gpus=0 must be a positive integer"):
+        sim.plan("llama3-8b", 0)
+    with pytest.raises(ValueError, match="plan chooses sp itself"):
+        sim.plan("llama3-8b", 8, sp=2)
+
+
+def test_custom_shape_is_accepted():
+    shape = ModelShape("mine", 4, 1024, 16, 4, 64, 4096, 32000)
+    p = sim.predict(shape, 65536, sp=8, gpu="a100-80gb")
+    assert p.memory.peak > 0 and math.isfinite(p.step_time_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------
+def test_cli_predict_json_keys(capsys):
+    rc = main(
+        shlex.split("predict --model llama3-8b --seq-len 131072 --dp 1 --sp 8 --gpu h100 --json")
+    )
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert set(d["comm_bytes"]) == {
+        "all_to_all",
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+        "p2p",
+    }
+    assert d["comm_bytes"]["all_to_all"] == 32_212_254_720
+    mem = d["memory_bytes"]
+    assert abs(mem["peak"] - sum(v for k, v in mem.items() if k != "peak")) <= len(mem)
+    for key in ("step_time_s", "tflops_per_gpu", "mfu", "tokens_per_s"):
+        assert isinstance(d[key], float) and d[key] > 0
+
+
+def test_cli_predict_all_flags(capsys):
+    argv = shlex.split(
+        "predict --model qwen3-4b --seq-len 65536 --dp 2 --sp 4 --gpu a100-80gb --gpus 8 "
+        "--micro-batch 2 --dtype bf16 --ac full --offload-optimizer --offload-activations "
+        "--tiled-mlp --tiled-loss --attention usp --json"
+    )
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["inputs"]["attention"] == "usp" and d["inputs"]["offload_optimizer"] is True
+    assert main(argv[:-1] + ["--offload-params"]) == 0  # human-readable table
+    out = capsys.readouterr().out
+    assert "Communication per rank per step" in out and "MFU" in out
+
+
+def test_cli_plan_json(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert {"layouts", "best"} <= set(d)
+    for lay in d["layouts"]:
+        assert {"dp", "sp", "max_seq_len", "tokens_per_s"} <= set(lay)
+    assert d["best"]["sp"] == 8
+
+
+def test_cli_compare_and_published(capsys):
+    assert main(shlex.split("compare --model llama3-8b --seq-len 131072 --sp 8 --gpu h100")) == 0
+    out = capsys.readouterr().out
+    for m in sim.METHODS:
+        assert m in out
+    assert main(["published", "--row", "C1", "--json"]) == 0
+    assert all(c["status"] == "pass" for c in json.loads(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("predict --model llama3-8b --seq-len 131072 --sp 6", "choose sp in {1, 2, 4, 8, 16, 32}"),
+        ("predict --model nope --seq-len 8 --sp 1", "unknown model preset 'nope'"),
+        ("predict --model llama3-8b --seq-len -1 --sp 1", "seq_len=-1 must be a positive"),
+        ("plan --model llama3-8b --gpus 8 --gpu tpu", "unknown GPU profile 'tpu'"),
+    ],
+)
+def test_cli_bad_input_exits_2_without_traceback(argv, message):
+    r = subprocess.run([sys.executable, "-m", "simulations", *argv.split()],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_plot_without_or_with_matplotlib(tmp_path, capsys):
+    png = tmp_path / "p.png"
+    argv = f"predict --model tiny --seq-len 256 --sp 2 --gpu h100 --plot {png}".split()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert main(argv) == 2
+        assert "needs matplotlib" in capsys.readouterr().err
+    else:
+        assert main(argv) == 0 and png.stat().st_size > 0
