@@ -32,9 +32,8 @@ CFG = dict(model="tiny", seq_len=64, batch_size=4, seed=0, lr=3e-3, warmup_steps
 LAYOUTS = {2: [(1, 2), (2, 1)], 4: [(1, 4), (2, 2)]}
 
 
-def _reference(steps: int):
-    """Plain single-device training: (step-1 loss, step-1 grads, losses of ``steps`` steps)."""
-    torch.manual_seed(0)
+def _plain_model_and_optimizer():
+    """The tiny model on CPU with the trainer's weights, and plain AdamW with its settings."""
     model = build_model(CFG["model"], device="cpu")
     init_weights(model, seed=CFG["seed"])
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -43,6 +42,12 @@ def _reference(steps: int):
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=CFG["lr"], betas=(0.9, 0.95), eps=1e-8,
     )  # fmt: skip
+    return model, opt
+
+
+def _reference(steps: int):
+    """Plain single-device training: (step-1 loss, step-1 grads, losses of ``steps`` steps)."""
+    model, opt = _plain_model_and_optimizer()
     warm, horizon, floor = CFG["warmup_steps"], CFG["decay_steps"], 0.1
 
     def lr_at(step):
@@ -253,14 +258,7 @@ def _per_document_reference(seq_len: int, steps: int) -> list[float]:
     """Plain single-device training where every packed document runs through the model *alone*
     (positions 0..n-1), so nothing can leak across documents; returns the per-step losses."""
     cfg = dict(CFG, seq_len=seq_len)
-    model = build_model(cfg["model"], device="cpu")
-    init_weights(model, seed=cfg["seed"])
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8,
-    )  # fmt: skip
+    model, opt = _plain_model_and_optimizer()
     corpus = PackedCorpus.from_paths(None, seq_len=seq_len)
     warm = cfg["warmup_steps"]
     losses = []
