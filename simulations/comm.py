@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from dtensor_ulysses.plan import head_plan
 from dtensor_ulysses.presets import ModelShape
 from simulations.config import DTYPE_BYTES, Workload
 
@@ -100,38 +101,25 @@ def ring_min_block(flops_per_s: float, bytes_per_s: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# GQA replication (mirrors dtensor_ulysses.ulysses.kv_head_index without importing torch)
+# GQA replication: the real code's plan (dtensor_ulysses.plan is torch-free)
 # ----------------------------------------------------------------------------------------------
 def _head_plan(n_q: int, n_kv: int, sp: int) -> list[tuple[int, int]]:
-    """Per rank ``(q heads, kv heads after replication)``, as ``head_plan`` in ulysses.py.
+    """Per rank ``(q heads, kv heads after replication)``, from ``dtensor_ulysses.plan``.
 
     The q heads are split over the ranks as evenly as possible (the first ``n_q % sp`` ranks one
     more); q head ``i`` uses kv head ``i // (n_q / n_kv)``; a rank receives its distinct kv heads
     when each serves equally many consecutive q heads, else one kv head per q head.
     """
-    if n_q % n_kv:
-        raise ValueError(f"{n_q} q heads are not a multiple of {n_kv} kv heads")
-    if not 1 <= sp <= n_q:
+    if sp < 1:
         raise ValueError(f"sp={sp} must be between 1 and the {n_q} q heads")
-    group = n_q // n_kv
-    plan, first = [], 0
-    for r in range(sp):
-        n = n_q // sp + (1 if r < n_q % sp else 0)
-        needed = [i // group for i in range(first, first + n)]
-        first += n
-        distinct = list(dict.fromkeys(needed))
-        m = len(distinct)
-        uniform = n % m == 0 and all(needed[j] == distinct[j // (n // m)] for j in range(n))
-        plan.append((n, m if uniform else n))
-    return plan
+    plan = head_plan(n_q, n_kv, sp)
+    return list(zip(plan.q_heads, plan.kv_heads))
 
 
 def kv_heads_after_replication(n_q: int, n_kv: int, sp: int) -> int:
     """``K'``: kv heads the Ulysses all-to-all moves, summed over the sp ranks they are sent to.
 
-    Mirrors ``head_plan`` in ``dtensor_ulysses/ulysses.py`` without importing torch (see
-    :func:`_head_plan`); ``K' = K`` when ``sp`` divides ``n_kv``. A test checks it against the
-    real ``kv_head_index`` on every small case.
+    The real code's plan (:func:`_head_plan`); ``K' = K`` when ``sp`` divides ``n_kv``.
     """
     return sum(m for _, m in _head_plan(n_q, n_kv, sp))
 
