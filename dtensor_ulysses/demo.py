@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
     d, r = mesh.get_coordinate()
     bs, ss, hs = _span(0, B, d, dp), _span(1, S, r, sp), _span(2, N, r, sp)
-    ref = du.local_attention(q, k, v, causal=True, backend="sdpa")
+    ref = du.local_attention(*(t.to(od.device) for t in (q, k, v)), causal=True, backend="sdpa")
     err = (od.full_tensor() - ref).abs().max().item()
     index = du.kv_head_index(N, K, sp)
     Kp = K if index is None else len(index)
