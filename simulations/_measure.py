@@ -4,21 +4,33 @@ Run by ``python -m simulations validate`` and by ``tests/test_simulations_measur
 :func:`dtensor_ulysses.launch.run_local_world`, which needs a module-level worker: this module.
 torch is imported only inside the worker, so importing ``simulations`` stays torch-free.
 
-A *case* is ``(dp, sp, B, S, N, K, H, dtype)``: a global batch ``B`` of ``S`` tokens, ``N`` q heads,
-``K`` kv heads of size ``H``, on a ``(dp, sp)`` mesh. Each rank runs
-``du.ulysses_attention`` forward and backward under :class:`dtensor_ulysses.CommCounter` and
-reports what it passed into collectives, forward and backward apart.
+A *case* is ``(dp, sp, B, S, N, K, H, dtype, pack_docs)``: a global batch ``B`` of ``S`` tokens,
+``N`` q heads, ``K`` kv heads of size ``H``, on a ``(dp, sp)`` mesh; ``sp`` need not divide ``N``
+or ``S`` (uneven layouts: each rank holds its ``seq_split`` slice); ``pack_docs`` passes
+``position_ids`` of two documents. Each rank runs ``du.ulysses_attention`` forward and backward
+under :class:`dtensor_ulysses.CommCounter` and reports what it passed into collectives, forward
+and backward apart, by kind.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from dtensor_ulysses.plan import seq_split
 from dtensor_ulysses.presets import ModelShape
 from simulations import comm
 from simulations.config import Workload
 
-__all__ = ["CASES", "Case", "attention_comm_worker", "compare", "measure", "predicted"]
+__all__ = [
+    "CASES",
+    "Case",
+    "attention_comm_worker",
+    "compare",
+    "measure",
+    "predicted",
+    "predicted_by_workload",
+]
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,7 @@ class Case:
     K: int
     H: int
     dtype: str = "fp32"
+    pack_docs: bool = False
 
     @property
     def world(self) -> int:
@@ -41,17 +54,21 @@ class Case:
     def label(self) -> str:
         return (
             f"dp={self.dp} sp={self.sp} B={self.B} S={self.S} N={self.N} K={self.K} H={self.H} "
-            f"{self.dtype}"
+            f"{self.dtype}" + (" packed" if self.pack_docs else "")
         )
 
 
-# Tiny and non-tiny shapes, MHA, GQA with sp dividing K, GQA/MQA with sp > K (replication), and an
-# uneven replication (12 q / 3 kv heads on 4 ranks: 1, 3, 3, 1 kv heads per rank), fp32 and bf16.
+# Tiny and non-tiny shapes, MHA, GQA with sp dividing K, GQA/MQA with sp > K (replication), an
+# uneven replication (12 q / 3 kv heads on 4 ranks: 1, 3, 3, 1 kv heads per rank), uneven q heads,
+# uneven sequences (S not divisible by sp, down to an empty rank), packed documents, dp x sp,
+# fp32 and bf16. All cases of a world size share one spawn: adding one costs ~0.1 s.
 CASES: dict[int, list[Case]] = {
     2: [
         Case(1, 2, 1, 16, 8, 2, 8),  # tiny, GQA, sp | K
         Case(1, 2, 2, 64, 32, 8, 64, "bf16"),  # Llama-3-8B head layout, bf16
         Case(2, 1, 2, 16, 4, 4, 8),  # dp only: Ulysses moves nothing
+        Case(1, 2, 1, 16, 3, 1, 8),  # uneven q heads 2, 1 (MQA): imbalance 4/3
+        Case(1, 2, 2, 37, 8, 2, 8),  # uneven S: 19, 18 tokens
     ],
     4: [
         Case(1, 4, 1, 16, 8, 2, 8),  # tiny GQA, sp > K: kv heads replicated (K' = 4)
@@ -60,37 +77,57 @@ CASES: dict[int, list[Case]] = {
         Case(1, 4, 1, 128, 32, 8, 64, "bf16"),  # non-tiny, Llama-3-8B heads, sp | K
         Case(1, 4, 1, 32, 12, 3, 8),  # per-rank kv lists of 1, 3, 3, 1 heads: K' = 8
         Case(1, 4, 1, 32, 6, 3, 8),  # uneven q heads 2, 2, 1, 1 (the real code allows it)
+        Case(1, 4, 1, 32, 10, 2, 8),  # uneven q heads 3, 3, 2, 2; kv 1, 3, 1, 1 (K' = 6)
+        Case(1, 4, 2, 37, 8, 2, 8),  # uneven S: 10, 10, 10, 7 tokens
+        Case(2, 2, 2, 37, 6, 2, 8),  # dp x sp, uneven S: 19, 18 tokens
+        Case(1, 4, 1, 6, 4, 4, 8),  # uneven S with an empty rank: 2, 2, 2, 0 tokens
+        Case(1, 4, 1, 37, 6, 2, 8, "bf16", True),  # uneven S and heads (2, 2, 1, 1), packed docs
     ],
 }
+KINDS = ("all_to_all", "all_gather")
 
 
-def predicted(case: Case) -> list[dict[str, dict[str, int]]]:
-    """Per rank ``{"forward"|"backward": {"count": n, "bytes": b}}`` of its all-to-alls."""
+def _zero() -> dict[str, dict[str, int]]:
+    return {k: {"count": 0, "bytes": 0} for k in KINDS}
+
+
+def predicted(case: Case) -> list[dict[str, dict[str, dict[str, int]]]]:
+    """Per rank ``{"forward"|"backward": {kind: {"count": n, "bytes": b}}}`` on the sp group."""
     e = {"fp32": 4, "bf16": 2}[case.dtype]
     if case.sp == 1:
-        return [{p: {"count": 0, "bytes": 0} for p in ("forward", "backward")}] * case.world
-    tokens = case.B // case.dp * (case.S // case.sp)
+        return [{p: _zero() for p in ("forward", "backward")} for _ in range(case.world)]
+    Bl = case.B // case.dp
+    tokens = [Bl * s for s in seq_split(case.S, case.sp)]
     per_sp_rank = comm.ulysses_bytes_by_rank(case.N, case.K, case.H, case.sp, tokens, e)
     out = []
     for rank in range(case.world):
         r = per_sp_rank[rank % case.sp]  # mesh (dp, sp): the sp coordinate is rank % sp
-        out.append({
-            p: {"count": 2, "bytes": r[f"{p}_qkv"] + r[f"{p}_o"]} for p in ("forward", "backward")
-        })  # fmt: skip
+        row = {p: _zero() for p in ("forward", "backward")}
+        for p in row:
+            row[p]["all_to_all"] = {"count": 2, "bytes": r[f"{p}_qkv"] + r[f"{p}_o"]}
+        if case.pack_docs:  # the [B, ceil(S/P)] int64 position ids, all-gathered in forward
+            row["forward"]["all_gather"] = {"count": 1, "bytes": Bl * -(-case.S // case.sp) * 8}
+        out.append(row)
     return out
 
 
-def predicted_by_workload(case: Case) -> dict[str, dict[str, int]]:
-    """The same through :class:`~simulations.config.Workload` (the busiest rank)."""
+def predicted_by_workload(case: Case) -> list[dict[str, dict[str, dict[str, int]]]]:
+    """The same per sp rank through :class:`~simulations.config.Workload` (the records'
+    ``bytes_by_rank``); checks too that each record's ``bytes`` is the busiest rank's."""
     shape = ModelShape(
         "measure", 1, case.N * case.H, case.N, case.K, case.H, ffn_dim=8, vocab_size=8
     )
     w = Workload(shape, case.S, dp=case.dp, sp=case.sp, micro_batch=case.B // case.dp,
-                 dtype=case.dtype, ac="none")  # fmt: skip
-    out = {p: {"count": 0, "bytes": 0} for p in ("forward", "backward")}
+                 dtype=case.dtype, ac="none", pack_docs=case.pack_docs)  # fmt: skip
+    busiest = comm.ulysses_busiest_rank(w)
+    out = [{p: _zero() for p in ("forward", "backward")} for _ in range(case.sp)]
     for c in comm.per_layer_attention(w):
-        out[c.phase]["count"] += c.calls
-        out[c.phase]["bytes"] += int(c.bytes)
+        per = c.bytes_by_rank or (c.bytes,) * case.sp
+        if per[busiest] != c.bytes:
+            raise AssertionError(f"{c.what} {c.phase}: bytes {c.bytes} != busiest rank's {per}")
+        for r in range(case.sp):
+            out[r][c.phase][c.kind]["count"] += c.calls
+            out[r][c.phase][c.kind]["bytes"] += int(per[r])
     return out
 
 
@@ -110,16 +147,30 @@ def attention_comm_worker(rank: int, world_size: int, cases: list[Case]) -> list
     for i, case in enumerate(cases):
         mesh = du.init_mesh(case.dp, case.sp, device_type="cpu")
         gen = torch.Generator().manual_seed(1000 * i + rank)
-        Bl, s = case.B // case.dp, case.S // case.sp
+        Bl = case.B // case.dp
+        sizes = seq_split(case.S, case.sp)  # DTensor's Shard(1): uneven when sp does not divide S
+        r_sp = mesh.get_local_rank("sp")
+        lo, s = sum(sizes[:r_sp]), sizes[r_sp]
 
-        def make(heads: int, gen=gen, Bl=Bl, s=s, case=case, mesh=mesh):
+        def place(t, case=case, mesh=mesh):
+            shape = (case.B, case.S, *t.shape[2:])
+            stride = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))
+            return DTensor.from_local(t, mesh, [Shard(0), Shard(1)], run_check=False,
+                                      shape=shape, stride=stride)  # fmt: skip
+
+        def make(heads: int, gen=gen, Bl=Bl, s=s, case=case):
             t = torch.randn(Bl, s, heads, case.H, generator=gen).to(dtypes[case.dtype])
-            t.requires_grad_(True)
-            return DTensor.from_local(t, mesh, [Shard(0), Shard(1)], run_check=False)
+            return place(t.requires_grad_(True))
 
         q, k, v = make(case.N), make(case.K), make(case.K)
+        pos = None
+        if case.pack_docs:  # two documents: positions restart at S // 3
+            cut = case.S // 3
+            ids = torch.cat([torch.arange(cut), torch.arange(case.S - cut)])
+            pos = place(ids[lo : lo + s].expand(Bl, s).contiguous())
         with du.CommCounter() as fwd:
-            o = du.ulysses_attention(q, k, v, causal=True, backend="sdpa")
+            o = du.ulysses_attention(q, k, v, causal=True, backend="sdpa", position_ids=pos,
+                                     allow_uneven=True)  # fmt: skip
         loss = o.to_local().float().square().sum()
         with du.CommCounter() as bwd:
             loss.backward()
@@ -128,9 +179,12 @@ def attention_comm_worker(rank: int, world_size: int, cases: list[Case]) -> list
         for phase, counter in (("forward", fwd), ("backward", bwd)):
             row[phase] = {
                 "by_kind": counter.by_kind(),
-                "sp_all_to_all": {
-                    "count": counter.count("all_to_all", group=sp_group),
-                    "bytes": counter.bytes("all_to_all", group=sp_group),
+                "sp": {
+                    kind: {
+                        "count": counter.count(kind, group=sp_group),
+                        "bytes": counter.bytes(kind, group=sp_group),
+                    }
+                    for kind in KINDS
                 },
             }
         results.append(row)
@@ -153,21 +207,23 @@ def measure(world_size: int, cases: list[Case] | None = None, timeout_s: float =
 def compare(case: Case, pred: list[dict], ranks: list[dict]) -> list[str]:
     """Differences between prediction and every rank's measurement (empty: exact match)."""
     problems = []
-    # the Workload API refuses sp not dividing the q heads; compare it only where it applies
-    busiest = predicted_by_workload(case) if case.N % case.sp == 0 else {}
-    for phase in busiest:
-        top = max(p[phase]["bytes"] for p in pred)
-        if busiest[phase]["bytes"] != top:
-            problems.append(f"{phase}: Workload reports {busiest[phase]}, busiest rank {top}")
+    # the Workload API (records, bytes_by_rank, busiest rank) must agree with the per-rank model
+    try:
+        via_workload = predicted_by_workload(case)
+    except AssertionError as e:
+        problems.append(f"Workload: {e}")
+        via_workload = []
+    for r, want in enumerate(via_workload):
+        if want != pred[r]:
+            problems.append(f"sp rank {r}: Workload reports {want}, per-rank model {pred[r]}")
     for r, meas in enumerate(ranks):
         for phase in ("forward", "backward"):
             kinds = meas[phase]["by_kind"]
-            sp = meas[phase]["sp_all_to_all"]
+            sp = meas[phase]["sp"]
             want = pred[r][phase]
             if sp != want:
                 problems.append(f"rank {r} {phase}: measured {sp}, predicted {want}")
-            other = {k: v for k, v in kinds.items() if k != "all_to_all"}
-            total = kinds.get("all_to_all", {"count": 0, "bytes": 0})
-            if other or total != sp:
+            on_sp = {k: v for k, v in sp.items() if v["count"]}
+            if kinds != on_sp:
                 problems.append(f"rank {r} {phase}: unexpected collectives {kinds}")
     return problems

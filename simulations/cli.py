@@ -53,6 +53,8 @@ def _common(p: argparse.ArgumentParser, *, layout: bool) -> None:
     p.add_argument("--sharding", default="fsdp", choices=("fsdp", "ddp"))
     p.add_argument("--impl", default="dtensor-ulysses", choices=IMPLEMENTATIONS,
                    help="accounting profile (see simulations/memory.py)")  # fmt: skip
+    p.add_argument("--pack-docs", action="store_true",
+                   help="packed documents: Ulysses all-gathers position ids per layer")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also write plots (needs matplotlib)")  # fmt: skip
@@ -74,6 +76,7 @@ def _options(a: argparse.Namespace) -> dict[str, Any]:
         reduce_dtype=a.reduce_dtype,
         sharding=a.sharding,
         impl=a.impl,
+        pack_docs=a.pack_docs,
     )
 
 
@@ -126,7 +129,29 @@ def format_prediction(p: Prediction) -> str:
         f"{m.name} ({m.n_params / 1e9:.2f}B params), S={w.seq_len:,}, dp={w.dp}, sp={w.sp} "
         f"({w.attention}), {w.world}x {w.gpu.name}, B={w.micro_batch}, {w.dtype}, ac={w.ac}"
     )
-    out = [head, ""]
+    out = [head]
+    out.append(
+        f"attention imbalance {p.attention_imbalance:.3f}x (busiest rank's heads / mean), "
+        f"token imbalance {w.token_imbalance:.3f}x"
+    )
+    ranks = p.per_sp_rank()
+    if ranks is not None and (p.attention_imbalance > 1 or w.token_imbalance > 1
+                              or len(set(ranks["kv_heads"])) > 1):  # fmt: skip
+        rows = []
+        for r, (t, n, k, a2a) in enumerate(zip(ranks["tokens"], ranks["q_heads"],
+                                               ranks["kv_heads"],
+                                               ranks["all_to_all_bytes_per_layer"])):  # fmt: skip
+            rows.append((r, f"{t:,}", n, k, _b(a2a["forward_qkv"] + a2a["forward_o"]),
+                         _b(a2a["backward_o"] + a2a["backward_qkv"]),
+                         _b(ranks["memory_peak_bytes"][r])))  # fmt: skip
+        out.append("")
+        out.append(
+            f"Uneven layout, per sp rank (busiest: comm rank {ranks['comm_rank']}, memory rank "
+            f"{ranks['memory_rank']})"
+        )
+        out.append(_table(rows, ("rank", "tokens", "q heads", "kv heads", "a2a layer fwd",
+                                 "a2a layer bwd", "peak")))  # fmt: skip
+    out.append("")
     c = p.comm
     rows = [
         (k, c.calls_by_kind[k], _b(c.bytes_by_kind[k]), _b(c.wire_by_kind[k]),
@@ -150,6 +175,7 @@ def format_prediction(p: Prediction) -> str:
         ("step time", f"{p.step_time_s:.4g} s"),
         ("  compute (matmul / attention / memory-bound)",
          f"{t.compute:.4g} s ({t.matmul:.3g} / {t.attention:.3g} / {t.memory_bound:.3g})"),
+        ("    of which load imbalance (busiest rank)", f"{t.imbalance:.4g} s"),
         ("  communication exposed (total)", f"{t.comm_exposed:.4g} s ({t.comm_total:.4g} s)"),
         ("  offload exposed", f"{t.offload_exposed:.4g} s"),
         ("tokens/s (job)", f"{p.tokens_per_s:,.0f}"),
@@ -167,11 +193,13 @@ def _format_plan(pl) -> str:
         mfu = f"{x.prediction.mfu:.1%}" if x.prediction and x.fits else "-"
         max_s = f"{x.max_seq_len:,}" if x.valid else "-"
         at_s = f"{x.eval_seq_len:,}" if x.eval_seq_len else "-"
-        rows.append((x.dp, x.sp, max_s, at_s, tps, mfu, x.why))
+        imb = f"{x.attention_imbalance:.3f}" if x.valid else "-"
+        rows.append((x.dp, x.sp, max_s, at_s, tps, mfu, imb, x.why))
     head = f"{pl.model} on {pl.gpus}x {pl.gpu}" + (
         f", target S={pl.seq_len:,}" if pl.seq_len else ""
     )
-    return head + "\n" + _table(rows, ("dp", "sp", "max S", "at S", "tokens/s", "MFU", "why"))
+    header = ("dp", "sp", "max S", "at S", "tokens/s", "MFU", "imbalance", "why")
+    return head + "\n" + _table(rows, header)
 
 
 def _format_compare(res: dict) -> str:

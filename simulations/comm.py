@@ -16,6 +16,12 @@ replication, see :func:`kv_heads_after_replication`):
 
 * Ulysses (``dtensor_ulysses/ulysses.py``): one fused all-to-all of ``B*s*(N + 2K')*H*e`` for q, k,
   v and one of ``B*s*N*H*e`` for o; backward the same two again; full recompute replays forward.
+  Uneven layouts (``P`` not dividing ``N`` or ``S``) move uneven pieces, per rank ``r`` with
+  ``s_r`` tokens, ``n_r`` q and ``m_r`` kv heads (:func:`ulysses_bytes_by_rank`): forward
+  ``B*s_r*(N + 2K')*H*e`` and ``B*S*n_r*H*e``, backward ``B*s_r*N*H*e`` (d o) and
+  ``B*S*(n_r + 2 m_r)*H*e`` (d q,k,v); the records carry the busiest rank's bytes and every
+  rank's in ``bytes_by_rank``. Packed documents add one all-gather of the ``[B, ceil(S/P)]`` int64
+  position ids per attention call in forward.
 * Ring attention (ring-flash-attn / torch context parallel): ``P-1`` sends of the local k,v block
   ``B*s*2K*H*e`` forward; backward ``P-1`` k,v sends plus ``P`` sends of the dK,dV accumulators
   (kept in fp32 by those implementations).
@@ -35,6 +41,7 @@ valid-token count (int64) and the training loop the gradient norm and the logged
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from dtensor_ulysses.plan import head_plan
@@ -52,7 +59,9 @@ __all__ = [
     "per_layer_attention",
     "ring_min_block",
     "summarize",
+    "ulysses_busiest_rank",
     "ulysses_bytes_by_rank",
+    "ulysses_rank_tokens",
     "wire_bytes",
 ]
 
@@ -125,33 +134,53 @@ def kv_heads_after_replication(n_q: int, n_kv: int, sp: int) -> int:
 
 
 def ulysses_bytes_by_rank(
-    n_q: int, n_kv: int, head_dim: int, sp: int, tokens: int, e: int
+    n_q: int, n_kv: int, head_dim: int, sp: int, tokens: int | Sequence[int], e: int
 ) -> list[dict[str, int]]:
     """Per rank, the input bytes of the four all-to-alls of one attention layer.
 
-    ``tokens = B * s`` (the rank's sequence slice); rank ``r`` attends with ``n_r`` q and ``m_r``
-    kv heads over all ``P * s`` tokens:
+    ``tokens``: per rank ``B * s_r`` (the rank's sequence slice), or one number when every rank
+    holds the same. Rank ``r`` attends with ``n_r`` q and ``m_r`` kv heads (:func:`_head_plan`)
+    over all ``T = sum_r B * s_r`` tokens:
 
-    * forward q,k,v: the sequence slice with every (replicated) head, ``B*s*(N + 2K')*H*e``;
-    * forward o: the head slice, ``B*S*n_r*H*e``;
-    * backward q,k,v: gradients of the head slices, ``B*S*(n_r + 2 m_r)*H*e``;
-    * backward o: gradient of the sequence slice, ``B*s*N*H*e``.
+    * forward q,k,v: the sequence slice with every (replicated) head, ``B*s_r*(N + 2K')*H*e``;
+    * forward o: the head slice, ``T*n_r*H*e``;
+    * backward o (first in backward): gradient of the sequence slice, ``B*s_r*N*H*e``;
+    * backward q,k,v: gradients of the head slices, ``T*(n_r + 2 m_r)*H*e``.
 
-    With ``sp`` dividing the heads evenly every rank moves ``B*s*(N + 2K')*H*e`` and
-    ``B*s*N*H*e`` both ways.
+    With ``sp`` dividing the heads and the sequence evenly every rank moves
+    ``B*s*(N + 2K')*H*e`` and ``B*s*N*H*e`` both ways.
     """
     plan = _head_plan(n_q, n_kv, sp)
+    per_rank = [tokens] * sp if isinstance(tokens, int) else list(tokens)
+    if len(per_rank) != sp:
+        raise ValueError(f"tokens lists {len(per_rank)} ranks; expected one per rank, sp={sp}")
     Kp = sum(m for _, m in plan)
-    S_tok = tokens * sp
+    T = sum(per_rank)
     return [
         {
-            "forward_qkv": tokens * (n_q + 2 * Kp) * head_dim * e,
-            "forward_o": S_tok * n * head_dim * e,
-            "backward_qkv": S_tok * (n + 2 * m) * head_dim * e,
-            "backward_o": tokens * n_q * head_dim * e,
+            "forward_qkv": t * (n_q + 2 * Kp) * head_dim * e,
+            "forward_o": T * n * head_dim * e,
+            "backward_qkv": T * (n + 2 * m) * head_dim * e,
+            "backward_o": t * n_q * head_dim * e,
         }
-        for n, m in plan
+        for t, (n, m) in zip(per_rank, plan)
     ]
+
+
+def ulysses_rank_tokens(w: Workload) -> list[int]:
+    """``B * s_r`` per rank of the Ulysses all-to-all group (USP: equal ``S/P`` slices)."""
+    if w.attention == "ulysses":
+        return [w.micro_batch * s for s in w.seq_sizes]
+    return [w.micro_batch * w.local_seq] * w.a2a_degree
+
+
+def ulysses_busiest_rank(w: Workload) -> int:
+    """The all-to-all group rank that moves the most bytes per layer (the per-rank figure)."""
+    m = w.shape
+    ranks = ulysses_bytes_by_rank(m.n_heads, m.n_kv_heads, m.head_dim, w.a2a_degree,
+                                  ulysses_rank_tokens(w), w.e)  # fmt: skip
+    totals = [sum(r.values()) for r in ranks]
+    return totals.index(max(totals))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,7 +199,10 @@ class Collective:
         phase: ``forward``, ``backward`` or ``recompute``.
         scope: ``layer`` (issued by every block) or ``step`` (once per step).
         calls: calls per scope.
-        bytes: input-buffer bytes per scope (all calls together).
+        bytes: input-buffer bytes per scope (all calls together), of this rank (for Ulysses with
+            an uneven layout, the busiest rank of the group).
+        bytes_by_rank: where ranks of the group differ (uneven Ulysses layouts), ``bytes`` of
+            every rank of the group in group-rank order; ``None`` when all are equal.
     """
 
     what: str
@@ -182,6 +214,7 @@ class Collective:
     scope: str
     calls: int
     bytes: float
+    bytes_by_rank: tuple[float, ...] | None = None
 
     @property
     def wire_bytes(self) -> float:
@@ -195,6 +228,10 @@ class Collective:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if self.bytes_by_rank is None:
+            del d["bytes_by_rank"]
+        else:
+            d["bytes_by_rank"] = [_num(b) for b in self.bytes_by_rank]
         d["wire_bytes"] = self.wire_bytes
         return d
 
@@ -213,20 +250,25 @@ def _phases(w: Workload, items: list[Collective]) -> list[Collective]:
 # ----------------------------------------------------------------------------------------------
 def _ulysses(w: Workload, P: int, group: str, span: int) -> list[Collective]:
     """Ulysses all-to-alls of one layer over ``P`` ranks, for the busiest rank (all ranks are
-    equal when ``P`` divides the q heads and the kv heads split evenly)."""
+    equal when ``P`` divides the q heads and the sequence and the kv heads split evenly); with
+    packed documents, the all-gather of the position ids."""
     if P == 1:
         return []  # dtensor_ulysses._all_to_all returns early for a one-rank group
     m = w.shape
-    tok = w.micro_batch * w.local_seq
-    ranks = ulysses_bytes_by_rank(m.n_heads, m.n_kv_heads, m.head_dim, P, tok, w.e)
-    worst = max(ranks, key=lambda r: sum(r.values()))
+    ranks = ulysses_bytes_by_rank(m.n_heads, m.n_kv_heads, m.head_dim, P,
+                                  ulysses_rank_tokens(w), w.e)  # fmt: skip
+    worst = ranks[ulysses_busiest_rank(w)]
     out = []
+    # ulysses.py: q,k,v in one fused all-to-all, o in another; backward moves the gradients
     for phase in ("forward", "backward"):
-        # ulysses.py: q,k,v in one fused all-to-all, o in another; backward moves the gradients
-        out.append(Collective("ulysses q,k,v", "all_to_all", group, P, span, phase, "layer", 1,
-                              worst[f"{phase}_qkv"]))  # fmt: skip
-        out.append(Collective("ulysses o", "all_to_all", group, P, span, phase, "layer", 1,
-                              worst[f"{phase}_o"]))  # fmt: skip
+        for what, key in (("ulysses q,k,v", f"{phase}_qkv"), ("ulysses o", f"{phase}_o")):
+            per = tuple(r[key] for r in ranks)
+            out.append(Collective(what, "all_to_all", group, P, span, phase, "layer", 1,
+                                  worst[key], None if len(set(per)) == 1 else per))  # fmt: skip
+    if w.pack_docs:
+        # ulysses.py _gather_positions: the [B, ceil(S/P)] int64 ids (padded), every call
+        out.append(Collective("ulysses position ids", "all_gather", group, P, span, "forward",
+                              "layer", 1, w.micro_batch * w.local_seq * 8))  # fmt: skip
     return out
 
 

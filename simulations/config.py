@@ -6,14 +6,24 @@ each error names the offending numbers and the fix.
 Legend used across the package (per rank unless said otherwise):
 
     L layers, D hidden, N q heads, K kv heads, H head dim, F FFN size, V vocab
-    S sequence length, B micro-batch per dp rank, P sequence-parallel degree, s = S / P
+    S sequence length, B micro-batch per dp rank, P sequence-parallel degree
+    s = ceil(S / P) tokens of the busiest rank (S / P when P divides S), s_r those of rank r
+    n_r, m_r q and kv heads rank r attends with under Ulysses (``dtensor_ulysses.plan``)
     W = dp * P ranks in all, e bytes per activation element
+
+Uneven layouts (Ulysses only, as the real code): ``P`` need not divide ``N`` (ranks attend with
+``ceil`` or ``floor(N / P)`` heads, :func:`dtensor_ulysses.plan.head_split`; ``P > N`` is an
+error) nor ``S`` (DTensor's ``Shard(1)``: chunks of ``ceil(S / P)``, the last ones shorter or
+empty, :func:`dtensor_ulysses.plan.seq_split`). Every per-rank figure is then the busiest rank's:
+attention work scales with ``max n_r`` (:attr:`Workload.attention_imbalance` = max / mean), the
+rest of the block with ``max s_r`` (:attr:`Workload.token_imbalance`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from dtensor_ulysses.plan import HeadPlan, head_plan, seq_split
 from dtensor_ulysses.presets import ModelShape, get_shape
 from simulations.hardware import GpuProfile, get_gpu
 
@@ -82,6 +92,9 @@ class Workload:
             all-reduced; with ``sp=1`` this is plain data parallelism).
         impl: accounting profile, ``dtensor-ulysses`` or ``hf-deepspeed``.
         gpus: total GPUs; must equal ``dp * sp`` when given.
+        pack_docs: packed documents (``position_ids`` restarting per document): Ulysses
+            all-gathers the ids in every attention call (attention FLOPs still count one causal
+            sequence of ``S`` tokens: an upper bound).
     """
 
     shape: ModelShape
@@ -103,6 +116,7 @@ class Workload:
     sharding: str = "fsdp"
     impl: str = "dtensor-ulysses"
     gpus: int | None = None
+    pack_docs: bool = False
 
     def __post_init__(self) -> None:
         # Accept names for convenience; store the resolved objects.
@@ -139,9 +153,10 @@ class Workload:
                     f"{self.dp * self.sp}; choose dp and sp whose product is {self.gpus}"
                 )
         P, N, K = self.sp, self.shape.n_heads, self.shape.n_kv_heads
-        if self.attention == "ulysses" and N % P:
+        if self.attention == "ulysses" and P > N:
             raise ValueError(
-                f"{N} heads are not divisible by sp={P}; choose sp in {_fmt_set(divisors(N))}"
+                f"sp={P} exceeds the {N} q heads (a Ulysses rank would hold no head); the "
+                f"largest valid sp is {N} (sp in {_fmt_set(divisors(N))} split the heads evenly)"
             )
         if self.attention == "megatron-sp":
             if N % P or K % P:
@@ -169,10 +184,15 @@ class Workload:
             raise ValueError(
                 f"ulysses_degree is only meaningful with attention='usp', not {self.attention!r}"
             )
-        if self.seq_len % P:
+        if self.seq_len % P and self.attention != "ulysses":
             raise ValueError(
                 f"seq_len={self.seq_len} tokens are not divisible by sp={P}; pad the sequence to "
-                f"a multiple of {P} (e.g. {-(-self.seq_len // P) * P})"
+                f"a multiple of {P} (e.g. {-(-self.seq_len // P) * P}), or use "
+                f"attention='ulysses' (uneven slices)"
+            )
+        if self.pack_docs and self.attention != "ulysses":
+            raise ValueError(
+                f"pack_docs is modeled for attention='ulysses' only, not {self.attention!r}"
             )
         if self.offload_activations and self.ac != "full":
             raise ValueError(
@@ -197,9 +217,34 @@ class Workload:
         return self.dp * self.sp
 
     @property
+    def seq_sizes(self) -> list[int]:
+        """Tokens of one sequence per sp rank, ``s_r`` (DTensor ``Shard(1)``: ``ceil(S / P)``
+        chunks, the last ones shorter or empty; equal when ``P`` divides ``S``)."""
+        return seq_split(self.seq_len, self.sp)
+
+    @property
     def local_seq(self) -> int:
-        """Tokens of one sequence held by a rank, ``s = S / P``."""
-        return self.seq_len // self.sp
+        """Tokens of one sequence held by the busiest rank, ``s = ceil(S / P)`` (rank 0)."""
+        return -(-self.seq_len // self.sp)
+
+    @property
+    def heads(self) -> HeadPlan:
+        """q and kv heads per rank of the Ulysses all-to-all group (``dtensor_ulysses.plan``);
+        one rank with every head when there is no all-to-all."""
+        m = self.shape
+        return head_plan(m.n_heads, m.n_kv_heads, self.a2a_degree)
+
+    @property
+    def attention_imbalance(self) -> float:
+        """Attention work of the busiest rank over the mean, ``max(n_r) * P / N`` (1.0 when the
+        heads split evenly; only Ulysses allows them not to)."""
+        return self.heads.imbalance
+
+    @property
+    def token_imbalance(self) -> float:
+        """Tokens of the busiest rank over the mean, ``ceil(S / P) * P / S`` (1.0 when ``P``
+        divides ``S``): the matmuls and elementwise work outside attention scale with it."""
+        return self.local_seq * self.sp / self.seq_len
 
     @property
     def e(self) -> int:
@@ -263,4 +308,5 @@ class Workload:
             "reduce_dtype": self.reduce_dtype,
             "sharding": self.sharding,
             "impl": self.impl,
+            "pack_docs": self.pack_docs,
         }

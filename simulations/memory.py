@@ -18,6 +18,16 @@ attention kernel sees per rank, times ``P``; see :class:`ImplProfile`):
 Rotary embeddings multiply by constant tables and save nothing per token; residual adds save
 nothing. With FlashAttention there is no ``S^2`` term (contrast row M1's ``5 a s^2 b``).
 
+**Per rank** (:class:`RankGeometry`): the attention kernel's rows are counted on the tokens and
+heads the kernel sees, the rest on the rank's own tokens. Under Ulysses rank ``r`` holds
+``B * s_r`` tokens outside attention and attends over all ``B * S`` with ``n_r`` q and ``m_r`` kv
+heads: kernel q, k, v ``e (n_r + 2 m_r) H`` and o, logsumexp ``(e H + 4) n_r`` per attention
+token, which is the table's per-local-token row when the layout is even (``S = P s``,
+``n_r = N / P``). The backward d(q,k,v) all-to-all holds the head-sharded gradients and the
+packed send buffer (``2 e (n_r + 2 m_r) H B S``) and the receive buffer and the unpacked outputs
+(``2 e (N + 2K') H B s_r``). With uneven heads or sequence the ranks differ; :func:`estimate`
+evaluates each distinct rank and reports the largest peak (``rank``, ``peak_by_rank``).
+
 **Full checkpointing** keeps ``e * D`` per block (its input) and replays one block at a time in
 backward, so the peak holds ``L`` block inputs + one block's saved set + that block's backward
 transients (gradients, FlashAttention's fp32 dq accumulator, all-to-all send/receive buffers).
@@ -33,7 +43,7 @@ gradient and the produced one, ``12 V``. Tiled loss materializes one tile of tok
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtensor_ulysses.presets import ModelShape
 from simulations.comm import fsdp_units, kv_heads_after_replication
@@ -43,11 +53,14 @@ __all__ = [
     "IMPL_PROFILES",
     "ImplProfile",
     "MemoryBreakdown",
+    "RankGeometry",
     "block_activation_bytes",
+    "block_saved_bytes",
     "causal_mask_bytes",
     "estimate",
     "korthikanti_layer_bytes",
     "model_state_bytes_per_param",
+    "rank_geometries",
 ]
 
 GiB = 2**30
@@ -200,8 +213,52 @@ def korthikanti_layer_bytes(
 
 
 # ----------------------------------------------------------------------------------------------
-# one block, per token a rank holds
+# one block on one rank
 # ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankGeometry:
+    """What one sp rank holds; ranks with the same geometry are counted once.
+
+    Attributes:
+        ranks: the sp ranks with this geometry (group-rank order).
+        tokens: tokens outside attention, ``B * s_r``.
+        att_tokens: tokens the attention kernel sees (Ulysses ``B * S``; ring ``B * s``; USP
+            ``B * S / ring degree``; Megatron ``B * S``).
+        q_heads: q heads the kernel sees (Ulysses ``n_r``; ring ``N``; Megatron ``N / t``).
+        kv_heads: kv heads the kernel sees, after GQA replication (Ulysses ``m_r``).
+    """
+
+    ranks: tuple[int, ...]
+    tokens: int
+    att_tokens: int
+    q_heads: int
+    kv_heads: int
+
+
+def rank_geometries(w: Workload) -> list[RankGeometry]:
+    """The distinct geometries of the sp ranks (one when the layout is even), in rank order."""
+    m = w.shape
+    B, S, s = w.micro_batch, w.seq_len, w.local_seq
+    N, K = m.n_heads, m.n_kv_heads
+    if w.attention == "ulysses":  # any P dividing nothing: the real code's split
+        plan = w.heads
+        per = [(B * sr, B * S, n, k) for sr, n, k in zip(w.seq_sizes, plan.q_heads, plan.kv_heads)]
+    elif w.attention == "usp":  # ulysses over u ranks (u | N), then a ring over S/r-token blocks
+        plan, u = w.heads, w.a2a_degree
+        per = [
+            (B * s, B * S // w.ring_degree, plan.q_heads[r % u], plan.kv_heads[r % u])
+            for r in range(w.sp)
+        ]
+    elif w.attention == "ring":
+        per = [(B * s, B * s, N, K)] * w.sp
+    else:  # megatron-sp: the kernel sees all S tokens of N/t q and K/t kv heads
+        per = [(B * s, B * S, N // w.tp, K // w.tp)] * w.sp
+    ranks: dict[tuple[int, int, int, int], list[int]] = {}
+    for r, g in enumerate(per):
+        ranks.setdefault(g, []).append(r)
+    return [RankGeometry(tuple(rs), *g) for g, rs in ranks.items()]
+
+
 def _kernel_kv_heads(w: Workload) -> int:
     """kv heads the attention kernel sees, expressed per local token (times the a2a degree)."""
     m = w.shape
@@ -212,49 +269,64 @@ def _kernel_kv_heads(w: Workload) -> int:
     return m.n_kv_heads  # ring: local tokens, all kv heads; megatron: S tokens, K/t heads
 
 
-def block_activation_bytes(w: Workload) -> dict[str, float]:
-    """Bytes one block saves for backward, per token a rank holds, by tensor (no checkpointing)."""
+def block_saved_bytes(w: Workload, g: RankGeometry) -> dict[str, float]:
+    """Bytes one block saves for backward on a rank of geometry ``g``, by tensor (no
+    checkpointing). The attention kernel's tensors scale with ``att_tokens`` and the rank's heads,
+    everything else with the rank's ``tokens``."""
     m = w.shape
     prof = IMPL_PROFILES[w.impl]
     e = w.e
     D, N, K, H, F = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_dim
     nb = prof.norm_saved
-    Kk = _kernel_kv_heads(w)
-    out = {
-        "attention_norm": nb * D,
+    t, at, q, kv = g.tokens, g.att_tokens, g.q_heads, g.kv_heads
+    return {
+        "attention_norm": nb * D * t,
         # per-head q/k norms: RoPE upcasts their output without saving it (no output term)
-        "qk_norm": (nb - e) * (N + K) * H if m.qk_norm else 0,
-        "attention_qkv": e * (N + 2 * Kk) * H,
-        "attention_out": e * N * H + FP32 * N,  # o + fp32 logsumexp per head
+        "qk_norm": (nb - e) * (N + K) * H * t if m.qk_norm else 0,
+        "attention_qkv": e * (q + 2 * kv) * H * at,
+        "attention_out": (e * H + FP32) * q * at,  # o + fp32 logsumexp per head
         # Ulysses returns o from an all-to-all: a new tensor saved by the o projection; ring and
         # Megatron feed the kernel's own output tensor to the projection.
-        "o_proj_input": e * N * H if w.a2a_degree > 1 else 0,
-        "mlp_norm": nb * D,
-        "mlp": 0 if w.tiled_mlp else prof.mlp_saved * e * F,
+        "o_proj_input": e * N * H * t if w.a2a_degree > 1 else 0,
+        "mlp_norm": nb * D * t,
+        "mlp": 0 if w.tiled_mlp else prof.mlp_saved * e * F * t,
     }
-    return out
 
 
-def _block_backward_transients(w: Workload, tokens: int) -> dict[str, float]:
+def block_activation_bytes(w: Workload) -> dict[str, float]:
+    """Bytes one block saves for backward, per token the rank holds, by tensor (no
+    checkpointing), on the rank whose peak is the largest (:func:`estimate`; every rank when the
+    layout is even)."""
+    g = _geometry_of(w, estimate(w).rank)
+    return {k: v / max(g.tokens, 1) for k, v in block_saved_bytes(w, g).items()}
+
+
+def _geometry_of(w: Workload, rank: int) -> RankGeometry:
+    return next(g for g in rank_geometries(w) if rank in g.ranks)
+
+
+def _block_backward_transients(w: Workload, g: RankGeometry) -> dict[str, float]:
     """Extra bytes alive while one block runs backward, by stage (the stages do not overlap)."""
     m = w.shape
     e = w.e
     D, N, H, F = m.dim, m.n_heads, m.head_dim, m.ffn_dim
-    Kk = _kernel_kv_heads(w)
-    qkv = e * (N + 2 * Kk) * H * tokens
+    tokens, at, q, kv = g.tokens, g.att_tokens, g.q_heads, g.kv_heads
+    qkv_heads = e * (q + 2 * kv) * H * at  # the kernel's q, k, v (and their gradients)
     stages: dict[str, float] = {}
     # FlashAttention backward: dO, dQ, dK, dV and the fp32 dQ accumulator (FA2)
-    stages["attention_working"] = e * N * H * tokens + qkv + FP32 * N * H * tokens
-    if Kk < N:
+    stages["attention_working"] = e * q * H * at + qkv_heads + FP32 * q * H * at
+    if kv < q:
         # FA2 with GQA computes dK, dV for every q head ([B, S, n, H] in e), then sums the groups
-        stages["attention_working"] += 2 * e * N * H * tokens
+        stages["attention_working"] += 2 * e * q * H * at
     if w.a2a_degree > 1:
-        # dtensor_ulysses._all_to_all: inputs, packed send buffer, receive buffer, unpacked outputs
-        stages["all_to_all_buffers"] = 4 * qkv
+        # dtensor_ulysses._all_to_all, backward d(q,k,v): the head-sharded gradients and the
+        # packed send buffer, the receive buffer and the unpacked sequence-sharded outputs
+        qkv_seq = e * (N + 2 * _kernel_kv_heads(w)) * H * tokens
+        stages["all_to_all_buffers"] = 2 * qkv_heads + 2 * qkv_seq
     if w.ring_degree > 1:
         # ring: two incoming k,v blocks (double buffering) + fp32 dK,dV accumulators in flight
-        kv = 2 * Kk * H * tokens
-        stages["attention_working"] += 2 * e * kv + 2 * FP32 * kv
+        kv_block = 2 * kv * H * at
+        stages["attention_working"] += 2 * e * kv_block + 2 * FP32 * kv_block
     if w.tp > 1:
         # Megatron: the gathered sequence (t x local) and the reduce-scatter input, D wide
         stages["all_to_all_buffers"] = 2 * w.tp * e * D * tokens
@@ -302,6 +374,8 @@ class MemoryBreakdown:
         cpu_bytes: offloaded bytes per rank living in host memory.
         per_layer: activation bytes of one block: ``{"no_ac": ..., "ac_full": ...}``.
         capacity: bytes tensors may use on the GPU (profile ``usable_bytes``).
+        rank: the sp rank these figures are of: the one with the largest peak (the first such).
+        peak_by_rank: the peak of every sp rank (equal when the layout is even).
     """
 
     components: dict[str, float]
@@ -310,6 +384,8 @@ class MemoryBreakdown:
     cpu_bytes: float
     per_layer: dict[str, float]
     capacity: float
+    rank: int = 0
+    peak_by_rank: tuple[float, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -347,11 +423,23 @@ def _unit_numel(shape: ModelShape, t: int) -> tuple[int, int]:
 
 
 def estimate(w: Workload) -> MemoryBreakdown:
-    """Peak memory of one rank for workload ``w`` (see module docstring)."""
+    """Peak memory of the busiest rank for workload ``w`` (see module docstring): every distinct
+    rank geometry is estimated and the largest peak is reported, with every rank's peak."""
+    per = [(g, _estimate_rank(w, g)) for g in rank_geometries(w)]
+    g, best = max(per, key=lambda x: x[1].peak)  # the first of equal peaks: the lowest rank
+    by_rank = [0.0] * w.sp
+    for gg, mb in per:
+        for r in gg.ranks:
+            by_rank[r] = mb.peak
+    return replace(best, rank=g.ranks[0], peak_by_rank=tuple(by_rank))
+
+
+def _estimate_rank(w: Workload, g: RankGeometry) -> MemoryBreakdown:
+    """Peak memory of a rank of geometry ``g``."""
     m = w.shape
     prof = IMPL_PROFILES[w.impl]
     e = w.e
-    tokens = w.micro_batch * w.local_seq
+    tokens = g.tokens
     L = m.n_layers
     # model states: the parameters a rank owns, sharded (FSDP2 / ZeRO-3) or replicated (DDP)
     (pb, gb, ob), cpu_pb = model_state_bytes_per_param(w)
@@ -370,8 +458,7 @@ def estimate(w: Workload) -> MemoryBreakdown:
         gathered_fwd = 0.0
         gathered_bwd = blk * e
     # activations
-    per_tok = block_activation_bytes(w)
-    layer_saved = sum(per_tok.values()) * tokens
+    layer_saved = sum(block_saved_bytes(w, g).values())
     ckpt_one = e * m.dim * tokens
     if w.ac == "full":
         ckpt = (2 if w.offload_activations else L) * ckpt_one
@@ -379,10 +466,12 @@ def estimate(w: Workload) -> MemoryBreakdown:
     else:
         ckpt = 0.0
         resident_layers = L * layer_saved
-    stages = _block_backward_transients(w, tokens)
+    stages = _block_backward_transients(w, g)
     residual_grads = 2 * e * m.dim * tokens  # gradient of the residual stream in and out
     loss_peak, loss_kept = _loss_bytes(w, tokens)
     inputs = tokens * 3 * 8 + 2 * FP32 * m.head_dim * tokens  # ids, positions, labels, rope
+    if w.pack_docs:
+        inputs += g.att_tokens * 8  # the position ids all-gathered for document masking
     fixed = prof.fixed_bytes
 
     # Gradients exist only from backward to the optimizer step (zero_grad(set_to_none=True));

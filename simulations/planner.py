@@ -4,8 +4,16 @@ For every ``sp`` dividing the GPU count (``dp = gpus / sp``) the planner finds t
 that fits in memory (binary search over multiples of ``sp * 256`` tokens; the peak grows with the
 sequence) and the throughput, and says why each layout loses to the best one.
 
+Under Ulysses, ``sp`` need not divide the q heads (only ``sp > N`` is invalid): such a layout runs
+with an attention load imbalance (``max n_r * P / N``, :attr:`Workload.attention_imbalance`)
+that slows its busiest rank (the step) and grows that rank's attention memory; its GQA kv heads may
+also be replicated more (more all-to-all bytes). All of it enters its throughput and its longest
+sequence, so it ranks lower than a balanced layout unless it trains a longer sequence; its ``why``
+names the imbalance and what it costs.
+
 Ranking: with a target ``seq_len``, layouts that fit it come first, fastest first; without one,
-the longest trainable sequence wins and throughput at a common reference length breaks ties.
+the longest trainable sequence wins and throughput at a common reference length breaks ties; the
+smaller imbalance breaks any tie left.
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ class Layout:
     fits: bool = False
     why: str = ""
     binding: str = ""  # largest memory component at max_seq_len
+    attention_imbalance: float = 1.0  # busiest rank's attention work / mean (uneven heads)
+    heads_per_rank: tuple[int, ...] = ()  # q heads per rank of the all-to-all group
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,6 +86,7 @@ class Layout:
             "fits": self.fits,
             "tokens_per_s": self.tokens_per_s,
             "binding_memory_component": self.binding,
+            "attention_imbalance": self.attention_imbalance,
             "why": self.why,
         }
         if self.prediction is not None:
@@ -156,7 +167,8 @@ def plan(
         except ValueError as e:
             layouts.append(Layout(dp, sp, valid=False, why=str(e)))
             continue
-        lay = Layout(dp, sp, valid=True)
+        lay = Layout(dp, sp, valid=True, attention_imbalance=w.attention_imbalance,
+                     heads_per_rank=w.heads.q_heads)  # fmt: skip
         lay.max_seq_len = max_seq_len(w)
         if lay.max_seq_len:
             lay.binding = _largest_component(predict(w.with_(seq_len=lay.max_seq_len)))
@@ -169,7 +181,8 @@ def plan(
         ref = (min(positive) // gpus) * gpus if positive else 0
     for lay in valid:
         target = ref if ref else lay.max_seq_len
-        if target and target % lay.sp == 0:
+        # Ulysses runs any length (uneven slices); the other methods need sp | S
+        if target and (target % lay.sp == 0 or probe.attention == "ulysses"):
             try:
                 lay.prediction = predict(probe.with_(dp=lay.dp, sp=lay.sp, seq_len=target))
                 lay.eval_seq_len = target
@@ -177,9 +190,14 @@ def plan(
             except ValueError as e:
                 lay.why = str(e)
     if seq_len is not None:
-        valid.sort(key=lambda x: (x.fits, x.tokens_per_s, x.max_seq_len), reverse=True)
+        valid.sort(
+            key=lambda x: (x.fits, x.tokens_per_s, x.max_seq_len, -x.attention_imbalance),
+            reverse=True,
+        )
     else:
-        valid.sort(key=lambda x: (x.max_seq_len, x.tokens_per_s), reverse=True)
+        valid.sort(
+            key=lambda x: (x.max_seq_len, x.tokens_per_s, -x.attention_imbalance), reverse=True
+        )
     ordered = valid + [x for x in layouts if not x.valid]
     _explain(ordered, seq_len)
     return Plan(name, gpus, probe.gpu.name, seq_len, ordered)
@@ -193,6 +211,24 @@ def _fmt_tokens(n: float) -> str:
     return str(int(n))
 
 
+def _imbalance_note(lay: Layout) -> str:
+    """What an uneven head split costs the layout (empty when its heads split evenly)."""
+    if lay.attention_imbalance <= 1:
+        return ""
+    h = lay.heads_per_rank
+    note = (
+        f"attention load imbalance of {lay.attention_imbalance:.3f}x: ranks attend with {max(h)} "
+        f"or {min(h)} of {sum(h)} heads"
+    )
+    p = lay.prediction
+    if p is not None and p.time.imbalance > 0:
+        note += (
+            f", +{p.time.imbalance:.3g} s per step ({p.time.imbalance / p.step_time_s:.0%} of "
+            f"it) on the busiest rank"
+        )
+    return note
+
+
 def _explain(layouts: list[Layout], seq_len: int | None) -> None:
     if not layouts or not layouts[0].valid:
         return
@@ -204,6 +240,8 @@ def _explain(layouts: list[Layout], seq_len: int | None) -> None:
         )
         if best.fits and best.prediction:
             best.why += f"; {best.tokens_per_s:,.0f} tokens/s at {_fmt_tokens(best.eval_seq_len)}"
+        if _imbalance_note(best):
+            best.why += f"; it still pays an {_imbalance_note(best)}"
     for lay in layouts[1:]:
         if not lay.valid or lay.why:
             continue
@@ -234,4 +272,6 @@ def _explain(layouts: list[Layout], seq_len: int | None) -> None:
                     f"(step {lay.prediction.step_time_s:.3g} s vs "
                     f"{best.prediction.step_time_s:.3g} s)"
                 )
+        if _imbalance_note(lay):
+            reasons.append(_imbalance_note(lay))
         lay.why = "; ".join(reasons) or "ties with the best"

@@ -54,10 +54,39 @@ class Prediction:
     def fits(self) -> bool:
         return self.memory.fits
 
+    @property
+    def attention_imbalance(self) -> float:
+        """Attention work of the busiest rank over the mean (``max n_r * P / N``; 1.0 even)."""
+        return self.workload.attention_imbalance
+
+    def per_sp_rank(self) -> dict[str, Any] | None:
+        """Every rank of the Ulysses all-to-all group: tokens, heads, all-to-all bytes of one
+        layer, peak memory (``None`` without an all-to-all)."""
+        w = self.workload
+        if w.a2a_degree == 1:
+            return None
+        m = w.shape
+        plan = w.heads
+        tokens = _comm.ulysses_rank_tokens(w)
+        a2a = _comm.ulysses_bytes_by_rank(m.n_heads, m.n_kv_heads, m.head_dim, w.a2a_degree,
+                                          tokens, w.e)  # fmt: skip
+        return {
+            "tokens": tokens,
+            "q_heads": list(plan.q_heads),
+            "kv_heads": plan.kv_heads,
+            "all_to_all_bytes_per_layer": a2a,
+            "comm_rank": _comm.ulysses_busiest_rank(w),
+            "memory_peak_bytes": [int(b) for b in self.memory.peak_by_rank][: w.a2a_degree],
+            "memory_rank": self.memory.rank,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of ``python -m simulations predict --json`` (DESIGN.md section 3)."""
         w = self.workload
         d: dict[str, Any] = {"inputs": w.to_dict()}
+        d["attention_imbalance"] = self.attention_imbalance
+        d["token_imbalance"] = w.token_imbalance
+        d["per_sp_rank"] = self.per_sp_rank()
         d.update(self.comm.to_dict())
         d["memory_bytes"] = self.memory.to_dict()
         d["memory_peak_moment"] = self.memory.peak_moment

@@ -2,10 +2,16 @@
 
 Compute (per GPU = step FLOPs / ``W``, :mod:`simulations.flops`):
 
-    t_matmul    = matmul hardware FLOPs / (peak * matmul_efficiency)
-    t_attention = attention hardware FLOPs / (peak * attention_efficiency)    (<= FA2 ceiling, T3)
+    t_matmul    = matmul hardware FLOPs / (peak * matmul_efficiency) * token imbalance
+    t_attention = attention hardware FLOPs / (peak * attention_efficiency) * attention imbalance
+                  (efficiency <= FA2 ceiling, T3)
     t_memory    = elementwise traffic / HBM bandwidth; each saved activation byte is written
                   once in forward (and recompute) and read twice in backward (assumption)
+
+The step is as slow as its slowest rank. Uneven Ulysses layouts give rank 0 both the most
+tokens (``ceil(S/P)``: matmuls scale with ``token_imbalance = ceil(S/P) P / S``) and the most
+heads (``ceil(N/P)``: attention scales with ``attention_imbalance = max n_r P / N``), so rank 0
+sets the pace; ``imbalance_s`` is what the imbalance adds over an even split of the same work.
 
 Communication (per call): ``latency + wire_bytes / bus_bw`` (alpha-beta model; NCCL bus factors,
 row C3); the bus bandwidth is NVLink's when the group's consecutive ranks fit in one node, else
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 from simulations.comm import CommSummary
 from simulations.config import Workload
 from simulations.flops import FlopCount
-from simulations.memory import MemoryBreakdown, block_activation_bytes
+from simulations.memory import MemoryBreakdown
 
 __all__ = ["StepTime", "step_time"]
 
@@ -47,6 +53,7 @@ class StepTime:
     comm_total: float
     offload_exposed: float
     by_group: dict[str, float]
+    imbalance: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -66,6 +73,7 @@ class StepTime:
             "comm_exposed_s": self.comm_exposed,
             "offload_exposed_s": self.offload_exposed,
             "comm_s_by_group": dict(self.by_group),
+            "imbalance_s": self.imbalance,
         }
 
 
@@ -80,11 +88,14 @@ def step_time(w: Workload, flops: FlopCount, comm: CommSummary, mem: MemoryBreak
     """Step time of workload ``w`` from its FLOPs, communication and memory (see module doc)."""
     g = w.gpu
     W = w.world
-    t_mm = flops.matmul_hw / W / (g.peak_flops * g.matmul_efficiency)
-    t_att = flops.attention_hw / W / (g.peak_flops * g.attention_efficiency)
+    # the busiest rank: the most tokens (matmuls) and the most heads (attention), both rank 0
+    t_mm_even = flops.matmul_hw / W / (g.peak_flops * g.matmul_efficiency)
+    t_att_even = flops.attention_hw / W / (g.peak_flops * g.attention_efficiency)
+    t_mm = t_mm_even * w.token_imbalance
+    t_att = t_att_even * w.attention_imbalance
+    imbalance = (t_mm - t_mm_even) + (t_att - t_att_even)
     # elementwise traffic: saved activations written in forward (+ recompute), read 2x in backward
-    tokens = w.micro_batch * w.local_seq
-    saved = sum(block_activation_bytes(w).values()) * tokens * w.shape.n_layers
+    saved = mem.per_layer["no_ac"] * w.shape.n_layers
     passes = (2 if w.ac == "full" else 1) + 2
     t_mem = saved * passes / g.hbm_bw
     compute = t_mm + t_att + t_mem
@@ -129,4 +140,4 @@ def step_time(w: Workload, flops: FlopCount, comm: CommSummary, mem: MemoryBreak
     if w.offload_activations:
         moved = 2 * mem.per_layer["ac_full"] * w.shape.n_layers  # down in fwd, up in bwd
         off += max(0.0, moved / g.pcie_bw - compute)
-    return StepTime(t_mm, t_att, t_mem, exposed, total_comm, off, by_group)
+    return StepTime(t_mm, t_att, t_mem, exposed, total_comm, off, by_group, imbalance)

@@ -3,9 +3,10 @@
 Three parts, each row printed as it completes:
 
 1. **Communication, measured** - the real ``du.ulysses_attention`` forward and backward on gloo
-   at world sizes 2 and 4 (tiny and non-tiny shapes, MHA, GQA, MQA, kv-head replication), every
-   rank's collectives counted by ``du.CommCounter``; counts and bytes must equal the prediction
-   exactly (:mod:`simulations._measure`).
+   at world sizes 2 and 4 (tiny and non-tiny shapes, MHA, GQA, MQA, kv-head replication, uneven
+   q heads, uneven sequences, packed documents), every rank's collectives counted by
+   ``du.CommCounter``; counts and bytes of every rank must equal the prediction exactly
+   (:mod:`simulations._measure`).
 2. **Memory, traced** - the real model (``dtensor_ulysses/model.py`` + ``du.parallelize``) traced
    with fake tensors on a fake process group at large virtual world sizes (Llama-3-8B at sp = 8,
    16, 32, long sequences); predicted bytes within 10% (:mod:`simulations._trace`).
@@ -43,12 +44,17 @@ def _comm_part(out: Callable[[str], None]) -> int:
             continue
         for case, pred, ranks in rows:
             problems = _measure.compare(case, pred, ranks)
-            fb = sorted({p["forward"]["bytes"] for p in pred})
-            bb = sorted({p["backward"]["bytes"] for p in pred})
+            a2a = [{ph: p[ph]["all_to_all"] for ph in ("forward", "backward")} for p in pred]
+            fb = [p["forward"]["bytes"] for p in a2a]
+            bb = [p["backward"]["bytes"] for p in a2a]
+            fb, bb = (sorted(set(x)) if len(set(x)) == 1 else x for x in (fb, bb))
             detail = (
-                f"all-to-all per rank: fwd {pred[0]['forward']['count']} calls / {fb} B, "
-                f"bwd {pred[0]['backward']['count']} calls / {bb} B"
+                f"all-to-all per rank: fwd {a2a[0]['forward']['count']} calls / {fb} B, "
+                f"bwd {a2a[0]['backward']['count']} calls / {bb} B"
             )
+            gathers = [p["forward"]["all_gather"]["bytes"] for p in pred]
+            if any(gathers):
+                detail += f", position-id all-gather {sorted(set(gathers))} B"
             if problems:
                 failures += 1
                 out(_line("fail", f"W={world} {case.label()}", "; ".join(problems)))

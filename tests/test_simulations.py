@@ -73,7 +73,7 @@ def test_gqa_replication_matches_the_real_kv_head_index():
 
     for n_q in range(1, 25):
         for n_kv in (d for d in range(1, n_q + 1) if n_q % d == 0):
-            for sp in (d for d in range(1, n_q + 1) if n_q % d == 0):
+            for sp in range(1, n_q + 1):  # uneven head splits included
                 idx = kv_head_index(n_q, n_kv, sp)
                 want = n_kv if idx is None else len(idx)
                 assert comm.kv_heads_after_replication(n_q, n_kv, sp) == want, (n_q, n_kv, sp)
@@ -190,6 +190,173 @@ def test_activation_memory_per_rank_scales_as_one_over_sp():
 
 
 # ----------------------------------------------------------------------------------------------
+# uneven layouts (Ulysses): heads or sequence not divisible by sp, as the real code runs them
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "n_q, sp, heads, imbalance",
+    [(32, 6, [6, 6, 5, 5, 5, 5], 6 * 6 / 32), (32, 5, [7, 7, 6, 6, 6], 7 * 5 / 32),
+     (32, 12, [3] * 8 + [2] * 4, 3 * 12 / 32), (6, 4, [2, 2, 1, 1], 2 * 4 / 6),
+     (10, 4, [3, 3, 2, 2], 3 * 4 / 10), (3, 2, [2, 1], 2 * 2 / 3), (32, 8, [4] * 8, 1.0)],
+)  # fmt: skip
+def test_attention_imbalance_hand_worked(n_q, sp, heads, imbalance):
+    w = Workload(ModelShape("m", 1, 8 * n_q, n_q, 1, 8, 64, 64), 64 * sp, sp=sp)
+    assert list(w.heads.q_heads) == heads
+    assert w.attention_imbalance == pytest.approx(imbalance, rel=1e-15)  # max / mean
+    assert w.token_imbalance == 1.0
+
+
+def test_uneven_sequence_split_and_token_imbalance():
+    w = _w("tiny", S=37, sp=4)
+    assert (w.seq_sizes, w.local_seq) == ([10, 10, 10, 7], 10)  # DTensor Shard(1)
+    assert w.token_imbalance == pytest.approx(40 / 37)
+    empty = _w("tiny", S=6, sp=4)
+    assert (empty.seq_sizes, empty.token_imbalance) == ([2, 2, 2, 0], pytest.approx(8 / 6))
+    assert _w("tiny", S=64, sp=4).token_imbalance == 1.0
+
+
+def test_ulysses_uneven_heads_bytes_hand_worked():
+    # N=10, K=2 (groups of 5 q heads) on P=4: q heads 3, 3, 2, 2; rank 1 holds q heads 3-5,
+    # which use kv heads 0, 0, 1: one kv head per q head (3); the others 1 each: K' = 6.
+    # B*s = 8 local tokens, T = 32, H = 8, fp32 (e = 4): the measured W=4 case, exactly.
+    ranks = comm.ulysses_bytes_by_rank(10, 2, 8, 4, 8, 4)
+    assert [r["forward_qkv"] for r in ranks] == [8 * (10 + 2 * 6) * 8 * 4] * 4  # 5632
+    assert [r["forward_o"] for r in ranks] == [32 * n * 8 * 4 for n in (3, 3, 2, 2)]
+    assert [r["backward_o"] for r in ranks] == [8 * 10 * 8 * 4] * 4  # 2560
+    assert [r["backward_qkv"] for r in ranks] == [
+        32 * (n + 2 * m) * 8 * 4 for n, m in ((3, 1), (3, 3), (2, 1), (2, 1))
+    ]
+    fwd = [r["forward_qkv"] + r["forward_o"] for r in ranks]
+    bwd = [r["backward_o"] + r["backward_qkv"] for r in ranks]
+    assert (fwd, bwd) == ([8704, 8704, 7680, 7680], [7680, 11776, 6656, 6656])
+    # through a Workload: the records carry the busiest rank (1) and every rank's bytes
+    w = Workload(ModelShape("m", 1, 80, 10, 2, 8, 8, 8), 32, sp=4, dtype="fp32", ac="none")
+    assert comm.ulysses_busiest_rank(w) == 1
+    by = {(c.what, c.phase): c for c in comm.per_layer_attention(w)}
+    bq = by["ulysses q,k,v", "backward"]
+    assert bq.bytes == 11776 - 2560 and bq.bytes_by_rank == (5120, 9216, 4096, 4096)
+    assert by["ulysses q,k,v", "forward"].bytes_by_rank is None  # equal on every rank
+
+
+def test_ulysses_uneven_sequence_bytes_hand_worked():
+    # S=37 on P=4 -> 10, 10, 10, 7 tokens; B=2: B*s_r = 20, 20, 20, 14, T = 74; N=8, K=2, H=8, fp32
+    ranks = comm.ulysses_bytes_by_rank(8, 2, 8, 4, [20, 20, 20, 14], 4)
+    assert [r["forward_qkv"] for r in ranks] == [t * (8 + 2 * 4) * 32 for t in (20, 20, 20, 14)]
+    assert {r["forward_o"] for r in ranks} == {74 * 2 * 32}
+    assert [r["backward_o"] for r in ranks] == [t * 8 * 32 for t in (20, 20, 20, 14)]
+    assert {r["backward_qkv"] for r in ranks} == {74 * (2 + 2 * 1) * 32}
+    assert [r["forward_qkv"] + r["forward_o"] for r in ranks] == [14976] * 3 + [11904]
+    assert [r["backward_o"] + r["backward_qkv"] for r in ranks] == [14592] * 3 + [13056]
+    w = Workload(ModelShape("m", 1, 64, 8, 2, 8, 8, 8), 37, sp=4, micro_batch=2, dtype="fp32",
+                 ac="none")  # fmt: skip
+    assert comm.ulysses_rank_tokens(w) == [20, 20, 20, 14]
+    assert comm.ulysses_busiest_rank(w) == 0
+    fwd = sum(c.bytes for c in comm.per_layer_attention(w) if c.phase == "forward")
+    assert fwd == 14976
+    # an empty rank (S=6 on 4: 2, 2, 2, 0 tokens) still attends with its head over all S
+    empty = comm.ulysses_bytes_by_rank(4, 4, 8, 4, [2, 2, 2, 0], 4)
+    assert empty[3] == {"forward_qkv": 0, "forward_o": 6 * 32, "backward_qkv": 6 * 3 * 32,
+                        "backward_o": 0}  # fmt: skip
+
+
+def test_uneven_heads_scale_attention_time_by_the_imbalance():
+    p = sim.predict(_w(S=98304, sp=6))  # 32 heads on 6 ranks: 6, 6, 5, 5, 5, 5
+    w, g = p.workload, p.workload.gpu
+    even_att = p.flops.attention_hw / 6 / (g.peak_flops * g.attention_efficiency)
+    even_mm = p.flops.matmul_hw / 6 / (g.peak_flops * g.matmul_efficiency)
+    assert p.attention_imbalance == w.attention_imbalance == 1.125
+    assert p.time.attention == pytest.approx(even_att * 1.125)
+    assert p.time.matmul == pytest.approx(even_mm)  # 98304 = 6 * 16384: tokens are even
+    assert p.time.imbalance == pytest.approx(even_att * 0.125)
+    # an uneven sequence slows the matmuls of the rank holding ceil(S/P) tokens
+    q = sim.predict(_w(S=131073, sp=8))
+    mm = q.flops.matmul_hw / 8 / (g.peak_flops * g.matmul_efficiency)
+    assert q.time.matmul == pytest.approx(mm * 16385 * 8 / 131073)
+    assert q.attention_imbalance == 1.0 and q.time.imbalance == pytest.approx(q.time.matmul - mm)
+    # GQA on sp=6: no rank's q heads use whole kv groups evenly -> one kv head per q head (K'=32)
+    assert w.heads.kv_heads == [6, 6, 5, 5, 5, 5]
+    assert p.comm.per_layer["forward"]["all_to_all"] == 16384 * (32 + 64) * 256 + 98304 * 6 * 256
+
+
+def test_uneven_heads_memory_is_the_busiest_ranks():
+    # N=10, K=2 on sp=4: q heads 3, 3, 2, 2, kv heads 1, 3, 1, 1; every rank 1024 tokens of 4096
+    shape = ModelShape("odd", 2, 640, 10, 2, 64, 1024, 1000)
+    w = Workload(shape, 4096, sp=4, ac="none")
+    geo = memory.rank_geometries(w)
+    assert [(g.ranks, g.tokens, g.att_tokens, g.q_heads, g.kv_heads) for g in geo] == [
+        ((0,), 1024, 4096, 3, 1), ((1,), 1024, 4096, 3, 3), ((2, 3), 1024, 4096, 2, 1)]  # fmt: skip
+    saved = memory.block_saved_bytes(w, geo[1])
+    assert saved["attention_qkv"] == 2 * (3 + 2 * 3) * 64 * 4096  # the kernel's q, k, v
+    assert saved["attention_out"] == (2 * 64 + 4) * 3 * 4096  # o + fp32 logsumexp
+    assert saved["o_proj_input"] == 2 * 640 * 1024  # sequence-sharded, all heads
+    stages = memory._block_backward_transients(w, geo[1])
+    # d(q,k,v) all-to-all: head-sharded grads + send buffer, receive buffer + outputs (K' = 6)
+    assert stages["all_to_all_buffers"] == 2 * 2 * 9 * 64 * 4096 + 2 * 2 * 22 * 64 * 1024
+    assert stages["attention_working"] == (2 + 4) * 3 * 64 * 4096 + 2 * 9 * 64 * 4096
+    rank0 = memory._block_backward_transients(w, geo[0])  # kv < q: FA2's per-q-head dK, dV
+    assert rank0["attention_working"] == ((2 + 4) * 3 + 2 * 5 + 2 * 2 * 3) * 64 * 4096
+    est = memory.estimate(w)
+    p0, p1, p2, p3 = est.peak_by_rank
+    assert est.rank == 1 and est.peak == p1 > p0 > p2 == p3
+    per_tok = memory.block_activation_bytes(w)  # of the busiest rank, per local token
+    assert sum(per_tok.values()) * 1024 == pytest.approx(sum(saved.values()))
+    even = memory.estimate(_w(sp=8))
+    assert even.rank == 0 and set(even.peak_by_rank) == {even.peak}
+
+
+def test_pack_docs_adds_the_position_id_all_gather():
+    plain = sim.predict(_w(sp=8))
+    packed = sim.predict(_w(sp=8, pack_docs=True))
+    for phase in ("forward", "recompute"):  # checkpointing replays the gather
+        assert (packed.comm.per_layer[phase]["all_gather"]
+                - plain.comm.per_layer[phase]["all_gather"]) == 16384 * 8  # fmt: skip
+    assert packed.comm.calls_by_kind["all_gather"] - plain.comm.calls_by_kind["all_gather"] == 64
+    odd = sim.predict(_w(S=131073, sp=8, pack_docs=True, ac="none"))
+    ids = [c for c in odd.comm.items if c.what == "ulysses position ids"]
+    assert [c.bytes for c in ids] == [16385 * 8]  # [B, ceil(S/P)] int64
+
+
+def test_predict_json_reports_the_imbalance_and_every_rank(capsys):
+    argv = shlex.split("predict --model llama3-8b --seq-len 98304 --sp 6 --gpu h100 --json")
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["attention_imbalance"] == 1.125 and d["token_imbalance"] == 1.0
+    ranks = d["per_sp_rank"]
+    assert ranks["q_heads"] == [6, 6, 5, 5, 5, 5] and ranks["tokens"] == [16384] * 6
+    assert [r["forward_o"] for r in ranks["all_to_all_bytes_per_layer"]] == [
+        98304 * n * 128 * 2 for n in ranks["q_heads"]]  # fmt: skip
+    assert ranks["comm_rank"] == 0 and len(ranks["memory_peak_bytes"]) == 6
+    o_fwd = next(c for c in d["collectives"]
+                 if c["what"] == "ulysses o" and c["phase"] == "forward")  # fmt: skip
+    assert o_fwd["bytes_by_rank"] == [98304 * n * 256 for n in (6, 6, 5, 5, 5, 5)]
+    assert o_fwd["bytes"] == max(o_fwd["bytes_by_rank"])
+    assert main(argv[:-1]) == 0  # the table
+    out = capsys.readouterr().out
+    assert "attention imbalance 1.125x" in out and "Uneven layout, per sp rank" in out
+    assert main(argv[:-1] + ["--sp", "8", "--json"]) == 0
+    even = json.loads(capsys.readouterr().out)
+    assert even["attention_imbalance"] == 1.0
+    assert all("bytes_by_rank" not in c for c in even["collectives"])
+
+
+def test_plan_considers_sp_not_dividing_the_heads():
+    # 12 GPUs, 32 heads: sp = 3, 6, 12 split the heads unevenly; they run, slower per rank
+    pl = sim.plan("llama3-8b", 12, "h100", seq_len=65536)
+    by_sp = {x.sp: x for x in pl.layouts}
+    assert all(x.valid for x in pl.layouts) and sorted(by_sp) == [1, 2, 3, 4, 6, 12]
+    assert {sp: by_sp[sp].attention_imbalance for sp in (3, 6, 12)} == {
+        3: 11 * 3 / 32, 6: 1.125, 12: 1.125}  # fmt: skip
+    why6 = by_sp[6].why
+    assert "attention load imbalance of 1.125x: ranks attend with 6 or 5 of 32 heads" in why6
+    assert "s per step" in why6
+    order = [x.sp for x in pl.layouts]
+    fitting_balanced = [sp for sp in (2, 4) if by_sp[sp].fits]
+    assert fitting_balanced
+    for sp in (3, 6, 12):  # every imbalanced layout ranks below the balanced ones that fit
+        assert all(order.index(sp) > order.index(b) for b in fitting_balanced)
+    assert pl.to_dict()["layouts"][0]["attention_imbalance"] == 1.0
+
+
+# ----------------------------------------------------------------------------------------------
 # memory and FLOPs: hand-worked
 # ----------------------------------------------------------------------------------------------
 def test_block_activation_bytes_hand_worked_llama3_8b():
@@ -294,7 +461,7 @@ def test_plan_with_a_target_sequence_and_invalid_layouts():
     pl = sim.plan("llama3-8b", 64, "h100", seq_len=1_048_576, tiled_loss=True)
     assert pl.best is not None and pl.best.fits
     invalid = [x for x in pl.layouts if not x.valid]
-    assert [x.sp for x in invalid] == [64] and "not divisible by sp=64" in invalid[0].why
+    assert [x.sp for x in invalid] == [64] and "the largest valid sp is 32" in invalid[0].why
     losers = [x for x in pl.layouts[1:] if x.valid and not x.fits]
     assert losers and all("does not fit" in x.why for x in losers)
 
@@ -305,12 +472,18 @@ def test_plan_with_a_target_sequence_and_invalid_layouts():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(sp=6), r"32 heads are not divisible by sp=6; choose sp in \{1, 2, 4, 8, 16, 32\}"),
+        (
+            dict(sp=48),
+            r"sp=48 exceeds the 32 q heads .* the largest valid sp is 32 \(sp in "
+            r"\{1, 2, 4, 8, 16, 32\} split the heads evenly\)",
+        ),
         (dict(model="llama3-9b"), "unknown model preset 'llama3-9b'; choose one of"),
         (dict(S=-5), "seq_len=-5 must be a positive integer"),
         (dict(dp=0), "dp=0 must be a positive integer"),
         (dict(micro_batch=-1), "micro_batch=-1 must be a positive integer"),
-        (dict(S=1000, sp=16), "seq_len=1000 tokens are not divisible by sp=16; pad"),
+        (dict(S=1000, sp=16, attention="ring"), "seq_len=1000 tokens are not divisible by sp=16"),
+        (dict(S=1001, sp=8, attention="megatron-sp"), "or use attention='ulysses'"),
+        (dict(sp=8, attention="ring", pack_docs=True), "pack_docs is modeled for attention="),
         (dict(sp=4, gpus=8), r"gpus=8 but dp \* sp = 1 \* 4 = 4"),
         (dict(gpu="h300"), "unknown GPU profile 'h300'; choose one of h100"),
         (dict(sp=16, attention="megatron-sp"), "megatron-sp needs tp=sp=16 to divide"),
@@ -396,7 +569,7 @@ def test_cli_compare_and_published(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ("predict --model llama3-8b --seq-len 131072 --sp 6", "choose sp in {1, 2, 4, 8, 16, 32}"),
+        ("predict --model llama3-8b --seq-len 131072 --sp 64", "the largest valid sp is 32"),
         ("predict --model nope --seq-len 8 --sp 1", "unknown model preset 'nope'"),
         ("predict --model llama3-8b --seq-len -1 --sp 1", "seq_len=-1 must be a positive"),
         ("plan --model llama3-8b --gpus 8 --gpu tpu", "unknown GPU profile 'tpu'"),

@@ -300,7 +300,14 @@ def long_context_worker(rank: int, world_size: int, cases: list[dict]) -> list[d
                 [torch.cat([torch.arange(n) for n in lengths]).reshape(1, S) for lengths in docs]
             )
             pos = shard(pos_BS)
-        qd, kd, vd = (shard(t).requires_grad_() for t in (q, k, v))
+        # local leaves wrapped with from_local (as the model does): how DTensor *leaves* of an
+        # uneven shard accumulate .grad differs across torch versions (2.11: Replicate)
+        leaves = [shard(t).to_local().detach().requires_grad_() for t in (q, k, v)]
+        qd, kd, vd = (
+            DTensor.from_local(loc, mesh, placements, run_check=False, shape=t.shape,
+                               stride=t.stride())
+            for loc, t in zip(leaves, (q, k, v))
+        )  # fmt: skip
         with du.CommCounter() as fwd:
             od = du.ulysses_attention(
                 qd, kd, vd, causal=case["causal"], backend="sdpa", position_ids=pos,
@@ -314,8 +321,8 @@ def long_context_worker(rank: int, world_size: int, cases: list[dict]) -> list[d
             "dk": shard(k64.grad).to_local(),
             "dv": shard(v64.grad).to_local(),
         }
-        got = {"o": od.to_local(), "dq": qd.grad.to_local(), "dk": kd.grad.to_local(),
-               "dv": vd.grad.to_local()}  # fmt: skip
+        got = {"o": od.to_local(), "dq": leaves[0].grad, "dk": leaves[1].grad,
+               "dv": leaves[2].grad}  # fmt: skip
         results.append(
             {
                 "case": {kk: vv for kk, vv in case.items()},
