@@ -229,16 +229,39 @@ BAD = [
 
 @pytest.mark.timeout(600)
 def test_bad_input_exits_with_one_message(tmp_path):
+    """Every bad command line, each a real torchrun job (launched together to save time)."""
     (tmp_path / "empty.txt").write_text("")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    jobs = []
     for args, nproc, pattern in BAD:
         args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-        res = _torchrun([*args, "--steps", "1"], nproc=nproc, timeout=120)
-        label = f"{args}: rc={res.returncode}\n{res.stderr[-2000:]}"
-        assert res.returncode != 0, label
-        errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "dtensor_ulysses.train",
+            *args,
+            "--steps",
+            "1",
+        ]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)  # fmt: skip
+        jobs.append((args, pattern, proc))
+    for args, pattern, proc in jobs:
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{args}: still running after 300 s (a hang)")
+        label = f"{args}: rc={proc.returncode}\n{stderr[-2000:]}"
+        assert proc.returncode != 0, label
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1, f"expected one message from rank 0; {label}"
         assert re.search(pattern, errors[0]), label
-        assert "dtensor_ulysses/" not in res.stderr, f"a worker traceback leaked; {label}"
+        assert "dtensor_ulysses/" not in stderr, f"a worker traceback leaked; {label}"
 
 
 @pytest.mark.timeout(300)
