@@ -97,5 +97,3 @@ def kv_head_index(n_q: int, n_kv: int, sp: int) -> list[int] | None:
     """
     plan = head_plan(n_q, n_kv, sp)
     return None if plan.is_plain_shard else [h for heads in plan.kv_index for h in heads]
-
-
