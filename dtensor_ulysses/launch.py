@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dtensor_ulysses._exit import exit_process
+
 __all__ = ["run_local_world"]
 
 
@@ -51,9 +53,10 @@ def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, coll
     except BaseException:
         with open(f"{tmp}/error_{rank}.txt", "w") as f:
             f.write(traceback.format_exc())
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    exit_process(0)  # results are written: skip the teardown that can abort (see _exit.py)
 
 
 def run_local_world(

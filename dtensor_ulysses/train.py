@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_ulysses import checkpoint as ckpt
+from dtensor_ulysses._exit import exit_process
 from dtensor_ulysses.data import PackedCorpus, get_batch
 from dtensor_ulysses.loss import cross_entropy_sum, global_valid_tokens, loss_for_backward
 from dtensor_ulysses.mesh import default_device_type, init_mesh
@@ -387,4 +388,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: skip the teardown that can abort (see _exit.py)

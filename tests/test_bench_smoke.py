@@ -1,0 +1,52 @@
+"""Smoke test of benchmarks/bench_ulysses.py at a toy size (world size 2, S=64; a few seconds).
+
+Runs the benchmark's ``main`` exactly as the command line would and checks the JSON it writes:
+every variant is there, timed (> 0 ms), with the same collectives and bytes on every rank, the
+closed form holds where the all-to-all is ours, and the variants agree numerically.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench_ulysses
+
+ARGV = [
+    "--world-sizes", "2", "--seq-len", "64", "--heads", "4", "--kv-heads", "4",
+    "--gqa-kv-heads", "2", "--head-dim", "8", "--batch", "1", "--dtype", "float32",
+    "--iters", "1", "--warmup", "1", "--timeout", "120",
+]  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_bench_ulysses_toy(tmp_path):
+    out = tmp_path / "bench.json"
+    returned = bench_ulysses.main([*ARGV, "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["rows"] == json.loads(json.dumps(returned["rows"]))
+    assert data["argv"][-2:] == ["--json", str(out)]
+    assert {"torch", "python", "cpu_model", "cpu_count"} <= set(data["environment"])
+
+    rows = data["rows"]
+    mha = {r["variant"]: r for r in rows if r["K"] == 4}
+    gqa = {r["variant"]: r for r in rows if r["K"] == 2}
+    assert set(mha) == set(bench_ulysses.VARIANTS)
+    assert set(gqa) == {"ulysses_fused", "ulysses_unfused"}
+    for r in rows:
+        where = f"{r['variant']} K={r['K']}"
+        assert "skipped" not in r, where
+        assert r["P"] == 2 and r["S"] == 64, where
+        assert r["ms_fwd_bwd"] > 0 and all(t > 0 for t in r["ms_per_iter_max_over_ranks"]), where
+        assert r["bytes_equal_across_ranks"], where
+        assert r["bytes_per_rank_fwd"] > 0 and r["bytes_per_rank_bwd"] > 0, where
+        assert r["equivalent"] and max(r["max_abs_diff_vs_reference"].values()) <= 1e-5, where
+        if r["variant"] != "redistribute":  # DTensor's choice of collective depends on torch
+            assert r["closed_form_ok"], (where, r["collectives_fwd"], r["closed_form_fwd"])
+    # fused and unfused move the same bytes, in 2 vs 4 all-to-alls per direction
+    for by in (mha, gqa):
+        f, u = by["ulysses_fused"], by["ulysses_unfused"]
+        assert f["bytes_per_rank_fwd"] == u["bytes_per_rank_fwd"]
+        assert (f["a2a_count_fwd"], u["a2a_count_fwd"]) == (2, 4)
+    assert data["all_equivalent"] and data["all_bytes_equal_across_ranks"]
