@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from dtensor_ulysses._torch_private import TorchDispatchMode
 
 __all__ = ["CommCounter", "CollectiveCall"]
 

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dtensor_ulysses._torch_private import flatten_mesh
+
 __all__ = ["init_mesh", "flatten_dp_sp", "default_device_type"]
 
 MESH_AXES = ("dp", "sp")
@@ -92,8 +94,7 @@ def flatten_dp_sp(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D ``dp_sp`` view of a ``("dp", "sp")`` mesh, over which FSDP2 shards parameters."""
     if mesh.mesh_dim_names != MESH_AXES:
         raise ValueError(f"expected a mesh with axes {MESH_AXES}, got {mesh.mesh_dim_names}")
-    # Private API, used only here: DeviceMesh._flatten (checked on torch 2.11 and 2.13).
-    return mesh[MESH_AXES]._flatten("dp_sp")
+    return flatten_mesh(mesh[MESH_AXES], "dp_sp")  # private torch API, see _torch_private.py
 
 
 def _divisors(n: int) -> list[int]:

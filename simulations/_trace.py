@@ -7,8 +7,9 @@ sequence slice. A dispatch mode counts the bytes of every live storage (paramete
 keeps the peak; saved-tensor hooks count what one block keeps for backward. Both are compared with
 :mod:`simulations.memory`.
 
-Private torch APIs (fake process group, ``FakeTensorMode``) are touched in exactly one function,
-:func:`_fake_world`, checked on torch 2.13.
+Private torch APIs (fake process group, ``FakeTensorMode``) come from
+``dtensor_ulysses._torch_private``, the one place for them, and are used only in
+:func:`_fake_world`.
 
 The trace has no optimizer: the compared prediction drops ``optimizer_states`` and ``fixed``
 (framework buffers the trace does not allocate). CPU kernels stand in for CUDA ones (PyTorch's
@@ -72,10 +73,9 @@ def _fake_world(world_size: int) -> Iterator[tuple[object, type]]:
     """A fake process group of ``world_size`` ranks (this process is rank 0), a fake-tensor mode
     and a live-bytes tracker class.
 
-    The one place that touches private torch APIs, checked on torch 2.13:
-    ``torch.testing._internal.distributed.fake_pg.FakeStore`` with the ``"fake"`` backend,
-    ``torch._subclasses.fake_tensor.FakeTensorMode`` and ``torch.utils._python_dispatch
-    .TorchDispatchMode``. The tracker counts each storage an op creates once, until it is freed
+    The private torch APIs it needs (fake process group, ``FakeTensorMode``,
+    ``TorchDispatchMode``) come from ``dtensor_ulysses._torch_private``, the project's one place
+    for them. The tracker counts each storage an op creates once, until it is freed
     or ``resize_``-d (FSDP2 frees gathered parameters with ``untyped_storage().resize_(0)``), and
     keeps the peak.
     """
@@ -84,10 +84,14 @@ def _fake_world(world_size: int) -> Iterator[tuple[object, type]]:
 
         import torch
         import torch.distributed as dist
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
+
+        from dtensor_ulysses._torch_private import (
+            TorchDispatchMode,
+            fake_world_classes,
+            tree_flatten,
+        )
+
+        FakeTensorMode, FakeStore = fake_world_classes()
     except ImportError as e:  # a torch without these private modules
         raise TraceUnavailable(f"fake process group / fake tensors unavailable: {e}") from None
 
