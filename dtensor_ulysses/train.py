@@ -351,6 +351,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     return records
 
 
+_ERROR_GRACE_S = 5.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -379,8 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         return 0
     except ValueError as e:
+        # Bad input is found alike on every rank; rank 0 says it once. The other ranks linger a
+        # moment before exiting: torchrun stops all workers as soon as one fails, and rank 0
+        # must get to print first.
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(_ERROR_GRACE_S)
         return 2
     finally:
         if dist.is_initialized():
