@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dtensor_ulysses.plan import nearby_multiples
+
 __all__ = [
     "IGNORE_INDEX",
     "SEP_ID",
@@ -439,11 +441,6 @@ def document_positions(ids: torch.Tensor) -> torch.Tensor:
     return idx - torch.cummax(starts, dim=-1).values
 
 
-def _nearby_multiples(n: int, k: int) -> str:
-    lo, hi = n // k * k, (n // k + 1) * k
-    return f"{lo} or {hi}" if lo > 0 else str(hi)
-
-
 def get_batch(
     corpus: PackedCorpus,
     step: int,
@@ -505,7 +502,7 @@ def get_batch(
     if S % sp and not uneven:
         raise ValueError(
             f"seq_len {S} is not divisible by sp={sp}; use a multiple of {sp}, "
-            f"e.g. {_nearby_multiples(S, sp)}"
+            f"e.g. {nearby_multiples(S, sp)}"
         )
     b, chunk = global_batch_size // dp, -(-S // sp)
     samples = range(dp_rank * b, (dp_rank + 1) * b)

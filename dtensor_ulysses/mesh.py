@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtensor_ulysses._torch_private import flatten_mesh
+from dtensor_ulysses.plan import divisors
 
 __all__ = ["init_mesh", "flatten_dp_sp", "default_device_type"]
 
@@ -79,7 +80,7 @@ def init_mesh(
         if world_size % dp:
             raise ValueError(
                 f"dp={dp} does not divide world_size={world_size}; choose dp in "
-                f"{_divisors(world_size)}"
+                f"{divisors(world_size)}"
             )
         sp = world_size // dp
     if dp * sp != world_size:
@@ -95,7 +96,3 @@ def flatten_dp_sp(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.mesh_dim_names != MESH_AXES:
         raise ValueError(f"expected a mesh with axes {MESH_AXES}, got {mesh.mesh_dim_names}")
     return flatten_mesh(mesh[MESH_AXES], "dp_sp")  # private torch API, see _torch_private.py
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from dtensor_ulysses.attention import local_attention
+from dtensor_ulysses.plan import contiguous_stride
 from dtensor_ulysses.presets import PRESETS, ModelShape, get_shape
 from dtensor_ulysses.ulysses import ulysses_attention
 
@@ -184,10 +185,10 @@ class Attention(nn.Module):
 
             def dt(t: torch.Tensor) -> DTensor:  # this rank's slice of the global [B, S, ...]
                 shape = (B, S, *t.shape[2:])
-                stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
                 return DTensor.from_local(
-                    t, self.sp_mesh, [Shard(1)], run_check=False, shape=shape, stride=stride
-                )
+                    t, self.sp_mesh, [Shard(1)], run_check=False, shape=shape,
+                    stride=contiguous_stride(shape),
+                )  # fmt: skip
 
             pos = None if position_ids_Bs is None else dt(position_ids_Bs)
             o_BsNH = ulysses_attention(

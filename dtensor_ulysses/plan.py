@@ -8,9 +8,39 @@ says which kv heads travel to which rank (GQA replication).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-__all__ = ["HeadPlan", "head_plan", "head_split", "kv_head_index", "seq_split"]
+__all__ = [
+    "HeadPlan",
+    "contiguous_stride",
+    "divisors",
+    "head_plan",
+    "head_split",
+    "kv_head_index",
+    "nearby_multiples",
+    "seq_split",
+]
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n`` in increasing order (the degrees that split ``n`` evenly)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearby_multiples(n: int, k: int) -> str:
+    """The multiples of ``k`` around ``n``, for error messages: ``(63, 2) -> "62 or 64"``."""
+    lo, hi = n // k * k, (n // k + 1) * k
+    return f"{lo} or {hi}" if lo > 0 else str(hi)
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    """Row-major strides of a tensor of ``shape`` (for ``DTensor.from_local(shape=, stride=)``)."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
 
 
 def seq_split(S: int, P: int) -> list[int]:
@@ -57,6 +87,7 @@ class HeadPlan:
         return max(self.q_heads) * len(self.q_heads) / sum(self.q_heads)
 
 
+@functools.cache  # a pure function of three ints, asked once per attention layer and call
 def head_plan(n_q: int, n_kv: int, sp: int) -> HeadPlan:
     """Split ``n_q`` q heads over ``sp`` ranks and give each rank the kv heads its q heads use.
 

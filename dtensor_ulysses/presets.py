@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from dtensor_ulysses.plan import divisors
+
 __all__ = ["ModelShape", "PRESETS", "get_shape"]
 
 
@@ -69,7 +71,7 @@ class ModelShape:
 
     def valid_sp(self) -> list[int]:
         """sp degrees that divide the q-head count."""
-        return [d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]
+        return divisors(self.n_heads)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -32,7 +32,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -46,6 +46,7 @@ from dtensor_ulysses.mesh import default_device_type, init_mesh
 from dtensor_ulysses.metrics import StepLogger
 from dtensor_ulysses.model import build_model, init_weights, model_flops_per_token
 from dtensor_ulysses.parallelize import fsdp_world_size, parallelize
+from dtensor_ulysses.plan import nearby_multiples
 from dtensor_ulysses.presets import get_shape
 
 __all__ = ["TrainConfig", "parse_args", "validate", "train", "main"]
@@ -80,7 +81,6 @@ class TrainConfig:
     allow_uneven_heads: bool = False
     device: str | None = None
     collective_timeout_s: float = 600.0
-    extra: dict = field(default_factory=dict)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -134,11 +134,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items()})
 
 
-def _nearby(n: int, k: int) -> str:
-    lo = max(k, n // k * k)
-    return f"{lo} or {lo + k}" if lo != n else str(n)
-
-
 def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Check the configuration before any process group exists; resolve ``sp``.
 
@@ -174,12 +169,12 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if cfg.seq_len % cfg.sp and cfg.strict_seq_len:
         raise ValueError(
             f"--seq-len {cfg.seq_len} is not divisible by sp={cfg.sp}; use a multiple of "
-            f"{cfg.sp}, e.g. {_nearby(cfg.seq_len, cfg.sp)} (or drop --strict-seq-len)"
+            f"{cfg.sp}, e.g. {nearby_multiples(cfg.seq_len, cfg.sp)} (or drop --strict-seq-len)"
         )
     if cfg.batch_size % cfg.dp:
         raise ValueError(
             f"--batch-size {cfg.batch_size} (global) is not divisible by dp={cfg.dp}; use a "
-            f"multiple of {cfg.dp}, e.g. {_nearby(cfg.batch_size, cfg.dp)}"
+            f"multiple of {cfg.dp}, e.g. {nearby_multiples(cfg.batch_size, cfg.dp)}"
         )
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir (where to find the checkpoint)")
@@ -255,7 +250,8 @@ def _check_resumable(path, cfg: TrainConfig) -> None:
             f"{meta['shape']['name']} or another --checkpoint-dir"
         )
     data_keys = ("seq_len", "batch_size", "seed", "data", "pack_docs")
-    changed = [k for k in data_keys if meta.get(k) != _checkpoint_meta(cfg)[k]]
+    run = _checkpoint_meta(cfg)
+    changed = [k for k in data_keys if meta.get(k) != run[k]]
     if changed:
         raise ValueError(
             f"checkpoint {path} was trained with "

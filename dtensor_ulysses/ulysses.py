@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,15 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from dtensor_ulysses._all_to_all import all_to_all
 from dtensor_ulysses.attention import local_attention
-from dtensor_ulysses.plan import HeadPlan, head_plan, head_split, kv_head_index, seq_split
+from dtensor_ulysses.plan import (
+    HeadPlan,
+    contiguous_stride,
+    divisors,
+    head_plan,
+    head_split,
+    kv_head_index,
+    seq_split,
+)
 
 __all__ = [
     "SP_AXIS",
@@ -64,7 +72,7 @@ SEQ_DIM, HEAD_DIM = 1, 2
 # validation
 # ----------------------------------------------------------------------------------------------
 def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+    return "{" + ", ".join(map(str, divisors(n))) + "}"
 
 
 def _sp_axis(mesh: DeviceMesh) -> int:
@@ -193,14 +201,6 @@ def _ulysses_local(
     )
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
-
-
 def _rewrap(x: DTensor, local: torch.Tensor, sp_axis: int, sp_dim: int) -> DTensor:
     placements: list[Placement] = list(x.placements)
     placements[sp_axis] = Shard(sp_dim)
@@ -210,7 +210,7 @@ def _rewrap(x: DTensor, local: torch.Tensor, sp_axis: int, sp_dim: int) -> DTens
         placements,
         run_check=False,
         shape=x.shape,
-        stride=_contiguous_stride(x.shape),
+        stride=contiguous_stride(x.shape),
     )
 
 

@@ -14,10 +14,9 @@ and backward apart, by kind.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from dtensor_ulysses.plan import seq_split
+from dtensor_ulysses.plan import contiguous_stride, seq_split
 from dtensor_ulysses.presets import ModelShape
 from simulations import comm
 from simulations.config import Workload
@@ -154,9 +153,8 @@ def attention_comm_worker(rank: int, world_size: int, cases: list[Case]) -> list
 
         def place(t, case=case, mesh=mesh):
             shape = (case.B, case.S, *t.shape[2:])
-            stride = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))
             return DTensor.from_local(t, mesh, [Shard(0), Shard(1)], run_check=False,
-                                      shape=shape, stride=stride)  # fmt: skip
+                                      shape=shape, stride=contiguous_stride(shape))  # fmt: skip
 
         def make(heads: int, gen=gen, Bl=Bl, s=s, case=case):
             t = torch.randn(Bl, s, heads, case.H, generator=gen).to(dtypes[case.dtype])

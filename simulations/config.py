@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from dtensor_ulysses.plan import HeadPlan, head_plan, seq_split
+from dtensor_ulysses.plan import HeadPlan, divisors, head_plan, seq_split
 from dtensor_ulysses.presets import ModelShape, get_shape
 from simulations.hardware import GpuProfile, get_gpu
 
@@ -45,11 +45,6 @@ SHARDING = ("fsdp", "ddp")
 #   "hf-deepspeed", "hf-deepspeed-fused", "hf": Hugging Face Transformers (+ DeepSpeed ZeRO-3), the
 #   setups of the published ALST and Hugging Face rows (M3, M4, T2).
 IMPLEMENTATIONS = ("dtensor-ulysses", "hf-deepspeed", "hf-deepspeed-fused", "hf")
-
-
-def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n`` in increasing order."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _fmt_set(values: list[int]) -> str:
