@@ -1,5 +1,7 @@
 """Forward+backward of Ulysses attention on gloo: time, collectives and bytes per rank.
 
+Kept in one file (~580 lines): a benchmark script anyone can copy and run on its own.
+
 What it measures. For each world size ``P`` (one local gloo world of ``P`` CPU processes), each
 head configuration (MHA ``N = K``, and GQA ``K = --gqa-kv-heads``) and each variant below, one
 iteration is: sequence-sharded local ``q, k, v[B, S/P, heads, H]`` -> head-sharded
@@ -105,12 +107,12 @@ def _hand_exchange(x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torc
 
 class _HandAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, split_dim, cat_dim, group):  # type: ignore[override]
+    def forward(ctx, x, split_dim, cat_dim, group):
         ctx.dims_group = (split_dim, cat_dim, group)
         return _hand_exchange(x, split_dim, cat_dim, group)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         split_dim, cat_dim, group = ctx.dims_group
         return _hand_exchange(grad, cat_dim, split_dim, group), None, None, None
 

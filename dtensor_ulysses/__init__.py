@@ -16,23 +16,27 @@ __version__ = "0.1.0"
 
 # public name -> submodule that defines it
 _EXPORTS = {
-    "CommCounter": "comm",
+    "CommCounter": "debug",
     "UlyssesAttention": "ulysses",
     "build_model": "model",
-    "init_weights": "model",
+    "init_weights": "weights",
     "parallelize": "parallelize",
     "flatten_dp_sp": "mesh",
     "force_backend": "attention",
-    "head_to_seq": "ulysses",
+    "head_to_seq": "dtensor_api",
     "init_mesh": "mesh",
-    "kv_head_index": "ulysses",
+    "kv_head_index": "plan",
+    "LocalAttention": "attention",
+    "SeqLayout": "plan",
     "local_attention": "attention",
-    "seq_to_head": "ulysses",
-    "ulysses_attention": "ulysses",
+    "seq_to_head": "dtensor_api",
+    "ulysses_attention": "dtensor_api",
 }
 
 __all__ = [
     "CommCounter",
+    "LocalAttention",
+    "SeqLayout",
     "UlyssesAttention",
     "build_model",
     "flatten_dp_sp",
@@ -61,15 +65,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from dtensor_ulysses.attention import force_backend, local_attention
-    from dtensor_ulysses.comm import CommCounter
+    from dtensor_ulysses.attention import LocalAttention, force_backend, local_attention
+    from dtensor_ulysses.debug import CommCounter
+    from dtensor_ulysses.dtensor_api import head_to_seq, seq_to_head, ulysses_attention
     from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
-    from dtensor_ulysses.model import build_model, init_weights
+    from dtensor_ulysses.model import build_model
     from dtensor_ulysses.parallelize import parallelize
-    from dtensor_ulysses.ulysses import (
-        UlyssesAttention,
-        head_to_seq,
-        kv_head_index,
-        seq_to_head,
-        ulysses_attention,
-    )
+    from dtensor_ulysses.plan import SeqLayout, kv_head_index
+    from dtensor_ulysses.ulysses import UlyssesAttention
+    from dtensor_ulysses.weights import init_weights

@@ -89,12 +89,12 @@ def _exchange(
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, *xs):  # type: ignore[override]
+    def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, *xs):
         ctx.args = (scatter_dim, gather_dim, scatter_sizes, gather_sizes, group)
         return tuple(_exchange(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group))
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         scatter_dim, gather_dim, scatter_sizes, gather_sizes, group = ctx.args
         grads = [g.contiguous() for g in grads]
         # reverse: scatter along the old gather dim by the senders' sizes, gather back ours
@@ -128,7 +128,7 @@ def all_to_all(
         ``all_to_all_single`` (none when the group has one rank); backward issues exactly one.
     """
     single = isinstance(xs, torch.Tensor)
-    tensors = [xs] if single else list(xs)
+    tensors: list[torch.Tensor] = [xs] if isinstance(xs, torch.Tensor) else list(xs)
     ndim = tensors[0].dim()
     for d, name in ((scatter_dim, "scatter_dim"), (gather_dim, "gather_dim")):
         if not 0 <= d < ndim:
@@ -166,7 +166,7 @@ def all_to_all(
                 f"{t.shape[gather_dim]}"
             )
     if P == 1:
-        return xs if single else tensors
+        return tensors[0] if single else tensors
     sc_t = tuple(tuple(s) for s in sc)
     ga_t = tuple(tuple(g) for g in ga)
     out = _AllToAll.apply(scatter_dim, gather_dim, sc_t, ga_t, group, *tensors)

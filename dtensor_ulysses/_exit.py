@@ -1,12 +1,18 @@
-"""Leave a distributed worker process without running C++ static destructors.
+"""How distributed worker processes leave: every workaround for process-group teardown, here.
 
-On CPU/gloo, a worker that has finished all its work, written its results and destroyed its
-process groups can still abort at interpreter shutdown ("terminate called without an active
-exception": a library thread still joinable while static objects are destroyed), seen here
-intermittently on torch 2.13 with 2-4 processes. That turns a successful run into a SIGABRT that
-torchrun or the spawning parent reports as a failure. Workers therefore flush their streams and
-leave with ``os._exit``: nothing is lost, because results, metrics and checkpoints are written and
-closed before this point.
+1. Leave together. On CPU/gloo, tearing down a process group while a peer is still inside its
+   last collective can abort the process; a successful run therefore passes one barrier before
+   ``destroy_process_group`` (:func:`leave_together`).
+2. Let rank 0 speak first. Bad input is found alike on every rank and rank 0 says it once;
+   torchrun stops every worker as soon as one exits, so the other ranks wait a moment before
+   leaving with a usage error.
+3. Skip C++ static destructors. Even after all of that, a gloo worker can abort at interpreter
+   shutdown ("terminate called without an active exception": gloo's worker threads still hold
+   work whose tensors need the GIL while the interpreter is finalized), seen here intermittently
+   on torch 2.13 with 2-4 processes; upstream: pytorch/pytorch#190489 (and the abandoned atexit
+   fix, pytorch/pytorch#179291). Workers flush their streams and leave with ``os._exit``
+   (:func:`exit_process`): nothing is lost, because results, metrics and checkpoints are written
+   and closed before this point.
 """
 
 from __future__ import annotations
@@ -14,8 +20,30 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 
-__all__ = ["exit_process"]
+import torch.distributed as dist
+
+__all__ = ["USAGE_ERROR_GRACE_S", "exit_process", "leave_together"]
+
+USAGE_ERROR_GRACE_S = 5.0
+
+
+def leave_together(code: int, rank: int) -> int:
+    """Tear down the process group for an exit with status ``code``; returns ``code``.
+
+    ``0``: all ranks pass one barrier, then destroy the group. ``2`` (usage error): ranks other
+    than 0 wait :data:`USAGE_ERROR_GRACE_S` so rank 0's message is printed first. Anything else
+    (a failure, whose traceback is already printed): no barrier, since peers may never reach it.
+    """
+    if dist.is_initialized():
+        if code == 0:
+            dist.barrier()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if code == 2 and rank != 0:
+        time.sleep(USAGE_ERROR_GRACE_S)
+    return code
 
 
 def exit_process(code: int) -> None:

@@ -21,13 +21,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = [
     "BACKENDS",
+    "LocalAttention",
     "document_starts",
     "flash_attn_available",
     "force_backend",
@@ -123,43 +125,84 @@ def local_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     position_ids: torch.Tensor | None = None,
+    doc_starts: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Attention on local, full-length tensors; returns ``o[B, S, N, H]``.
 
     GQA/MQA: ``K`` may be smaller than ``N`` when it divides it.
 
-    Packed documents: with ``position_ids[B, S]`` (restarting at 0 per document, see
-    :func:`document_starts`) no token attends across a document boundary: flash-attn runs
-    ``flash_attn_varlen_func`` over the documents; SDPA runs once per document (exact, no
-    ``[S, S]`` mask is built).
+    Packed documents: no token attends across a document boundary. Give the boundaries either as
+    ``doc_starts`` (per batch row, the start indices, as in
+    :attr:`~dtensor_ulysses.plan.SeqLayout.doc_starts`; no device sync) or as
+    ``position_ids[B, S]`` restarting at 0 per document (see :func:`document_starts`; reads the
+    ids back to the host). flash-attn then runs ``flash_attn_varlen_func`` over the documents;
+    SDPA runs once per document (exact, no ``[S, S]`` mask is built).
     """
     N, K = q_BSNH.shape[2], k_BSKH.shape[2]
     if N % K:
         raise ValueError(f"{N} q heads are not a multiple of {K} kv heads")
     chosen = resolve_backend(backend, q_BSNH)
     if position_ids is not None:
+        if doc_starts is not None:
+            raise ValueError("pass position_ids or doc_starts, not both")
         if tuple(position_ids.shape) != tuple(q_BSNH.shape[:2]):
             raise ValueError(
                 f"position_ids has shape {tuple(position_ids.shape)}; expected [B, S] = "
                 f"{tuple(q_BSNH.shape[:2])}"
             )
-        starts = document_starts(position_ids)
+        doc_starts = document_starts(position_ids)
+    if doc_starts is not None:
+        if len(doc_starts) != q_BSNH.shape[0]:
+            raise ValueError(
+                f"doc_starts has {len(doc_starts)} rows for a batch of {q_BSNH.shape[0]}"
+            )
         if chosen == "flash_attn":
-            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, starts, causal, softmax_scale)
+            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_starts, causal, softmax_scale)
+        S = q_BSNH.shape[1]
         out = []
-        for b, row_starts in enumerate(starts):
-            for lo, hi in _segments(row_starts, q_BSNH.shape[1]):
+        for b, row_starts in enumerate(doc_starts):
+            for lo, hi in _segments(list(row_starts), S):
                 out.append(
                     _sdpa(q_BSNH[b : b + 1, lo:hi], k_BSKH[b : b + 1, lo:hi],
                           v_BSKH[b : b + 1, lo:hi], causal, softmax_scale)
                 )  # fmt: skip
-        S = q_BSNH.shape[1]
         return torch.cat(out, dim=1).view(q_BSNH.shape[0], S, N, -1)
     if chosen == "flash_attn":
         return _flash_attn_func()(
             q_BSNH, k_BSKH, v_BSKH, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal
         )
     return _sdpa(q_BSNH, k_BSKH, v_BSKH, causal, softmax_scale)
+
+
+class LocalAttention(nn.Module):
+    """The model's default ``inner_attention``: :func:`local_attention` on full-length tensors.
+
+    ``forward(q, k, v, *, layout=None, doc_starts=None)`` takes ``[B, S, heads, H]`` tensors;
+    packed documents come as a :class:`~dtensor_ulysses.plan.SeqLayout` (``layout``, on one
+    rank) or as ``doc_starts`` (what the Ulysses engine passes after its exchange).
+    ``du.parallelize`` wraps this module in the Ulysses engine; it keeps the kernel choice.
+
+    Args:
+        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``.
+        causal: causal masking.
+    """
+
+    def __init__(self, backend: str = "auto", *, causal: bool = True) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        self.backend = backend
+        self.causal = causal
+
+    def forward(self, q, k, v, *, layout=None, doc_starts=None) -> torch.Tensor:
+        if layout is not None and doc_starts is None:
+            doc_starts = layout.doc_starts
+        return local_attention(
+            q, k, v, causal=self.causal, backend=self.backend, doc_starts=doc_starts
+        )
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, causal={self.causal}"
 
 
 def _sdpa(q_BSNH, k_BSKH, v_BSKH, causal: bool, softmax_scale: float | None) -> torch.Tensor:

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dtensor_ulysses.plan import nearby_multiples
+from dtensor_ulysses.loss import IGNORE_INDEX
+from dtensor_ulysses.plan import SeqLayout, nearby_multiples
 
 __all__ = [
     "IGNORE_INDEX",
@@ -62,6 +63,7 @@ __all__ = [
     "decode",
     "default_corpus_paths",
     "document_positions",
+    "document_starts",
     "encode",
     "get_batch",
     "read_documents",
@@ -70,7 +72,6 @@ __all__ = [
 
 SEP_ID = 256  # starts every document; ids 0..255 are bytes
 VOCAB_SIZE = 257
-IGNORE_INDEX = -100  # label value the loss skips (torch.nn.functional.cross_entropy's default)
 
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _MASK64 = (1 << 64) - 1
@@ -408,26 +409,29 @@ def sample_index(step: int, i: int, global_batch_size: int, n_windows: int, seed
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class Batch:
-    """One rank's slice of a step's global batch; all int64 ``[b, S_sp]``.
+    """One rank's slice of a step's global batch: int64 ``[b, S_sp]`` tensors and the layout.
 
     Attributes:
         input_ids: token ids.
         labels: the token after each input (already shifted, so slice edges are right).
         position_ids: global positions ``0..S-1``, or per-document positions with ``pack_docs``.
+        layout: the step's sequence layout: tokens per sp rank and, with ``pack_docs``, the
+            document starts of the full window (host-side ints; the model passes it to every
+            attention layer, so no layer gathers position ids or syncs with the host).
     """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
+    layout: SeqLayout
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
-        """The batch on ``device``."""
-        return Batch(
-            *(
-                t.to(device, non_blocking=non_blocking)
-                for t in (self.input_ids, self.labels, self.position_ids)
-            )
+        """The batch on ``device`` (the layout stays on the host)."""
+        ids, labels, pos = (
+            t.to(device, non_blocking=non_blocking)
+            for t in (self.input_ids, self.labels, self.position_ids)
         )
+        return Batch(ids, labels, pos, self.layout)
 
 
 def document_positions(ids: torch.Tensor) -> torch.Tensor:
@@ -439,6 +443,19 @@ def document_positions(ids: torch.Tensor) -> torch.Tensor:
     idx = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
     starts = torch.where(ids == SEP_ID, idx, torch.zeros_like(idx))
     return idx - torch.cummax(starts, dim=-1).values
+
+
+def document_starts(ids_bS: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """Per row, the indices where a document starts: 0 and every ``SEP`` (host-side ints).
+
+    The same boundaries as the restarts of :func:`document_positions`.
+    Example: ``[[7, 8, SEP, 9, SEP, 5]] -> ((0, 2, 4),)``.
+    """
+    rows = []
+    for row in ids_bS.cpu():
+        seps = (row == SEP_ID).nonzero().flatten().tolist()
+        rows.append(tuple([0] + [i for i in seps if i > 0]))
+    return tuple(rows)
 
 
 def get_batch(
@@ -472,10 +489,10 @@ def get_batch(
         pack_docs: position ids restart at 0 at each document start (``SEP``).
         uneven: accept ``S`` not divisible by ``sp``: sp rank ``q`` then keeps DTensor's uneven
             ``Shard(1)`` piece (chunks of ``ceil(S / sp)``, the last ones shorter or empty, as
-            :func:`dtensor_ulysses.ulysses.seq_split`); every token is still on exactly one rank.
+            :func:`dtensor_ulysses.plan.seq_split`); every token is still on exactly one rank.
 
     Returns:
-        :class:`Batch` of int64 ``[b, S_sp]`` tensors on the CPU.
+        :class:`Batch` of int64 ``[b, S_sp]`` tensors on the CPU, with the step's layout.
 
     Raises:
         ValueError: ``G`` not divisible by ``dp``; ``S`` not divisible by ``sp``; a rank out of
@@ -504,18 +521,23 @@ def get_batch(
             f"seq_len {S} is not divisible by sp={sp}; use a multiple of {sp}, "
             f"e.g. {nearby_multiples(S, sp)}"
         )
-    b, chunk = global_batch_size // dp, -(-S // sp)
+    b = global_batch_size // dp
     samples = range(dp_rank * b, (dp_rank + 1) * b)
     index = [sample_index(step, i, global_batch_size, len(corpus), seed) for i in samples]
     win_bL = corpus.windows(index)
     ids_bS, labels_bS = win_bL[:, :-1], win_bL[:, 1:]  # shift first, then slice
     if pack_docs:  # document starts may lie on an earlier slice: positions over all of S
         pos_bS = document_positions(ids_bS)
+        layout = SeqLayout.split(S, sp, document_starts(ids_bS))
     else:
         pos_bS = torch.arange(S, dtype=torch.int64).expand(b, S)
-    lo, hi = min(S, sp_rank * chunk), min(S, (sp_rank + 1) * chunk)
+        layout = SeqLayout.split(S, sp)
+    sizes = layout.seq_sizes
+    lo = layout.offset(sp_rank)
+    hi = lo + sizes[sp_rank]
     return Batch(
         input_ids=ids_bS[:, lo:hi].contiguous(),
         labels=labels_bS[:, lo:hi].contiguous(),
         position_ids=pos_bS[:, lo:hi].contiguous(),
+        layout=layout,
     )

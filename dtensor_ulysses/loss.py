@@ -6,10 +6,9 @@ The single-device loss of a global batch is the mean over its valid tokens (labe
 
 Each rank holds a slice of the tokens (its dp samples, its sp slice of each), so it computes
 ``sum_{its tokens} ce(t) / T_valid`` with the *global* count ``T_valid`` (one all-reduce of one
-integer); the rank losses add up to ``L`` and so do their gradients. FSDP2 averages gradients over
-the ``W = dp * sp`` ranks instead of summing them, so the value passed to ``backward`` is
-multiplied by ``W`` (:func:`loss_for_backward`). Whatever (dp, sp) is, loss and gradients equal
-the single-device run.
+integer over the ``dp x sp`` group); the rank losses add up to ``L`` and so do their gradients,
+which FSDP2 sums (``du.parallelize`` sets its gradient divide factor to 1). Whatever (dp, sp) is,
+loss and gradients equal the single-device run.
 
 :func:`tiled_cross_entropy_sum` computes the same sum without materializing ``[B, s, V]`` logits:
 chunks of the sequence are projected, scored and discarded, and recomputed in backward.
@@ -26,7 +25,6 @@ __all__ = [
     "IGNORE_INDEX",
     "cross_entropy_sum",
     "global_valid_tokens",
-    "loss_for_backward",
     "tiled_cross_entropy_sum",
 ]
 
@@ -73,15 +71,18 @@ def tiled_cross_entropy_sum(
 
 
 def global_valid_tokens(labels_Bs: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
-    """Valid labels summed over all ranks of ``group`` (default: the world); one all-reduce."""
+    """Valid labels summed over all ranks of ``group``; one all-reduce.
+
+    Pass the ``dp x sp`` group (``du.flatten_dp_sp(mesh).get_group()``); ``None`` means the
+    default group, which is the same set of ranks when the mesh spans the world.
+
+    Raises:
+        ValueError: the global batch has no valid label (the loss would divide by zero).
+    """
     count = (labels_Bs != IGNORE_INDEX).sum().to(torch.int64).reshape(1)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(count, group=group)
-    return int(count.item())
-
-
-def loss_for_backward(local_sum: torch.Tensor, n_valid_global: int, fsdp_world: int):
-    """The value to ``backward()`` so FSDP2's averaged gradients equal the single-device ones."""
-    if n_valid_global < 1:
+    n = int(count.item())
+    if n < 1:
         raise ValueError("the global batch has no valid labels; check the data and seq_len")
-    return local_sum * (fsdp_world / n_valid_global)
+    return n

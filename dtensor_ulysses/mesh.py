@@ -71,10 +71,10 @@ def init_mesh(
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, **kwargs)
+        dist.init_process_group(backend=backend, timeout=timeout)
     world_size = dist.get_world_size()
     if sp is None:
         if world_size % dp:

@@ -2,7 +2,8 @@
 
 Peak memory is the CUDA allocator's peak (``torch.cuda.max_memory_allocated``) on GPU, and the
 process's peak resident set size on CPU. MFU = model FLOPs per token x tokens/s per GPU / the
-GPU's dense bf16 peak (:data:`PEAK_FLOPS`); it is reported on known GPUs only.
+GPU's dense bf16 peak (:data:`PEAK_FLOPS`, from :mod:`dtensor_ulysses.hardware`); it is reported
+on known GPUs only.
 """
 
 from __future__ import annotations
@@ -16,18 +17,20 @@ from typing import TextIO
 
 import torch
 
+from dtensor_ulysses.hardware import GPU_SPECS, spec_for_device
+
 __all__ = ["PEAK_FLOPS", "peak_flops", "peak_memory_bytes", "StepLogger"]
 
-# Dense bf16 tensor-core peak per GPU (vendor data sheets, SXM parts).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# Dense bf16 tensor-core peak per GPU, by profile key (the one table: dtensor_ulysses.hardware).
+PEAK_FLOPS = {name: g.peak_flops for name, g in GPU_SPECS.items()}
 
 
 def peak_flops(device: torch.device) -> float | None:
     """The dense bf16 peak of ``device`` if it is a known GPU, else None."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    spec = spec_for_device(torch.cuda.get_device_name(device))
+    return spec.peak_flops if spec else None
 
 
 def peak_memory_bytes(device: torch.device) -> int:

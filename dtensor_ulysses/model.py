@@ -1,10 +1,14 @@
-"""A Llama-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP) built from a ``ModelShape``.
+"""A Llama-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP), free of any parallelism.
 
-Every module except attention is token-wise, so under Ulysses it runs unchanged on a rank's local
-sequence slice; :class:`Attention` switches to :func:`~dtensor_ulysses.ulysses.ulysses_attention`
-when its ``sp_mesh`` is set (``du.parallelize`` does that). Positions are always *global*: a rank
+The model never imports ``torch.distributed``. Every module except attention is token-wise, so
+under Ulysses it runs unchanged on a rank's local sequence slice; attention calls its
+``inner_attention`` module, which is the local kernel by default and which ``du.parallelize``
+swaps for the Ulysses engine (torchtitan's pattern). The step's
+:class:`~dtensor_ulysses.plan.SeqLayout` (sequence pieces per rank, packed-document starts) is
+passed down unchanged to every ``inner_attention``. Positions are always *global*: a rank
 holding tokens ``[r*s, (r+1)*s)`` passes those position ids, and RoPE is computed from them on the
-fly, so the model has no buffers and a model built on ``meta`` only needs :func:`init_weights`.
+fly, so the model has no buffers and a model built on ``meta`` only needs
+:func:`~dtensor_ulysses.weights.init_weights`.
 
 Legend (tensor names carry their local shape):
 
@@ -23,19 +27,14 @@ Typical use::
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.utils.checkpoint import checkpoint
 
-from dtensor_ulysses.attention import local_attention
-from dtensor_ulysses.plan import contiguous_stride
+from dtensor_ulysses.attention import LocalAttention
+from dtensor_ulysses.plan import SeqLayout
 from dtensor_ulysses.presets import PRESETS, ModelShape, get_shape
-from dtensor_ulysses.ulysses import ulysses_attention
 
 __all__ = [
     "Attention",
@@ -45,14 +44,12 @@ __all__ = [
     "TransformerBlock",
     "apply_rope",
     "build_model",
-    "init_weights",
+    "init_std",
     "model_flops_per_token",
     "rope_cos_sin",
 ]
 
 INIT_STD = 0.02
-# Prefixes that wrappers insert into parameter names; init_weights keys its seeds on the bare name.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -132,9 +129,9 @@ class Attention(nn.Module):
     """Causal GQA self-attention with RoPE and optional per-head q/k RMSNorm (Qwen3).
 
     Attributes:
-        sp_mesh: the 1-D ``"sp"`` submesh; when set, attention runs through Ulysses on this rank's
-            contiguous sequence slice, otherwise locally on the whole sequence.
-        backend: attention kernel, see :mod:`dtensor_ulysses.attention`.
+        inner_attention: ``(q, k, v, *, layout) -> o`` on ``[B, s, heads, H]`` tensors; the local
+            kernel (:class:`~dtensor_ulysses.attention.LocalAttention`) unless ``du.parallelize``
+            swapped it for the Ulysses engine.
     """
 
     def __init__(self, shape: ModelShape) -> None:
@@ -149,22 +146,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(N * H, D, bias=False)
         self.q_norm: RMSNorm | None = RMSNorm(H, shape.norm_eps) if shape.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(H, shape.norm_eps) if shape.qk_norm else None
-        self.sp_mesh: DeviceMesh | None = None
-        self.backend: str = "auto"
+        self.inner_attention: nn.Module = LocalAttention()
 
     def forward(
         self,
         x_BsD: torch.Tensor,
         cos_Bs1R: torch.Tensor,
         sin_Bs1R: torch.Tensor,
-        position_ids_Bs: torch.Tensor | None = None,
-        seq_len: int | None = None,
+        layout: SeqLayout | None = None,
     ) -> torch.Tensor:
-        """``x[B, s, D] -> y[B, s, D]``; ``cos``/``sin`` from :func:`rope_cos_sin`.
-
-        ``position_ids_Bs`` (packed documents: attention stays inside each document) and
-        ``seq_len`` (the global ``S`` when the slices are uneven) come from the Transformer.
-        """
+        """``x[B, s, D] -> y[B, s, D]``; ``cos``/``sin`` from :func:`rope_cos_sin`."""
         B, s, _ = x_BsD.shape
         N, K, H = self.n_heads, self.n_kv_heads, self.head_dim
         q_BsNH = self.wq(x_BsD).view(B, s, N, H)
@@ -174,27 +165,7 @@ class Attention(nn.Module):
             q_BsNH, k_BsKH = self.q_norm(q_BsNH), self.k_norm(k_BsKH)
         q_BsNH = apply_rope(q_BsNH, cos_Bs1R, sin_Bs1R)
         k_BsKH = apply_rope(k_BsKH, cos_Bs1R, sin_Bs1R)
-
-        if self.sp_mesh is None:
-            o_BsNH = local_attention(
-                q_BsNH, k_BsKH, v_BsKH, causal=True, backend=self.backend,
-                position_ids=position_ids_Bs,
-            )  # fmt: skip
-        else:
-            S = seq_len if seq_len is not None else s * self.sp_mesh.size()
-
-            def dt(t: torch.Tensor) -> DTensor:  # this rank's slice of the global [B, S, ...]
-                shape = (B, S, *t.shape[2:])
-                return DTensor.from_local(
-                    t, self.sp_mesh, [Shard(1)], run_check=False, shape=shape,
-                    stride=contiguous_stride(shape),
-                )  # fmt: skip
-
-            pos = None if position_ids_Bs is None else dt(position_ids_Bs)
-            o_BsNH = ulysses_attention(
-                dt(q_BsNH), dt(k_BsKH), dt(v_BsKH), causal=True, backend=self.backend,
-                position_ids=pos, allow_uneven=True,
-            ).to_local()  # fmt: skip
+        o_BsNH = self.inner_attention(q_BsNH, k_BsKH, v_BsKH, layout=layout)
         return self.wo(o_BsNH.reshape(B, s, N * H))
 
 
@@ -213,12 +184,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm decoder block: ``h + attn(norm(h))``, then ``h + ffn(norm(h))``.
-
-    Attributes:
-        checkpoint: when True and grad is enabled, the block's activations are recomputed in
-            backward (non-reentrant ``torch.utils.checkpoint``); parameter names do not change.
-    """
+    """Pre-norm decoder block: ``h + attn(norm(h))``, then ``h + ffn(norm(h))``."""
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
@@ -226,25 +192,16 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(shape)
         self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
         self.feed_forward = FeedForward(shape.dim, shape.ffn_dim)
-        self.checkpoint: bool = False
-
-    def _forward(self, h_BsD, cos_Bs1R, sin_Bs1R, position_ids_Bs, seq_len) -> torch.Tensor:
-        attn_in = self.attention_norm(h_BsD)
-        h_BsD = h_BsD + self.attention(attn_in, cos_Bs1R, sin_Bs1R, position_ids_Bs, seq_len)
-        return h_BsD + self.feed_forward(self.ffn_norm(h_BsD))
 
     def forward(
         self,
         h_BsD: torch.Tensor,
         cos_Bs1R: torch.Tensor,
         sin_Bs1R: torch.Tensor,
-        position_ids_Bs: torch.Tensor | None = None,
-        seq_len: int | None = None,
+        layout: SeqLayout | None = None,
     ) -> torch.Tensor:
-        args = (h_BsD, cos_Bs1R, sin_Bs1R, position_ids_Bs, seq_len)
-        if self.checkpoint and torch.is_grad_enabled():
-            return checkpoint(self._forward, *args, use_reentrant=False)
-        return self._forward(*args)
+        h_BsD = h_BsD + self.attention(self.attention_norm(h_BsD), cos_Bs1R, sin_Bs1R, layout)
+        return h_BsD + self.feed_forward(self.ffn_norm(h_BsD))
 
 
 class Transformer(nn.Module):
@@ -273,19 +230,18 @@ class Transformer(nn.Module):
         input_ids_Bs: torch.Tensor,
         position_ids_Bs: torch.Tensor,
         *,
-        seq_len: int | None = None,
-        document_masking: bool = False,
+        layout: SeqLayout | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``h[B, s, D]`` (for a tiled loss).
 
         Args:
             input_ids_Bs: ``[B, s]`` token ids of this rank's sequence slice.
             position_ids_Bs: ``[B, s]`` their positions: global, or restarting at 0 at each
-                packed document.
-            seq_len: the global sequence length ``S``; needed only when the sp slices are
-                uneven (``S`` not divisible by sp). Default: ``s * sp``.
-            document_masking: packed documents: attention never crosses a document start
-                (where the position ids restart).
+                packed document (they drive RoPE only).
+            layout: the step's sequence layout, passed unchanged to every attention layer:
+                the sequence pieces per sp rank (uneven when sp does not divide ``S``) and,
+                for packed documents, where each document starts (attention never crosses a
+                start). ``None``: one piece per rank, equal, no documents.
         """
         if input_ids_Bs.shape != position_ids_Bs.shape:
             raise ValueError(
@@ -296,9 +252,8 @@ class Transformer(nn.Module):
         cos_Bs1R, sin_Bs1R = rope_cos_sin(
             position_ids_Bs, self.shape.head_dim, self.shape.rope_theta, _compute_dtype(h_BsD.dtype)
         )
-        doc_pos = position_ids_Bs if document_masking else None
         for layer in self.layers:
-            h_BsD = layer(h_BsD, cos_Bs1R, sin_Bs1R, doc_pos, seq_len)
+            h_BsD = layer(h_BsD, cos_Bs1R, sin_Bs1R, layout=layout)
         return self.norm(h_BsD)
 
     def output_weight(self) -> torch.Tensor:
@@ -310,13 +265,10 @@ class Transformer(nn.Module):
         input_ids_Bs: torch.Tensor,
         position_ids_Bs: torch.Tensor,
         *,
-        seq_len: int | None = None,
-        document_masking: bool = False,
+        layout: SeqLayout | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, s, V]`` for this rank's slice (see :meth:`forward_hidden`)."""
-        h_BsD = self.forward_hidden(
-            input_ids_Bs, position_ids_Bs, seq_len=seq_len, document_masking=document_masking
-        )
+        h_BsD = self.forward_hidden(input_ids_Bs, position_ids_Bs, layout=layout)
         if self.output is None:
             return F.linear(h_BsD, self.tok_embeddings.weight)
         return self.output(h_BsD)  # through the module, so FSDP2 hooks on it (if any) run
@@ -340,8 +292,8 @@ def build_model(shape: ModelShape | str, *, device: str | torch.device = "meta")
     """Build a :class:`Transformer`.
 
     On ``meta`` (the default) nothing is allocated: parallelize, then ``to_empty`` and
-    :func:`init_weights`. On any other device the model is materialized there and initialized with
-    ``init_weights(model, seed=0)``.
+    :func:`~dtensor_ulysses.weights.init_weights`. On any other device the model is materialized
+    there and initialized with ``init_weights(model, seed=0)``.
 
     Args:
         shape: a ``ModelShape`` or a preset name.
@@ -350,6 +302,8 @@ def build_model(shape: ModelShape | str, *, device: str | torch.device = "meta")
     Raises:
         ValueError: unknown preset name (the message lists the presets).
     """
+    from dtensor_ulysses.weights import init_weights
+
     shape = _resolve(shape)
     with torch.device("meta"):
         model = Transformer(shape)
@@ -360,79 +314,17 @@ def build_model(shape: ModelShape | str, *, device: str | torch.device = "meta")
     return model
 
 
-def _bare_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+def init_std(name: str, module: nn.Module, n_layers: int) -> float | None:
+    """Std of the normal init of parameter ``name`` of ``module``, or ``None`` for a norm gain.
 
-
-def _init_std(name: str, module: nn.Module, n_layers: int) -> float | None:
-    """Std of the normal init for a parameter, or ``None`` for a norm gain (ones)."""
+    Linear and embedding weights are ``N(0, 0.02^2)``; the projections into the residual stream
+    (``wo``, ``w2``) use std ``0.02 / sqrt(2 * n_layers)``; norm gains are ones.
+    """
     if isinstance(module, RMSNorm):
         return None
     if name.endswith(("wo.weight", "w2.weight")):  # projections into the residual stream
         return INIT_STD / math.sqrt(2 * n_layers)
     return INIT_STD
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    """CPU generator for one parameter: seeded with CRC-32 of ``name`` started from ``seed``.
-
-    torch's CPU generator (mt19937) keeps only 32 bits of its seed, so ``seed`` and the name are
-    combined into 32 bits; for a fixed name, distinct seeds give distinct generator seeds (CRC-32 is
-    a bijection of its start value).
-    """
-    if not 0 <= seed < 2**32:
-        raise ValueError(f"seed={seed} must be in [0, 2**32)")
-    return torch.Generator(device="cpu").manual_seed(zlib.crc32(name.encode(), seed))
-
-
-@torch.no_grad()
-def init_weights(model: Transformer, seed: int = 0) -> None:
-    """Deterministic weights, identical whatever the sharding.
-
-    Each parameter's *full* value is drawn on CPU in float32 from a generator seeded by
-    ``zlib.crc32(name, seed)`` (the CRC-32 of ``name`` continued from ``seed``), where ``name``
-    is its ``named_parameters()`` name without wrapper prefixes; then each rank copies in its own
-    part (FSDP2 ``DTensor`` parameters: the local shard, cut without communication). Linear and
-    embedding weights are ``N(0, 0.02^2)``, the residual projections ``wo`` and ``w2`` use std
-    ``0.02 / sqrt(2 * n_layers)``, norm gains are ones.
-
-    Every rank draws every full value: ``O(n_params)`` CPU time, about 3 s per 1e8 parameters
-    (measured on one core: ~40 s for ``llama3-1b``, ~4 min for ``llama3-8b``).
-
-    Args:
-        model: a materialized model (built on a device, or on meta then ``to_empty``), plain or
-            wrapped by ``fully_shard`` / activation checkpointing.
-        seed: base seed in ``[0, 2**32)``.
-
-    Raises:
-        RuntimeError: a parameter is still on ``meta``.
-        ValueError: ``seed`` outside ``[0, 2**32)``.
-    """
-    n_layers = model.shape.n_layers
-    for module_name, module in model.named_modules():
-        for param_name, p in module.named_parameters(recurse=False):
-            name = _bare_name(f"{module_name}.{param_name}" if module_name else param_name)
-            if p.is_meta:
-                raise RuntimeError(
-                    f"{name} is on meta; materialize the model first, e.g. "
-                    f"model.to_empty(device=...)"
-                )
-            std = _init_std(name, module, n_layers)
-            if std is None:
-                full = torch.ones(p.shape, dtype=torch.float32)
-            else:
-                full = torch.empty(p.shape, dtype=torch.float32)
-                full.normal_(0.0, std, generator=_generator(seed, name))
-            if isinstance(p, DTensor):
-                # src_data_rank=None: each rank keeps its own chunk of `full`, no scatter.
-                local = distribute_tensor(
-                    full, p.device_mesh, p.placements, src_data_rank=None
-                ).to_local()
-                p.to_local().copy_(local)
-            else:
-                p.copy_(full)
 
 
 def model_flops_per_token(shape: ModelShape | str, seq_len: int) -> float:

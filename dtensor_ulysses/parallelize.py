@@ -1,11 +1,15 @@
-"""Apply the parallelisms to the built-in model, in a fixed order.
+"""Apply the parallelisms to the built-in model from outside, in a fixed order.
 
-    1. Ulysses:  each block's attention runs through ``ulysses_attention`` on the ``sp`` axis;
-                 everything else is token-wise and runs on the local sequence slice unchanged.
+    1. Ulysses:  each block's ``attention.inner_attention`` (the local kernel) is wrapped in the
+                 Ulysses engine on the ``sp`` group; everything else is token-wise and runs on
+                 the local sequence slice unchanged. Nothing to do when sp = 1.
     2. Activation checkpointing (optional): each block recomputes its activations in backward.
+                 After Ulysses, so the recomputed forward also repeats the block's all-to-alls
+                 (the checkpoint keeps only the block input, never head-sharded tensors).
     3. FSDP2 ``fully_shard`` on every block, then on the root, over the flattened ``dp x sp``
        ranks: sp ranks hold the same weights but see different tokens, so parameters, gradients
-       and optimizer states shard over all ``dp * sp`` ranks.
+       and optimizer states shard over all ``dp * sp`` ranks. Last, because it must see the
+       final module structure (its hooks wrap each block's forward, checkpointing included).
 
 The model is built on ``meta``, parallelized here, then materialized and initialized::
 
@@ -13,22 +17,27 @@ The model is built on ``meta``, parallelized here, then materialized and initial
     parallelize(model, mesh, activation_checkpointing=True)
     model.to_empty(device="cuda"); init_weights(model, seed=0)
 
-Gradients: FSDP2 *averages* gradients over the ``dp x sp`` ranks it shards on (it divides the
-reduce-scatter by that world size). The loss in :mod:`dtensor_ulysses.loss` is normalized by the
-global token count, whose gradients must be *summed* across ranks, so it is multiplied by
-:func:`fsdp_world_size` before backward (see ``loss.loss_for_backward``).
+Gradients: the loss (:mod:`dtensor_ulysses.loss`) is each rank's token sum divided by the
+*global* token count, so the single-device gradient is the *sum* of the rank gradients. FSDP2's
+reduce-scatter would average over the ``dp x sp`` ranks; its divide factor is set to 1 so that
+it sums (as torchtitan does), and nothing is undone later. Both FSDP2 methods used for that
+(``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms``) are public.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from dtensor_ulysses.attention import LocalAttention
 from dtensor_ulysses.mesh import MESH_AXES, flatten_dp_sp
-from dtensor_ulysses.model import Transformer
+from dtensor_ulysses.model import Attention, Transformer
+from dtensor_ulysses.plan import check_sp_for_heads
+from dtensor_ulysses.recompute import checkpoint_module
+from dtensor_ulysses.ulysses import UlyssesAttention
 
-__all__ = ["parallelize", "fsdp_world_size", "default_mixed_precision"]
+__all__ = ["default_mixed_precision", "parallelize"]
 
 
 def default_mixed_precision(device_type: str) -> MixedPrecisionPolicy | None:
@@ -36,11 +45,6 @@ def default_mixed_precision(device_type: str) -> MixedPrecisionPolicy | None:
     if device_type == "cuda":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return None
-
-
-def fsdp_world_size(mesh: DeviceMesh) -> int:
-    """Ranks FSDP2 shards over (and divides gradients by): ``dp * sp``."""
-    return mesh.size()
 
 
 def parallelize(
@@ -55,7 +59,8 @@ def parallelize(
     """Ulysses -> activation checkpointing -> ``fully_shard(blocks)`` -> ``fully_shard(root)``.
 
     Args:
-        model: a :class:`~dtensor_ulysses.model.Transformer`, ideally still on ``meta``.
+        model: a :class:`~dtensor_ulysses.model.Transformer`, ideally still on ``meta``, not yet
+            parallelized.
         mesh: the ``("dp", "sp")`` mesh from :func:`~dtensor_ulysses.mesh.init_mesh`.
         activation_checkpointing: recompute each block's activations in backward.
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy``, ``None`` for full precision, or
@@ -68,39 +73,51 @@ def parallelize(
         The same model, modified in place.
 
     Raises:
-        ValueError: the mesh is not ``("dp", "sp")``, or the q heads are not divisible by sp
-            (without ``allow_uneven_heads``).
+        ValueError: the mesh is not ``("dp", "sp")``; the q heads are not divisible by sp
+            (without ``allow_uneven_heads``) or fewer than sp; the model was parallelized before.
     """
     if mesh.mesh_dim_names != MESH_AXES:
         raise ValueError(
             f"parallelize needs the {MESH_AXES} mesh from du.init_mesh, got axes "
             f"{mesh.mesh_dim_names}"
         )
+    if isinstance(model, FSDPModule):
+        raise ValueError("the model is already parallelized; build a new one (on meta)")
     shape = model.shape
     sp = mesh["sp"].size()
-    if shape.n_heads % sp and not allow_uneven_heads:
-        raise ValueError(
-            f"{shape.n_heads} heads of model {shape.name!r} are not divisible by sp={sp}; "
-            f"choose sp in {{{', '.join(map(str, shape.valid_sp()))}}}"
-        )
+    check_sp_for_heads(
+        shape.n_heads, sp, what=f"heads of model {shape.name!r}", allow_uneven=allow_uneven_heads
+    )
 
-    # 1. Ulysses: attention sees head-sharded, full-length q/k/v (nothing to do when sp == 1).
+    # 1. Ulysses: attention sees head-sharded, full-length q/k/v (the kernel keeps its choice).
     for block in model.layers:
-        block.attention.sp_mesh = mesh["sp"] if sp > 1 else None
-        block.attention.backend = attention_backend
+        attention: Attention = block.attention  # type: ignore[assignment]
+        kernel = attention.inner_attention
+        if isinstance(kernel, LocalAttention):
+            kernel.backend = attention_backend
+        if sp > 1:
+            attention.inner_attention = UlyssesAttention(kernel, mesh["sp"])
 
     # 2. Activation checkpointing, per block (parameter names are unchanged).
-    for block in model.layers:
-        block.checkpoint = activation_checkpointing
+    if activation_checkpointing:
+        for block in model.layers:
+            checkpoint_module(block)
 
     # 3. FSDP2 over the flattened dp x sp ranks: blocks first, then the root (embedding, final
     #    norm, output head; a tied output head stays with the embedding in the root group).
     if mixed_precision == "auto":
         mixed_precision = default_mixed_precision(mesh.device_type)
-    fsdp_kwargs = {"mesh": flatten_dp_sp(mesh)}
+    fsdp_kwargs: dict = {"mesh": flatten_dp_sp(mesh)}
     if mixed_precision is not None:
         fsdp_kwargs["mp_policy"] = mixed_precision
     for block in model.layers:
         fully_shard(block, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
+    # The loss is normalized by the global token count: gradients must be summed, not averaged.
+    # Divide factor 1 with sum-only collectives is a plain SUM reduce-scatter (gloo has no
+    # PREMUL_SUM, and on NCCL a pre-multiply by 1 is wasted work).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     return model

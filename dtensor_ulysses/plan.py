@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "HeadPlan",
+    "SeqLayout",
     "contiguous_stride",
     "divisors",
     "head_plan",
@@ -100,11 +101,7 @@ def head_plan(n_q: int, n_kv: int, sp: int) -> HeadPlan:
     """
     if n_q % n_kv:
         raise ValueError(f"{n_q} q heads are not a multiple of {n_kv} kv heads")
-    if sp > n_q:
-        raise ValueError(
-            f"sp={sp} exceeds the {n_q} q heads (a rank would hold no head); "
-            f"use sp <= {n_q} (the largest valid sp is {n_q})"
-        )
+    check_sp_for_heads(n_q, sp, allow_uneven=True)
     group = n_q // n_kv
     q_heads = head_split(n_q, sp)
     kv_index, first = [], 0
@@ -128,3 +125,140 @@ def kv_head_index(n_q: int, n_kv: int, sp: int) -> list[int] | None:
     """
     plan = head_plan(n_q, n_kv, sp)
     return None if plan.is_plain_shard else [h for heads in plan.kv_index for h in heads]
+
+
+@dataclass(frozen=True)
+class SeqLayout:
+    """One step's sequence layout over the sp ranks, computed once per step with the batch.
+
+    The model passes it, unchanged, to every attention layer, so no layer has to rediscover the
+    layout (no position-id all-gather, no device-to-host sync per layer).
+
+    Attributes:
+        seq_sizes: tokens held by each sp rank, in rank order (DTensor's ``Shard(1)`` pieces,
+            :func:`seq_split`); ``sum(seq_sizes)`` is the full length ``S``.
+        doc_starts: packed documents: per batch row, the token indices in ``[0, S)`` where a
+            document starts (always including 0), for the *full* window; ``None`` when attention
+            runs over the whole sequence.
+    """
+
+    seq_sizes: tuple[int, ...]
+    doc_starts: tuple[tuple[int, ...], ...] | None = None
+
+    @classmethod
+    def split(
+        cls, seq_len: int, sp: int, doc_starts: tuple[tuple[int, ...], ...] | None = None
+    ) -> SeqLayout:
+        """``seq_len`` tokens cut over ``sp`` ranks as DTensor's ``Shard(1)`` does."""
+        return cls(tuple(seq_split(seq_len, sp)), doc_starts)
+
+    def __post_init__(self) -> None:
+        if not self.seq_sizes or any(n < 0 for n in self.seq_sizes):
+            raise ValueError(f"seq_sizes {self.seq_sizes} must be non-negative, one per sp rank")
+        if self.doc_starts is not None:
+            for row, starts in enumerate(self.doc_starts):
+                if not starts or starts[0] != 0 or list(starts) != sorted(set(starts)):
+                    raise ValueError(
+                        f"doc_starts row {row} is {starts}; it must start at 0 and increase"
+                    )
+                if starts[-1] >= self.seq_len:
+                    raise ValueError(
+                        f"doc_starts row {row} has a start at {starts[-1]}, past the sequence "
+                        f"length {self.seq_len}"
+                    )
+
+    @property
+    def seq_len(self) -> int:
+        """The full sequence length ``S``."""
+        return sum(self.seq_sizes)
+
+    @property
+    def sp(self) -> int:
+        """The number of sp ranks."""
+        return len(self.seq_sizes)
+
+    def offset(self, rank: int) -> int:
+        """Index of sp rank ``rank``'s first token in the full sequence."""
+        return sum(self.seq_sizes[:rank])
+
+
+# ----------------------------------------------------------------------------------------------
+# sp checks and the closed-form Ulysses bytes (one wording, one formula: the library, the
+# trainer and the simulator all call these)
+# ----------------------------------------------------------------------------------------------
+__all__ += ["check_sp_for_heads", "ulysses_bytes_by_rank"]
+
+
+def _fmt_set(values: list[int]) -> str:
+    return "{" + ", ".join(str(v) for v in values) + "}"
+
+
+def check_sp_for_heads(
+    n_heads: int, sp: int, *, what: str = "q heads", allow_uneven: bool = False
+) -> None:
+    """The one sp-vs-heads check: every rank must attend with at least one head, and unless
+    ``allow_uneven`` (ranks then attend with ``ceil`` or ``floor(n_heads / sp)`` heads, see
+    :func:`head_split`) ``sp`` must divide ``n_heads``.
+
+    Args:
+        n_heads: the heads to split (q heads for Ulysses).
+        sp: the sp degree.
+        what: how the message names the heads (``"q heads"``, ``"heads"``, ``"heads of model
+            'tiny'"``).
+        allow_uneven: accept ``sp`` not dividing ``n_heads``.
+
+    Raises:
+        ValueError: ``sp < 1``; ``sp > n_heads`` (a rank would hold no head); or ``n_heads % sp``
+            without ``allow_uneven``. The message names the valid degrees.
+    """
+    if sp < 1:
+        raise ValueError(f"sp={sp} must be a positive integer; use sp >= 1")
+    even = _fmt_set(divisors(n_heads))
+    if sp > n_heads:
+        raise ValueError(
+            f"sp={sp} exceeds the {n_heads} {what} (a rank would hold no head); use sp <= "
+            f"{n_heads}: the largest valid sp is {n_heads} (sp in {even} split the heads evenly)"
+        )
+    if n_heads % sp and not allow_uneven:
+        raise ValueError(f"{n_heads} {what} are not divisible by sp={sp}; choose sp in {even}")
+
+
+def ulysses_bytes_by_rank(
+    n_q: int, n_kv: int, head_dim: int, sp: int, tokens: int | list[int] | tuple[int, ...], e: int
+) -> list[dict[str, int]]:
+    """Per sp rank, the input bytes of the four all-to-alls of one Ulysses attention call.
+
+    ``tokens``: per rank ``B * s_r`` (the rank's sequence slice, :func:`seq_split`), or one number
+    when every rank holds the same; ``e`` bytes per element. Rank ``r`` attends with ``n_r`` q and
+    ``m_r`` kv heads (:func:`head_plan`; ``K' = sum_r m_r``) over all ``T = sum_r B * s_r``
+    tokens:
+
+    * forward q,k,v (one fused all-to-all): its sequence slice with every (replicated) head,
+      ``B*s_r*(N + 2K')*H*e``;
+    * forward o: its head slice, ``T*n_r*H*e``;
+    * backward o (first in backward): the gradient of its sequence slice, ``B*s_r*N*H*e``;
+    * backward q,k,v: the gradients of its head slices, ``T*(n_r + 2 m_r)*H*e``.
+
+    With ``sp`` dividing the heads and the sequence evenly every rank moves
+    ``B*s*(N + 2K')*H*e`` and ``B*s*N*H*e`` both ways. ``sp == 1`` issues no all-to-all at all
+    (the real code returns early); this formula does not special-case it.
+
+    Raises:
+        ValueError: ``tokens`` lists a number of ranks other than ``sp``; the head checks of
+            :func:`head_plan`.
+    """
+    plan = head_plan(n_q, n_kv, sp)
+    per_rank = [tokens] * sp if isinstance(tokens, int) else list(tokens)
+    if len(per_rank) != sp:
+        raise ValueError(f"tokens lists {len(per_rank)} ranks; expected one per rank, sp={sp}")
+    k_prime = sum(plan.kv_heads)
+    total = sum(per_rank)
+    return [
+        {
+            "forward_qkv": t * (n_q + 2 * k_prime) * head_dim * e,
+            "forward_o": total * n * head_dim * e,
+            "backward_qkv": total * (n + 2 * m) * head_dim * e,
+            "backward_o": t * n_q * head_dim * e,
+        }
+        for t, n, m in zip(per_rank, plan.q_heads, plan.kv_heads)
+    ]

@@ -16,12 +16,17 @@ Run (CPU with gloo, or GPUs with NCCL — the same command)::
 ``--batch-size`` is the *global* batch: any (dp, sp) with the same global batch, seed and data
 trains on the same tokens and gives the same losses (up to floating-point reduction order).
 
-Per step: each rank reads its ``[b, S/sp]`` slice of the global batch (``data.get_batch``), the
-model runs on it (attention through Ulysses), the loss is the token-weighted cross entropy over the
-whole global batch (``loss.py``), FSDP2 reduce-scatters gradients, the global gradient norm is
-clipped, and AdamW steps with a linear-warmup + cosine schedule. The schedule depends on
-``--warmup-steps`` and ``--decay-steps`` only, never on ``--steps``, so ``--steps 4`` equals
-``--steps 2`` followed by ``--steps 4 --resume``.
+The shape of the file: ``parse_args -> validate -> build -> train_step -> train`` (the loop),
+and ``main``, the only place that turns a :class:`UsageError` into one ``error:`` line; any other
+exception keeps its traceback and ends every rank with a non-zero status.
+
+Per step (:func:`train_step`): each rank reads its ``[b, S/sp]`` slice of the global batch and
+the step's sequence layout (``data.get_batch``), the model runs on it (attention through
+Ulysses), the loss is the token-weighted cross entropy over the whole global batch (``loss.py``),
+FSDP2 reduce-scatters (sums) gradients, the global gradient norm is clipped, and AdamW steps with
+a linear-warmup + cosine schedule. The schedule depends on ``--warmup-steps`` and
+``--decay-steps`` only, never on ``--steps``, so ``--steps 4`` equals ``--steps 2`` followed by
+``--steps 4 --resume``.
 """
 
 from __future__ import annotations
@@ -32,24 +37,41 @@ import os
 import socket
 import sys
 import time
+import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from dtensor_ulysses import checkpoint as ckpt
-from dtensor_ulysses._exit import exit_process
-from dtensor_ulysses.data import PackedCorpus, get_batch
-from dtensor_ulysses.loss import cross_entropy_sum, global_valid_tokens, loss_for_backward
-from dtensor_ulysses.mesh import default_device_type, init_mesh
+from dtensor_ulysses._exit import exit_process, leave_together
+from dtensor_ulysses.data import Batch, PackedCorpus, get_batch
+from dtensor_ulysses.loss import cross_entropy_sum, global_valid_tokens
+from dtensor_ulysses.mesh import default_device_type, flatten_dp_sp, init_mesh
 from dtensor_ulysses.metrics import StepLogger
-from dtensor_ulysses.model import build_model, init_weights, model_flops_per_token
-from dtensor_ulysses.parallelize import fsdp_world_size, parallelize
-from dtensor_ulysses.plan import nearby_multiples
+from dtensor_ulysses.model import build_model, model_flops_per_token
+from dtensor_ulysses.parallelize import parallelize
+from dtensor_ulysses.plan import check_sp_for_heads, nearby_multiples
 from dtensor_ulysses.presets import get_shape
+from dtensor_ulysses.weights import init_weights
 
-__all__ = ["TrainConfig", "parse_args", "validate", "train", "main"]
+__all__ = [
+    "StepResult",
+    "TrainConfig",
+    "UsageError",
+    "build",
+    "forward_backward",
+    "main",
+    "parse_args",
+    "train",
+    "train_step",
+    "validate",
+]
+
+
+class UsageError(ValueError):
+    """A bad command line or configuration, found before training; ``main`` prints it as one
+    ``error:`` line from rank 0 and exits with status 2."""
 
 
 @dataclass
@@ -138,54 +160,60 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Check the configuration before any process group exists; resolve ``sp``.
 
     Raises:
-        ValueError: with the numbers and the fix, for every bad combination.
+        UsageError: with the numbers and the fix, for every bad combination.
     """
     for name in ("dp", "seq_len", "batch_size", "steps"):
         if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
     if cfg.sp is None:
         if world_size % cfg.dp:
-            raise ValueError(f"--dp {cfg.dp} does not divide the world size {world_size}")
+            raise UsageError(f"--dp {cfg.dp} does not divide the world size {world_size}")
         cfg.sp = world_size // cfg.dp
     if cfg.sp < 1:
-        raise ValueError(f"--sp={cfg.sp} must be >= 1")
+        raise UsageError(f"--sp={cfg.sp} must be >= 1")
     if cfg.dp * cfg.sp != world_size:
-        raise ValueError(
+        raise UsageError(
             f"--dp {cfg.dp} x --sp {cfg.sp} = {cfg.dp * cfg.sp} but torchrun started "
             f"{world_size} processes; make dp * sp equal --nproc-per-node x --nnodes"
         )
-    shape = get_shape(cfg.model)
-    if cfg.sp > shape.n_heads:
-        raise ValueError(
-            f"sp={cfg.sp} exceeds the {shape.n_heads} heads of model {cfg.model!r}; use sp <= "
-            f"{shape.n_heads} (the largest valid sp)"
-        )
-    if shape.n_heads % cfg.sp and not cfg.allow_uneven_heads:
-        valid = ", ".join(str(v) for v in shape.valid_sp())
-        raise ValueError(
-            f"model {cfg.model!r} has {shape.n_heads} heads, not divisible by sp={cfg.sp}; "
-            f"choose sp in {{{valid}}} (or pass --allow-uneven-heads to accept a load imbalance)"
-        )
+    try:
+        shape = get_shape(cfg.model)
+        check_sp_for_heads(
+            shape.n_heads, cfg.sp, what=f"heads of model {cfg.model!r}",
+            allow_uneven=cfg.allow_uneven_heads,
+        )  # fmt: skip
+    except ValueError as e:
+        uneven = cfg.sp <= shape.n_heads if "shape" in locals() else False
+        hint = " (or pass --allow-uneven-heads to accept a load imbalance)" if uneven else ""
+        raise UsageError(f"{e}{hint}") from None
     if cfg.seq_len % cfg.sp and cfg.strict_seq_len:
-        raise ValueError(
+        raise UsageError(
             f"--seq-len {cfg.seq_len} is not divisible by sp={cfg.sp}; use a multiple of "
             f"{cfg.sp}, e.g. {nearby_multiples(cfg.seq_len, cfg.sp)} (or drop --strict-seq-len)"
         )
     if cfg.batch_size % cfg.dp:
-        raise ValueError(
+        raise UsageError(
             f"--batch-size {cfg.batch_size} (global) is not divisible by dp={cfg.dp}; use a "
             f"multiple of {cfg.dp}, e.g. {nearby_multiples(cfg.batch_size, cfg.dp)}"
         )
+    try:  # reads and checks the data files now; the packed stream is cached for train()
+        PackedCorpus.from_paths(cfg.data, seq_len=cfg.seq_len)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if cfg.resume and not cfg.checkpoint_dir:
-        raise ValueError("--resume needs --checkpoint-dir (where to find the checkpoint)")
+        raise UsageError("--resume needs --checkpoint-dir (where to find the checkpoint)")
     if cfg.resume:
+        assert cfg.checkpoint_dir is not None
         path = ckpt.latest(cfg.checkpoint_dir)
         if path is None:
-            raise ValueError(
+            raise UsageError(
                 f"--resume: no checkpoint in {cfg.checkpoint_dir!r}; run once without --resume "
                 f"(with --checkpoint-dir) to create one"
             )
-        _check_resumable(path, cfg)  # before any model is built
+        try:
+            _check_resumable(path, cfg)  # before any model is built
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return cfg
 
 
@@ -261,31 +289,79 @@ def _check_resumable(path, cfg: TrainConfig) -> None:
         )
 
 
-def _global_norm(norm) -> float:
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+@dataclass
+class StepResult:
+    """What one training step reports (the same on every rank)."""
+
+    loss: float  # mean cross entropy over the global batch's valid tokens
+    tokens: int  # valid tokens in the global batch
+    grad_norm: float | None  # global gradient norm before clipping (None: no clipping)
+
+
+def forward_backward(
+    model: torch.nn.Module, batch: Batch, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, int]:
+    """Forward and backward of this rank's slice; returns ``(local loss sum, global tokens)``.
+
+    The value differentiated is ``local_sum / global_tokens``: the rank losses add up to the
+    global-batch mean and FSDP2 sums their gradients, so the gradients equal the single-device
+    ones. ``group``: the ``dp x sp`` ranks that share the batch.
+    """
+    logits = model(batch.input_ids, batch.position_ids, layout=batch.layout)
+    local_sum = cross_entropy_sum(logits, batch.labels)
+    n_valid = global_valid_tokens(batch.labels, group)
+    (local_sum / n_valid).backward()
+    return local_sum.detach(), n_valid
+
+
+def train_step(
+    model: torch.nn.Module,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    group: dist.ProcessGroup | None = None,
+    grad_clip: float = 1.0,
+) -> StepResult:
+    """One optimizer step on the global batch of which ``batch`` is this rank's slice."""
+    local_sum, n_valid = forward_backward(model, batch, group)
+    grad_norm = None
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = local_sum.reshape(1)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(loss_sum, group=group)
+    return StepResult(loss_sum.item() / n_valid, n_valid, grad_norm)
 
 
 def train(cfg: TrainConfig) -> list[dict]:
-    """Run training in an initialized (or to-be-initialized) process group; returns the records.
+    """Train in this process's group (created here from the torchrun environment if needed).
 
-    Every rank returns the same records (loss and counts are all-reduced).
+    Returns the per-step records; every rank returns the same (loss and counts are reduced).
     """
     device_type = cfg.device or default_device_type()
+    assert cfg.sp is not None, "call validate(cfg, world_size) first: it resolves sp"
     mesh = init_mesh(cfg.dp, cfg.sp, device_type=device_type, timeout_s=cfg.collective_timeout_s)
     rank = dist.get_rank()
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(device_type)
-    dp_rank, sp_rank = mesh.get_coordinate()
+    dp_rank, sp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
     shape = get_shape(cfg.model)
-    world = fsdp_world_size(mesh)
+    group = flatten_dp_sp(mesh).get_group()
 
     corpus = PackedCorpus.from_paths(cfg.data, seq_len=cfg.seq_len)
     model, optimizer, scheduler = build(cfg, mesh, device)
-    start = 0
-    if cfg.resume:
+    start, path = 0, None
+    if cfg.resume:  # validate() checked that a checkpoint exists
+        assert cfg.checkpoint_dir is not None
         path = ckpt.latest(cfg.checkpoint_dir)
+        assert path is not None
         start = ckpt.load(path, model, optimizer, scheduler)["step"]
     if rank == 0:
         print(
@@ -293,13 +369,13 @@ def train(cfg: TrainConfig) -> list[dict]:
             f"sp={cfg.sp} on {device_type} | seq {cfg.seq_len}, global batch {cfg.batch_size} | "
             f"data: {'stdlib sources' if not cfg.data else ', '.join(cfg.data)} "
             f"({corpus.n_tokens / 1e6:.1f}M tokens, {len(corpus)} windows) | steps {start}->"
-            f"{cfg.steps}" + (f" | resumed from {path}" if cfg.resume else ""),
+            f"{cfg.steps}" + (f" | resumed from {path}" if path else ""),
             flush=True,
         )
     logger = StepLogger(
         total_steps=cfg.steps,
         flops_per_token=model_flops_per_token(shape, cfg.seq_len),
-        n_gpus=world,
+        n_gpus=mesh.size(),
         device=device,
         metrics_file=cfg.metrics_file,
         is_main=rank == 0,
@@ -313,31 +389,16 @@ def train(cfg: TrainConfig) -> list[dict]:
             corpus, step, global_batch_size=cfg.batch_size, dp_rank=dp_rank, dp=cfg.dp,
             sp_rank=sp_rank, sp=cfg.sp, seed=cfg.seed, pack_docs=cfg.pack_docs, uneven=True,
         ).to(device)  # fmt: skip
-        logits = model(batch.input_ids, batch.position_ids, seq_len=cfg.seq_len,
-                       document_masking=cfg.pack_docs)  # fmt: skip
-        local_sum = cross_entropy_sum(logits, batch.labels)
-        n_valid = global_valid_tokens(batch.labels)
-        loss_for_backward(local_sum, n_valid, world).backward()
-        grad_norm = None
-        if cfg.grad_clip > 0:
-            grad_norm = _global_norm(
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = local_sum.detach().reshape(1)
-        dist.all_reduce(loss_sum)
+        result = train_step(
+            model, batch, optimizer, scheduler, group=group, grad_clip=cfg.grad_clip
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         extra = {"lr": scheduler.get_last_lr()[0]}
-        if grad_norm is not None:
-            extra["grad_norm"] = grad_norm
-        records.append(
-            logger.log(
-                step + 1, loss_sum.item() / n_valid, n_valid, time.perf_counter() - t0, **extra
-            )
-        )
+        if result.grad_norm is not None:
+            extra["grad_norm"] = result.grad_norm
+        elapsed = time.perf_counter() - t0
+        records.append(logger.log(step + 1, result.loss, result.tokens, elapsed, **extra))
         done = step + 1
         if cfg.checkpoint_dir and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             ckpt.save(cfg.checkpoint_dir, done, model, optimizer, scheduler, _checkpoint_meta(cfg))
@@ -347,9 +408,6 @@ def train(cfg: TrainConfig) -> list[dict]:
     return records
 
 
-_ERROR_GRACE_S = 5.0
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -357,38 +415,27 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the process exit code (0 ok, 2 bad input)."""
+    """Command-line entry point; returns the exit status: 0 done, 2 bad input, 1 anything else.
+
+    Only a :class:`UsageError` becomes one ``error:`` line (from rank 0); any other exception is
+    a bug or an environment failure and prints its full traceback on the rank where it happened.
+    """
     if "RANK" not in os.environ:  # plain `python -m dtensor_ulysses.train`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))  # fmt: skip
     rank = int(os.environ["RANK"])
     try:
         cfg = validate(parse_args(argv), int(os.environ["WORLD_SIZE"]))
-        if not dist.is_initialized():
-            device_type = cfg.device or default_device_type()
-            if device_type == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(
-                "nccl" if device_type == "cuda" else "gloo",
-                timeout=timedelta(seconds=cfg.collective_timeout_s),
-            )
-        train(cfg)
-        # every rank leaves together: tearing down gloo while a peer is still in its last
-        # collective can abort the process ("terminate called without an active exception")
-        dist.barrier()
-        return 0
-    except ValueError as e:
-        # Bad input is found alike on every rank; rank 0 says it once. The other ranks linger a
-        # moment before exiting: torchrun stops all workers as soon as one fails, and rank 0
-        # must get to print first.
+        train(cfg)  # creates the process group (init_mesh), the one place that does
+        code = 0
+    except UsageError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(_ERROR_GRACE_S)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        code = 2
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    return leave_together(code, rank)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ torch is imported only inside the worker, so importing ``simulations`` stays tor
 A *case* is ``(dp, sp, B, S, N, K, H, dtype, pack_docs)``: a global batch ``B`` of ``S`` tokens,
 ``N`` q heads, ``K`` kv heads of size ``H``, on a ``(dp, sp)`` mesh; ``sp`` need not divide ``N``
 or ``S`` (uneven layouts: each rank holds its ``seq_split`` slice); ``pack_docs`` passes
-``position_ids`` of two documents. Each rank runs ``du.ulysses_attention`` forward and backward
+two documents through the engine with the step's layout, as the trainer does (no position ids
+travel). Each rank runs ``du.ulysses_attention`` (or the engine) forward and backward
 under :class:`dtensor_ulysses.CommCounter` and reports what it passed into collectives, forward
 and backward apart, by kind.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtensor_ulysses.plan import contiguous_stride, seq_split
+from dtensor_ulysses.plan import contiguous_stride, seq_split, ulysses_bytes_by_rank
 from dtensor_ulysses.presets import ModelShape
 from simulations import comm
 from simulations.config import Workload
@@ -96,16 +97,15 @@ def predicted(case: Case) -> list[dict[str, dict[str, dict[str, int]]]]:
     if case.sp == 1:
         return [{p: _zero() for p in ("forward", "backward")} for _ in range(case.world)]
     Bl = case.B // case.dp
-    tokens = [Bl * s for s in seq_split(case.S, case.sp)]
-    per_sp_rank = comm.ulysses_bytes_by_rank(case.N, case.K, case.H, case.sp, tokens, e)
+    sizes = seq_split(case.S, case.sp)
+    tokens = [Bl * s for s in sizes]
+    per_sp_rank = ulysses_bytes_by_rank(case.N, case.K, case.H, case.sp, tokens, e)
     out = []
     for rank in range(case.world):
         r = per_sp_rank[rank % case.sp]  # mesh (dp, sp): the sp coordinate is rank % sp
         row = {p: _zero() for p in ("forward", "backward")}
         for p in row:
             row[p]["all_to_all"] = {"count": 2, "bytes": r[f"{p}_qkv"] + r[f"{p}_o"]}
-        if case.pack_docs:  # the [B, ceil(S/P)] int64 position ids, all-gathered in forward
-            row["forward"]["all_gather"] = {"count": 1, "bytes": Bl * -(-case.S // case.sp) * 8}
         out.append(row)
     return out
 
@@ -116,8 +116,16 @@ def predicted_by_workload(case: Case) -> list[dict[str, dict[str, dict[str, int]
     shape = ModelShape(
         "measure", 1, case.N * case.H, case.N, case.K, case.H, ffn_dim=8, vocab_size=8
     )
-    w = Workload(shape, case.S, dp=case.dp, sp=case.sp, micro_batch=case.B // case.dp,
-                 dtype=case.dtype, ac="none", pack_docs=case.pack_docs)  # fmt: skip
+    w = Workload(
+        shape,
+        case.S,
+        dp=case.dp,
+        sp=case.sp,
+        micro_batch=case.B // case.dp,
+        dtype=case.dtype,
+        ac="none",
+        pack_docs=case.pack_docs,
+    )
     busiest = comm.ulysses_busiest_rank(w)
     out = [{p: _zero() for p in ("forward", "backward")} for _ in range(case.sp)]
     for c in comm.per_layer_attention(w):
@@ -148,28 +156,34 @@ def attention_comm_worker(rank: int, world_size: int, cases: list[Case]) -> list
         gen = torch.Generator().manual_seed(1000 * i + rank)
         Bl = case.B // case.dp
         sizes = seq_split(case.S, case.sp)  # DTensor's Shard(1): uneven when sp does not divide S
-        r_sp = mesh.get_local_rank("sp")
-        lo, s = sum(sizes[:r_sp]), sizes[r_sp]
+        s = sizes[mesh.get_local_rank("sp")]
 
         def place(t, case=case, mesh=mesh):
-            shape = (case.B, case.S, *t.shape[2:])
-            return DTensor.from_local(t, mesh, [Shard(0), Shard(1)], run_check=False,
-                                      shape=shape, stride=contiguous_stride(shape))  # fmt: skip
+            shape = torch.Size((case.B, case.S, *t.shape[2:]))
+            return DTensor.from_local(
+                t,
+                mesh,
+                [Shard(0), Shard(1)],
+                run_check=False,
+                shape=shape,
+                stride=contiguous_stride(shape),
+            )
 
         def make(heads: int, gen=gen, Bl=Bl, s=s, case=case):
             t = torch.randn(Bl, s, heads, case.H, generator=gen).to(dtypes[case.dtype])
             return place(t.requires_grad_(True))
 
         q, k, v = make(case.N), make(case.K), make(case.K)
-        pos = None
-        if case.pack_docs:  # two documents: positions restart at S // 3
-            cut = case.S // 3
-            ids = torch.cat([torch.arange(cut), torch.arange(case.S - cut)])
-            pos = place(ids[lo : lo + s].expand(Bl, s).contiguous())
         with du.CommCounter() as fwd:
-            o = du.ulysses_attention(q, k, v, causal=True, backend="sdpa", position_ids=pos,
-                                     allow_uneven=True)  # fmt: skip
-        loss = o.to_local().float().square().sum()
+            if case.pack_docs:  # as the trainer runs it: the engine with the step's layout
+                starts = ((0, case.S // 3),) * Bl  # two documents
+                layout = du.SeqLayout.split(case.S, case.sp, starts)
+                engine = du.UlyssesAttention(du.LocalAttention("sdpa"), mesh["sp"])
+                o_local = engine(q.to_local(), k.to_local(), v.to_local(), layout=layout)
+            else:
+                o = du.ulysses_attention(q, k, v, causal=True, backend="sdpa", allow_uneven=True)
+                o_local = o.to_local()
+        loss = o_local.float().square().sum()
         with du.CommCounter() as bwd:
             loss.backward()
         sp_group = mesh.get_group("sp")

@@ -19,11 +19,13 @@ SDPA flash kernel for CPU saves the same q, k, v, o, logsumexp as FlashAttention
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from simulations import memory
 from simulations.config import Workload
+from simulations.hardware import get_gpu
 
 __all__ = ["CASES", "TraceCase", "TraceUnavailable", "check", "trace"]
 
@@ -56,7 +58,9 @@ class TraceCase:
         shape = get_shape(self.model)
         if self.n_layers:
             shape = shape.with_(n_layers=self.n_layers)
-        return Workload(shape, self.seq_len, dp=self.dp, sp=self.sp, ac=self.ac, gpu="h100")
+        return Workload(
+            shape, self.seq_len, dp=self.dp, sp=self.sp, ac=self.ac, gpu=get_gpu("h100")
+        )
 
 
 CASES = [
@@ -69,7 +73,7 @@ CASES = [
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int) -> Iterator[tuple[object, type]]:
+def _fake_world(world_size: int) -> Iterator[tuple[Any, Callable[[int], Any]]]:
     """A fake process group of ``world_size`` ranks (this process is rank 0), a fake-tensor mode
     and a live-bytes tracker class.
 
@@ -146,11 +150,11 @@ def _fake_world(world_size: int) -> Iterator[tuple[object, type]]:
         return tr
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    torch.UntypedStorage.resize_ = resize_
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
     try:
         yield FakeTensorMode(allow_non_fake_inputs=True), make_tracker
     finally:
-        torch.UntypedStorage.resize_ = orig_resize
+        torch.UntypedStorage.resize_ = orig_resize  # type: ignore[method-assign]
         dist.destroy_process_group()
 
 
@@ -168,6 +172,7 @@ def trace(case: TraceCase) -> TraceResult:
     try:
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.tensor import DTensor
 
         import dtensor_ulysses as du
         from dtensor_ulysses.loss import cross_entropy_sum
@@ -181,15 +186,20 @@ def trace(case: TraceCase) -> TraceResult:
     with _fake_world(w.world) as (fake_mode, make_tracker):
         mesh = du.init_mesh(case.dp, case.sp, device_type="cpu")
         model = build_model(w.shape)
-        parallelize(model, mesh, activation_checkpointing=case.ac == "full",
-                    mixed_precision=mp, attention_backend="sdpa")  # fmt: skip
+        parallelize(
+            model,
+            mesh,
+            activation_checkpointing=case.ac == "full",
+            mixed_precision=mp,
+            attention_backend="sdpa",
+        )
         with fake_mode:
             model.to_empty(device="cpu")
             ids = torch.zeros(w.micro_batch, s, dtype=torch.long)
             pos = (torch.arange(s) + s * 0).expand(w.micro_batch, s)
             tracker = make_tracker(0)
             for p in model.parameters():  # FSDP2 may re-create them at lazy init: track frees
-                tracker.track(p.to_local())
+                tracker.track(p.to_local() if isinstance(p, DTensor) else p)
             with tracker:
                 logits = model(ids, pos)
                 loss = cross_entropy_sum(logits, ids)
@@ -198,9 +208,7 @@ def trace(case: TraceCase) -> TraceResult:
             # one block's saved tensors, checkpointing off, in bf16 (the FSDP2 compute dtype):
             # measured at s and s/2 tokens, the difference is per token (parameters and other
             # constants cancel)
-            block = model.layers[0]
-            block.checkpoint = False
-            per_half = [_block_saved(block, w, n) for n in (s, s // 2)]
+            per_half = [_block_saved(model.layers[0], w, n) for n in (s, s // 2)]
             block_saved = (per_half[0] - per_half[1]) * 2
     return TraceResult(int(tracker.peak), int(max(block_saved, 0)), w.micro_batch * s)
 
@@ -221,8 +229,15 @@ def _block_saved(block, w: Workload, s: int) -> int:
     pos = torch.arange(s).expand(w.micro_batch, s)
     cos, sin = rope_cos_sin(pos, w.shape.head_dim, w.shape.rope_theta)
     h = torch.zeros(w.micro_batch, s, w.shape.dim, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(h, cos, sin)
+    # checkpointing off: dtensor_ulysses.recompute keeps the plain forward as ``__wrapped__``;
+    # calling the module (not the forward) keeps FSDP2's hooks that gather the parameters
+    checkpointed = block.forward
+    block.forward = getattr(checkpointed, "__wrapped__", checkpointed)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = block(h, cos, sin)
+    finally:
+        block.forward = checkpointed
     shared = {id(cos.untyped_storage()), id(sin.untyped_storage())}  # rope tables: per model
     del out
     return sum(n for k, n in saved.items() if k not in shared)
@@ -249,7 +264,11 @@ def check(case: TraceCase) -> list[Item]:
         ("one block's saved activations", pred_block, res.block_saved),
     ):
         dev = pred / meas - 1 if meas else float("inf")
-        out.append(Item(what, "pass" if abs(dev) <= TOLERANCE else "fail",
-                        f"predicted {pred / GiB:.3f} GiB, traced {meas / GiB:.3f} GiB "
-                        f"({dev:+.1%})"))  # fmt: skip
+        out.append(
+            Item(
+                what,
+                "pass" if abs(dev) <= TOLERANCE else "fail",
+                f"predicted {pred / GiB:.3f} GiB, traced {meas / GiB:.3f} GiB ({dev:+.1%})",
+            )
+        )
     return out

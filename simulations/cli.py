@@ -1,5 +1,7 @@
 """Command line: ``python -m simulations {predict,plan,compare,published,validate}``.
 
+Kept in one file (~330 lines): the parser of every subcommand and its text output, side by side.
+
     python -m simulations predict --model llama3-8b --seq-len 131072 --dp 1 --sp 8 --gpu h100 --json
     python -m simulations plan --model llama3-8b --gpus 8 --gpu h100 --json
     python -m simulations compare --model llama3-8b --seq-len 131072 --sp 8 --gpu h100
@@ -51,13 +53,21 @@ def _common(p: argparse.ArgumentParser, *, layout: bool) -> None:
     p.add_argument("--ulysses-degree", type=int, default=None, help="usp: the Ulysses part of sp")
     p.add_argument("--reduce-dtype", default="fp32", choices=sorted(DTYPE_BYTES))
     p.add_argument("--sharding", default="fsdp", choices=("fsdp", "ddp"))
-    p.add_argument("--impl", default="dtensor-ulysses", choices=IMPLEMENTATIONS,
-                   help="accounting profile (see simulations/memory.py)")  # fmt: skip
-    p.add_argument("--pack-docs", action="store_true",
-                   help="packed documents: Ulysses all-gathers position ids per layer")  # fmt: skip
+    p.add_argument(
+        "--impl",
+        default="dtensor-ulysses",
+        choices=IMPLEMENTATIONS,
+        help="accounting profile (see simulations/profiles.py)",
+    )
+    p.add_argument(
+        "--pack-docs",
+        action="store_true",
+        help="packed documents: Ulysses all-gathers position ids per layer",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="also write plots (needs matplotlib)")  # fmt: skip
+    p.add_argument(
+        "--plot", metavar="FILE.png", default=None, help="also write plots (needs matplotlib)"
+    )
 
 
 def _options(a: argparse.Namespace) -> dict[str, Any]:
@@ -113,7 +123,7 @@ def _b(x: float) -> str:
     return f"{x:,.0f} B"
 
 
-def _table(rows: list[Sequence[Any]], header: Sequence[str]) -> str:
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
@@ -135,43 +145,52 @@ def format_prediction(p: Prediction) -> str:
         f"token imbalance {w.token_imbalance:.3f}x"
     )
     ranks = p.per_sp_rank()
-    if ranks is not None and (p.attention_imbalance > 1 or w.token_imbalance > 1
-                              or len(set(ranks["kv_heads"])) > 1):  # fmt: skip
+    if ranks is not None and (
+        p.attention_imbalance > 1 or w.token_imbalance > 1 or len(set(ranks["kv_heads"])) > 1
+    ):
         rows = []
-        for r, (t, n, k, a2a) in enumerate(zip(ranks["tokens"], ranks["q_heads"],
-                                               ranks["kv_heads"],
-                                               ranks["all_to_all_bytes_per_layer"])):  # fmt: skip
-            rows.append((r, f"{t:,}", n, k, _b(a2a["forward_qkv"] + a2a["forward_o"]),
-                         _b(a2a["backward_o"] + a2a["backward_qkv"]),
-                         _b(ranks["memory_peak_bytes"][r])))  # fmt: skip
+        for r, a2a in enumerate(ranks["all_to_all_bytes_per_layer"]):
+            fwd = a2a["forward_qkv"] + a2a["forward_o"]
+            bwd = a2a["backward_o"] + a2a["backward_qkv"]
+            tokens, n, k = ranks["tokens"][r], ranks["q_heads"][r], ranks["kv_heads"][r]
+            rows.append(
+                (r, f"{tokens:,}", n, k, _b(fwd), _b(bwd), _b(ranks["memory_peak_bytes"][r]))
+            )
         out.append("")
         out.append(
             f"Uneven layout, per sp rank (busiest: comm rank {ranks['comm_rank']}, memory rank "
             f"{ranks['memory_rank']})"
         )
-        out.append(_table(rows, ("rank", "tokens", "q heads", "kv heads", "a2a layer fwd",
-                                 "a2a layer bwd", "peak")))  # fmt: skip
+        header = ("rank", "tokens", "q heads", "kv heads", "a2a layer fwd", "a2a layer bwd", "peak")
+        out.append(_table(rows, header))
     out.append("")
     c = p.comm
-    rows = [
-        (k, c.calls_by_kind[k], _b(c.bytes_by_kind[k]), _b(c.wire_by_kind[k]),
-         _b(c.per_layer["forward"][k]), _b(c.per_layer["backward"][k]))
+    comm_rows = [
+        (
+            k,
+            c.calls_by_kind[k],
+            _b(c.bytes_by_kind[k]),
+            _b(c.wire_by_kind[k]),
+            _b(c.per_layer["forward"][k]),
+            _b(c.per_layer["backward"][k]),
+        )
         for k in c.bytes_by_kind
-    ]  # fmt: skip
+    ]
     out.append("Communication per rank per step (bytes = input buffers; sent = on the wire)")
-    out.append(_table(rows, ("collective", "calls", "bytes", "sent", "layer fwd", "layer bwd")))
+    out.append(
+        _table(comm_rows, ("collective", "calls", "bytes", "sent", "layer fwd", "layer bwd"))
+    )
     out.append("")
     mem = p.memory
-    rows = [(k, _b(v)) for k, v in mem.components.items() if v]
-    rows.append(("peak", _b(mem.peak)))
-    rows.append(("capacity", _b(mem.capacity)))
+    mem_rows = [(k, _b(v)) for k, v in mem.components.items() if v]
+    mem_rows += [("peak", _b(mem.peak)), ("capacity", _b(mem.capacity))]
     out.append(f"Memory per rank at the peak ({mem.peak_moment}); fits: {mem.fits}")
-    out.append(_table(rows, ("component", "bytes")))
+    out.append(_table(mem_rows, ("component", "bytes")))
     if mem.cpu_bytes:
         out.append(f"host memory per rank (offloaded): {_b(mem.cpu_bytes)}")
     out.append("")
     t = p.time
-    rows = [
+    time_rows = [
         ("step time", f"{p.step_time_s:.4g} s"),
         ("  compute (matmul / attention / memory-bound)",
          f"{t.compute:.4g} s ({t.matmul:.3g} / {t.attention:.3g} / {t.memory_bound:.3g})"),
@@ -182,7 +201,7 @@ def format_prediction(p: Prediction) -> str:
         ("TFLOP/s per GPU (model FLOPs)", f"{p.tflops_per_gpu:.1f}"),
         ("MFU", f"{p.mfu:.1%}"),
     ]  # fmt: skip
-    out.append(_table(rows, ("time", "value")))
+    out.append(_table(time_rows, ("time", "value")))
     return "\n".join(out)
 
 
@@ -208,8 +227,16 @@ def _format_compare(res: dict) -> str:
         if isinstance(p, str):
             rows.append((method, "-", "-", "-", "-", p))
             continue
-        rows.append((method, _b(p.comm.total_wire), _b(p.memory.peak), f"{p.step_time_s:.4g} s",
-                     f"{p.mfu:.1%}", "fits" if p.fits else "OOM"))  # fmt: skip
+        rows.append(
+            (
+                method,
+                _b(p.comm.total_wire),
+                _b(p.memory.peak),
+                f"{p.step_time_s:.4g} s",
+                f"{p.mfu:.1%}",
+                "fits" if p.fits else "OOM",
+            )
+        )
     return _table(rows, ("method", "sent/step", "peak", "step", "MFU", "memory"))
 
 
@@ -242,8 +269,13 @@ def _cmd_compare(a) -> int:
 
 
 def _cmd_plan(a) -> int:
-    pl = plan(a.model, a.gpus, a.gpu, seq_len=a.seq_len,
-              **{k: v for k, v in _options(a).items() if k != "gpu"})  # fmt: skip
+    pl = plan(
+        a.model,
+        a.gpus,
+        a.gpu,
+        seq_len=a.seq_len,
+        **{k: v for k, v in _options(a).items() if k != "gpu"},
+    )
     print(json.dumps(pl.to_dict(), indent=2) if a.json else _format_plan(pl))
     if a.plot:
         from simulations.plots import plot_plan

@@ -1,6 +1,9 @@
 """Communication per rank: which collectives, on which group, how many calls and bytes.
 
-Byte convention (the project's, ``DESIGN.md`` section 3): *a rank's bytes for one collective are
+Kept in one file (~500 lines): every collective of a step, for every method, read against the
+one byte convention below; split by method the shared records and the per-step sum would scatter.
+
+Byte convention (the project's, as ``CommCounter`` counts): *a rank's bytes for one collective are
 the size of the buffer it passes into it* - the local shard for an all-gather, the full buffer for a
 reduce-scatter or an all-reduce, the send buffer for an all-to-all or a point-to-point send. The
 bytes that actually leave the rank (``wire_bytes``) follow the NCCL bus-bandwidth factors (row C3):
@@ -20,8 +23,11 @@ replication, see :func:`kv_heads_after_replication`):
   ``s_r`` tokens, ``n_r`` q and ``m_r`` kv heads (:func:`ulysses_bytes_by_rank`): forward
   ``B*s_r*(N + 2K')*H*e`` and ``B*S*n_r*H*e``, backward ``B*s_r*N*H*e`` (d o) and
   ``B*S*(n_r + 2 m_r)*H*e`` (d q,k,v); the records carry the busiest rank's bytes and every
-  rank's in ``bytes_by_rank``. Packed documents add one all-gather of the ``[B, ceil(S/P)]`` int64
-  position ids per attention call in forward.
+  rank's in ``bytes_by_rank`` (the closed form is the library's,
+  :func:`dtensor_ulysses.plan.ulysses_bytes_by_rank`). Packed documents cost nothing more: the
+  step's layout carries the document starts to every layer (only the DTensor API's
+  ``position_ids=`` adds an all-gather of ``B*ceil(S/P)*8`` bytes per call; the trainer does not
+  use it).
 * Ring attention (ring-flash-attn / torch context parallel): ``P-1`` sends of the local k,v block
   ``B*s*2K*H*e`` forward; backward ``P-1`` k,v sends plus ``P`` sends of the dK,dV accumulators
   (kept in fp32 by those implementations).
@@ -41,10 +47,9 @@ valid-token count (int64) and the training loop the gradient norm and the logged
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from dtensor_ulysses.plan import head_plan
+from dtensor_ulysses.plan import head_plan, ulysses_bytes_by_rank
 from dtensor_ulysses.presets import ModelShape
 from simulations.config import DTYPE_BYTES, Workload
 
@@ -133,40 +138,6 @@ def kv_heads_after_replication(n_q: int, n_kv: int, sp: int) -> int:
     return sum(m for _, m in _head_plan(n_q, n_kv, sp))
 
 
-def ulysses_bytes_by_rank(
-    n_q: int, n_kv: int, head_dim: int, sp: int, tokens: int | Sequence[int], e: int
-) -> list[dict[str, int]]:
-    """Per rank, the input bytes of the four all-to-alls of one attention layer.
-
-    ``tokens``: per rank ``B * s_r`` (the rank's sequence slice), or one number when every rank
-    holds the same. Rank ``r`` attends with ``n_r`` q and ``m_r`` kv heads (:func:`_head_plan`)
-    over all ``T = sum_r B * s_r`` tokens:
-
-    * forward q,k,v: the sequence slice with every (replicated) head, ``B*s_r*(N + 2K')*H*e``;
-    * forward o: the head slice, ``T*n_r*H*e``;
-    * backward o (first in backward): gradient of the sequence slice, ``B*s_r*N*H*e``;
-    * backward q,k,v: gradients of the head slices, ``T*(n_r + 2 m_r)*H*e``.
-
-    With ``sp`` dividing the heads and the sequence evenly every rank moves
-    ``B*s*(N + 2K')*H*e`` and ``B*s*N*H*e`` both ways.
-    """
-    plan = _head_plan(n_q, n_kv, sp)
-    per_rank = [tokens] * sp if isinstance(tokens, int) else list(tokens)
-    if len(per_rank) != sp:
-        raise ValueError(f"tokens lists {len(per_rank)} ranks; expected one per rank, sp={sp}")
-    Kp = sum(m for _, m in plan)
-    T = sum(per_rank)
-    return [
-        {
-            "forward_qkv": t * (n_q + 2 * Kp) * head_dim * e,
-            "forward_o": T * n * head_dim * e,
-            "backward_qkv": T * (n + 2 * m) * head_dim * e,
-            "backward_o": t * n_q * head_dim * e,
-        }
-        for t, (n, m) in zip(per_rank, plan)
-    ]
-
-
 def ulysses_rank_tokens(w: Workload) -> list[int]:
     """``B * s_r`` per rank of the Ulysses all-to-all group (USP: equal ``S/P`` slices)."""
     if w.attention == "ulysses":
@@ -177,8 +148,9 @@ def ulysses_rank_tokens(w: Workload) -> list[int]:
 def ulysses_busiest_rank(w: Workload) -> int:
     """The all-to-all group rank that moves the most bytes per layer (the per-rank figure)."""
     m = w.shape
-    ranks = ulysses_bytes_by_rank(m.n_heads, m.n_kv_heads, m.head_dim, w.a2a_degree,
-                                  ulysses_rank_tokens(w), w.e)  # fmt: skip
+    ranks = ulysses_bytes_by_rank(
+        m.n_heads, m.n_kv_heads, m.head_dim, w.a2a_degree, ulysses_rank_tokens(w), w.e
+    )
     totals = [sum(r.values()) for r in ranks]
     return totals.index(max(totals))
 
@@ -250,25 +222,34 @@ def _phases(w: Workload, items: list[Collective]) -> list[Collective]:
 # ----------------------------------------------------------------------------------------------
 def _ulysses(w: Workload, P: int, group: str, span: int) -> list[Collective]:
     """Ulysses all-to-alls of one layer over ``P`` ranks, for the busiest rank (all ranks are
-    equal when ``P`` divides the q heads and the sequence and the kv heads split evenly); with
-    packed documents, the all-gather of the position ids."""
+    equal when ``P`` divides the q heads and the sequence and the kv heads split evenly). Packed
+    documents add nothing: the trainer passes the step's layout, no position ids travel."""
     if P == 1:
         return []  # dtensor_ulysses._all_to_all returns early for a one-rank group
     m = w.shape
-    ranks = ulysses_bytes_by_rank(m.n_heads, m.n_kv_heads, m.head_dim, P,
-                                  ulysses_rank_tokens(w), w.e)  # fmt: skip
+    ranks = ulysses_bytes_by_rank(
+        m.n_heads, m.n_kv_heads, m.head_dim, P, ulysses_rank_tokens(w), w.e
+    )
     worst = ranks[ulysses_busiest_rank(w)]
     out = []
     # ulysses.py: q,k,v in one fused all-to-all, o in another; backward moves the gradients
     for phase in ("forward", "backward"):
         for what, key in (("ulysses q,k,v", f"{phase}_qkv"), ("ulysses o", f"{phase}_o")):
             per = tuple(r[key] for r in ranks)
-            out.append(Collective(what, "all_to_all", group, P, span, phase, "layer", 1,
-                                  worst[key], None if len(set(per)) == 1 else per))  # fmt: skip
-    if w.pack_docs:
-        # ulysses.py _gather_positions: the [B, ceil(S/P)] int64 ids (padded), every call
-        out.append(Collective("ulysses position ids", "all_gather", group, P, span, "forward",
-                              "layer", 1, w.micro_batch * w.local_seq * 8))  # fmt: skip
+            out.append(
+                Collective(
+                    what,
+                    "all_to_all",
+                    group,
+                    P,
+                    span,
+                    phase,
+                    "layer",
+                    1,
+                    worst[key],
+                    None if len(set(per)) == 1 else per,
+                )
+            )
     return out
 
 
@@ -338,8 +319,14 @@ def per_layer_attention(w: Workload) -> list[Collective]:
 # ----------------------------------------------------------------------------------------------
 def fsdp_units(shape: ModelShape) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes of one block and of the root module (embedding, final norm, head)."""
-    D, N, K, H, F, V = (shape.dim, shape.n_heads, shape.n_kv_heads, shape.head_dim,
-                        shape.ffn_dim, shape.vocab_size)  # fmt: skip
+    D, N, K, H, F, V = (
+        shape.dim,
+        shape.n_heads,
+        shape.n_kv_heads,
+        shape.head_dim,
+        shape.ffn_dim,
+        shape.vocab_size,
+    )
     block = [(N * H, D), (K * H, D), (K * H, D), (D, N * H), (F, D), (F, D), (D, F), (D,), (D,)]
     if shape.qk_norm:
         block += [(H,), (H,)]

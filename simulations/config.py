@@ -1,5 +1,7 @@
 """The inputs of one prediction: model shape, sequence, layout, precision, memory options, GPU.
 
+Kept in one file (~300 lines): one dataclass, its validation and the layout it derives.
+
 :class:`Workload` validates everything up front, so every later formula can assume sane numbers;
 each error names the offending numbers and the fix.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from dtensor_ulysses.plan import HeadPlan, divisors, head_plan, seq_split
+from dtensor_ulysses.plan import HeadPlan, check_sp_for_heads, divisors, head_plan, seq_split
 from dtensor_ulysses.presets import ModelShape, get_shape
 from simulations.hardware import GpuProfile, get_gpu
 
@@ -40,7 +42,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 METHODS = ("ulysses", "ring", "megatron-sp", "usp")
 AC_MODES = ("none", "full")
 SHARDING = ("fsdp", "ddp")
-# Activation/state accounting profiles (see simulations/memory.py):
+# Activation/state accounting profiles (see simulations/profiles.py):
 #   "dtensor-ulysses": this project (FSDP2 + dtensor_ulysses/model.py), the default;
 #   "hf-deepspeed", "hf-deepspeed-fused", "hf": Hugging Face Transformers (+ DeepSpeed ZeRO-3), the
 #   setups of the published ALST and Hugging Face rows (M3, M4, T2).
@@ -87,9 +89,9 @@ class Workload:
             all-reduced; with ``sp=1`` this is plain data parallelism).
         impl: accounting profile, ``dtensor-ulysses`` or ``hf-deepspeed``.
         gpus: total GPUs; must equal ``dp * sp`` when given.
-        pack_docs: packed documents (``position_ids`` restarting per document): Ulysses
-            all-gathers the ids in every attention call (attention FLOPs still count one causal
-            sequence of ``S`` tokens: an upper bound).
+        pack_docs: packed documents: attention stays inside each document; no extra
+            communication (the step's layout carries the document starts); attention FLOPs
+            still count one causal sequence of ``S`` tokens (an upper bound).
     """
 
     shape: ModelShape
@@ -148,11 +150,8 @@ class Workload:
                     f"{self.dp * self.sp}; choose dp and sp whose product is {self.gpus}"
                 )
         P, N, K = self.sp, self.shape.n_heads, self.shape.n_kv_heads
-        if self.attention == "ulysses" and P > N:
-            raise ValueError(
-                f"sp={P} exceeds the {N} q heads (a Ulysses rank would hold no head); the "
-                f"largest valid sp is {N} (sp in {_fmt_set(divisors(N))} split the heads evenly)"
-            )
+        if self.attention == "ulysses":  # uneven heads are allowed, as the real code does
+            check_sp_for_heads(N, P, allow_uneven=True)
         if self.attention == "megatron-sp":
             if N % P or K % P:
                 ok = [d for d in divisors(K) if N % d == 0]
@@ -182,7 +181,7 @@ class Workload:
         if self.seq_len % P and self.attention != "ulysses":
             raise ValueError(
                 f"seq_len={self.seq_len} tokens are not divisible by sp={P}; pad the sequence to "
-                f"a multiple of {P} (e.g. {-(-self.seq_len // P) * P}), or use "
+                f"a multiple of {P} (e.g. {seq_split(self.seq_len, P)[0] * P}), or use "
                 f"attention='ulysses' (uneven slices)"
             )
         if self.pack_docs and self.attention != "ulysses":
@@ -220,7 +219,7 @@ class Workload:
     @property
     def local_seq(self) -> int:
         """Tokens of one sequence held by the busiest rank, ``s = ceil(S / P)`` (rank 0)."""
-        return -(-self.seq_len // self.sp)
+        return seq_split(self.seq_len, self.sp)[0]
 
     @property
     def heads(self) -> HeadPlan:

@@ -1,8 +1,9 @@
 """GPU profiles: memory, compute ceilings, links and the efficiencies the cost model assumes.
 
-Every number is either a vendor ceiling (``../shared/anchors/published-tables.md``, "Hardware
-ceilings"), a published measurement named in the comment, or an explicit *assumption* (marked as
-such) that a user with better numbers should override with :meth:`GpuProfile.with_`.
+Every number is either a vendor ceiling (memory, dense bf16 FLOP/s and HBM bandwidth come from the
+one table, :data:`dtensor_ulysses.hardware.GPU_SPECS`; the published anchors' "Hardware ceilings"
+rows check them), a published measurement named in the comment, or an explicit *assumption* (marked
+as such) that a user with better numbers should override with :meth:`GpuProfile.with_`.
 
 Units: bytes, seconds, FLOP/s, bytes/s. Bandwidths are NCCL *bus* bandwidths (nccl-tests
 ``doc/PERFORMANCE.md``): the time of a collective is ``wire_bytes / bus_bw`` where ``wire_bytes`` is
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from dtensor_ulysses.hardware import GPU_SPECS
+
 __all__ = ["GpuProfile", "GPUS", "get_gpu"]
 
 GiB = 2**30
-MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -94,15 +96,25 @@ _PCIE5, _PCIE4 = 25e9, 12e9
 # the optimizer step, which is the gap between its 17 s iteration and the GPU compute time.
 _CPU_ADAM = 1.0e8
 
+
+def _profile(name: str, **assumed) -> GpuProfile:
+    """A profile with the vendor ceilings of :data:`~dtensor_ulysses.hardware.GPU_SPECS`."""
+    spec = GPU_SPECS[name]
+    return GpuProfile(
+        name=name,
+        memory_bytes=spec.memory_bytes,
+        peak_flops=spec.peak_flops,
+        hbm_bw=spec.hbm_bw,
+        **assumed,
+    )
+
+
 GPUS: dict[str, GpuProfile] = {
     g.name: g
     for g in [
-        GpuProfile(
-            name="h100",
-            memory_bytes=81559 * MiB,  # H100 SXM 80 GB (HBM3): nvidia-smi total 81559 MiB
+        _profile(
+            "h100",
             reserved_bytes=2 * GiB,
-            peak_flops=989e12,  # H100 SXM dense bf16
-            hbm_bw=3.35e12,  # H100 SXM HBM3
             intra_bw=_NVLINK4_BUS,
             intra_latency_s=_INTRA_LAT,
             inter_bw=_NDR_BUS,
@@ -114,12 +126,9 @@ GPUS: dict[str, GpuProfile] = {
             pcie_bw=_PCIE5,
             cpu_adam_params_per_s=_CPU_ADAM,
         ),
-        GpuProfile(
-            name="h200",
-            memory_bytes=143771 * MiB,  # H200 SXM 141 GB (HBM3e): nvidia-smi total 143771 MiB
+        _profile(
+            "h200",
             reserved_bytes=2 * GiB,
-            peak_flops=989e12,  # same compute as H100 SXM
-            hbm_bw=4.8e12,  # H200 HBM3e
             intra_bw=_NVLINK4_BUS,
             intra_latency_s=_INTRA_LAT,
             inter_bw=_NDR_BUS,
@@ -130,12 +139,9 @@ GPUS: dict[str, GpuProfile] = {
             pcie_bw=_PCIE5,
             cpu_adam_params_per_s=_CPU_ADAM,
         ),
-        GpuProfile(
-            name="a100-40gb",
-            memory_bytes=40960 * MiB,  # A100 SXM 40 GB: nvidia-smi total 40960 MiB
+        _profile(
+            "a100-40gb",
             reserved_bytes=2 * GiB,
-            peak_flops=312e12,  # A100 dense bf16
-            hbm_bw=1.555e12,  # A100 40 GB HBM2
             intra_bw=_NVLINK3_BUS,
             intra_latency_s=_INTRA_LAT,
             inter_bw=_HDR_BUS,
@@ -146,12 +152,9 @@ GPUS: dict[str, GpuProfile] = {
             pcie_bw=_PCIE4,
             cpu_adam_params_per_s=_CPU_ADAM,
         ),
-        GpuProfile(
-            name="a100-80gb",
-            memory_bytes=81920 * MiB,  # A100 SXM 80 GB: nvidia-smi total 81920 MiB
+        _profile(
+            "a100-80gb",
             reserved_bytes=2 * GiB,
-            peak_flops=312e12,
-            hbm_bw=2.039e12,  # A100 80 GB HBM2e
             intra_bw=_NVLINK3_BUS,
             intra_latency_s=_INTRA_LAT,
             inter_bw=_HDR_BUS,

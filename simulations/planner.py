@@ -22,8 +22,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtensor_ulysses.presets import ModelShape
+from dtensor_ulysses.presets import ModelShape, get_shape
 from simulations.config import Workload, divisors
+from simulations.hardware import get_gpu
 from simulations.predict import Prediction, predict
 
 __all__ = ["Layout", "Plan", "max_seq_len", "plan"]
@@ -157,7 +158,8 @@ def plan(
     for k in ("dp", "sp", "gpus"):
         if k in options:
             raise ValueError(f"plan chooses {k} itself; do not pass {k}=")
-    probe = Workload(shape=model, seq_len=gpus, gpu=gpu, **options)  # validates the rest
+    shape = get_shape(model) if isinstance(model, str) else model
+    probe = Workload(shape=shape, seq_len=gpus, gpu=get_gpu(gpu), **options)  # validates the rest
     name = probe.shape.name
     layouts: list[Layout] = []
     for sp in divisors(gpus):
@@ -167,8 +169,13 @@ def plan(
         except ValueError as e:
             layouts.append(Layout(dp, sp, valid=False, why=str(e)))
             continue
-        lay = Layout(dp, sp, valid=True, attention_imbalance=w.attention_imbalance,
-                     heads_per_rank=w.heads.q_heads)  # fmt: skip
+        lay = Layout(
+            dp,
+            sp,
+            valid=True,
+            attention_imbalance=w.attention_imbalance,
+            heads_per_rank=w.heads.q_heads,
+        )
         lay.max_seq_len = max_seq_len(w)
         if lay.max_seq_len:
             lay.binding = _largest_component(predict(w.with_(seq_len=lay.max_seq_len)))
@@ -265,6 +272,7 @@ def _explain(layouts: list[Layout], seq_len: int | None) -> None:
                     f"(limit set by {lay.binding})"
                 )
         if lay.fits and best.fits and lay.tokens_per_s < best.tokens_per_s:
+            assert lay.prediction and best.prediction  # a layout that fits has a prediction
             slower = 1 - lay.tokens_per_s / best.tokens_per_s
             if not math.isclose(slower, 0.0, abs_tol=5e-4):
                 reasons.append(

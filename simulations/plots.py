@@ -63,8 +63,11 @@ def plot_workload(w: Workload, path: str) -> None:
         pts = [(s, y / GiB) for s, y in zip(seqs, ys) if y is not None]
         if pts:
             ax[0].plot(*zip(*pts), marker="o", label=m)
-    ax[0].set(title=f"attention comm per rank per step, sp={w.sp}", xlabel="sequence length",
-              ylabel="GiB (input buffers)")  # fmt: skip
+    ax[0].set(
+        title=f"attention comm per rank per step, sp={w.sp}",
+        xlabel="sequence length",
+        ylabel="GiB (input buffers)",
+    )
     ax[0].legend()
     sps = [d for d in divisors(max(64, w.sp)) if d > 1]
     for m in METHODS:
@@ -75,8 +78,12 @@ def plot_workload(w: Workload, path: str) -> None:
                 pts.append((P, y / GiB))
         if pts:
             ax[1].plot(*zip(*pts), marker="o", label=m)
-    ax[1].set(title=f"attention comm per rank, S={w.seq_len:,}", xlabel="sp degree",
-              ylabel="GiB", yscale="log")  # fmt: skip
+    ax[1].set(
+        title=f"attention comm per rank, S={w.seq_len:,}",
+        xlabel="sp degree",
+        ylabel="GiB",
+        yscale="log",
+    )
     ax[1].set_xscale("log", base=2)
     ax[1].set_xticks(sps, [str(P) for P in sps])
     ax[1].minorticks_off()
@@ -91,8 +98,7 @@ def plot_workload(w: Workload, path: str) -> None:
         if pts:
             ax[2].plot(*zip(*pts), marker=".", label=f"sp={P}")
     ax[2].axhline(w.gpu.usable_bytes / GiB, color="k", ls="--", label=f"{w.gpu.name} usable")
-    ax[2].set(title=f"peak memory per rank ({w.attention})", xlabel="sequence length",
-              ylabel="GiB")  # fmt: skip
+    ax[2].set(title=f"peak memory per rank ({w.attention})", xlabel="sequence length", ylabel="GiB")
     ax[2].legend(fontsize=7)
     fig.suptitle(f"{w.shape.name}, {w.gpu.name}, ac={w.ac}")
     fig.tight_layout()
@@ -121,10 +127,8 @@ def plot_plan(pl, path: str, **options: Any) -> None:
         if pts:
             ax[1].plot(*zip(*pts), marker=".", label=f"sp={x.sp}")
     if valid and valid[0].prediction is not None:
-        ax[1].axhline(valid[0].prediction.memory.capacity / GiB, color="k", ls="--",
-                      label="usable")  # fmt: skip
-    ax[1].set(title="peak memory per rank", xlabel="sequence length", ylabel="GiB",
-              xscale="log")  # fmt: skip
+        ax[1].axhline(valid[0].prediction.memory.capacity / GiB, color="k", ls="--", label="usable")
+    ax[1].set(title="peak memory per rank", xlabel="sequence length", ylabel="GiB", xscale="log")
     ax[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dtensor_ulysses.presets import ModelShape
+from dtensor_ulysses.presets import ModelShape, get_shape
 from simulations import comm as _comm
 from simulations import flops as _flops
 from simulations import memory as _memory
@@ -68,8 +68,9 @@ class Prediction:
         m = w.shape
         plan = w.heads
         tokens = _comm.ulysses_rank_tokens(w)
-        a2a = _comm.ulysses_bytes_by_rank(m.n_heads, m.n_kv_heads, m.head_dim, w.a2a_degree,
-                                          tokens, w.e)  # fmt: skip
+        a2a = _comm.ulysses_bytes_by_rank(
+            m.n_heads, m.n_kv_heads, m.head_dim, w.a2a_degree, tokens, w.e
+        )
         return {
             "tokens": tokens,
             "q_heads": list(plan.q_heads),
@@ -81,7 +82,7 @@ class Prediction:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object of ``python -m simulations predict --json`` (DESIGN.md section 3)."""
+        """The JSON object of ``python -m simulations predict --json``."""
         w = self.workload
         d: dict[str, Any] = {"inputs": w.to_dict()}
         d["attention_imbalance"] = self.attention_imbalance
@@ -127,7 +128,8 @@ def predict(
     else:
         if seq_len is None:
             raise ValueError("seq_len is required")
-        w = Workload(shape=model, seq_len=seq_len, **options)
+        shape = get_shape(model) if isinstance(model, str) else model
+        w = Workload(shape=shape, seq_len=seq_len, **options)
     c = _comm.summarize(w)
     mem = _memory.estimate(w)
     fl = _flops.count(

@@ -1,4 +1,7 @@
-"""The published rows (``../shared/anchors/published-tables.md``), each as a check of the model.
+"""The published rows (papers, blogs, data sheets; cited per row below), each a check of the model.
+
+Kept in one file (~590 lines): one short check per published row, in row order, so the file reads
+as the table it reproduces.
 
 Every row id (C1-C4, M1-M4, T1-T3, HW) maps to a function returning :class:`Check` records: the
 model's prediction, the published figure, the band and a status:
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from dtensor_ulysses.presets import get_shape
 from simulations import comm, flops, memory
@@ -158,11 +162,17 @@ def check_c2() -> list[Check]:
     z3 = 3 * comm.bus_factor("reduce_scatter", P)
     dp = comm.bus_factor("all_reduce", P)
     out.append(
-        Check("C2", "ZeRO-3 / DP parameter traffic", "18/12 = 1.5", f"{z3 / dp:g}", "exact",
-              "pass" if abs(z3 / dp - 1.5) < 1e-12 else "fail",
-              "the model: 3 vs 2 passes over a block's parameters (36 vs 24 d^2 for a 12d^2 GPT "
-              "block); the table's absolute coefficients are half of these")
-    )  # fmt: skip
+        Check(
+            "C2",
+            "ZeRO-3 / DP parameter traffic",
+            "18/12 = 1.5",
+            f"{z3 / dp:g}",
+            "exact",
+            "pass" if abs(z3 / dp - 1.5) < 1e-12 else "fail",
+            "the model: 3 vs 2 passes over a block's parameters (36 vs 24 d^2 for a 12d^2 GPT "
+            "block); the table's absolute coefficients are half of these",
+        )
+    )
     return out
 
 
@@ -175,7 +185,7 @@ def check_c3() -> list[Check]:
         )
         for k in ("all_gather", "reduce_scatter", "all_to_all"):
             out.append(_exact("C3", f"{k} n={n}", (n - 1) / n, comm.bus_factor(k, n)))
-    return out  # fmt: skip
+    return out
 
 
 def check_c4() -> list[Check]:
@@ -205,7 +215,7 @@ def check_c4() -> list[Check]:
                 "= 6,240; 6 x 312e12 / 12.5e9 = 149,760): band = printed rounding",
             )
         )
-    return out  # fmt: skip
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,7 +258,7 @@ def check_m1() -> list[Check]:
             )
         )
     # the recount for this project's Llama block with FlashAttention (no s^2 term): informational
-    w = Workload("llama3-8b", 8192, ac="none")
+    w = Workload(get_shape("llama3-8b"), 8192, ac="none")
     per_tok = sum(memory.block_activation_bytes(w).values())
     out.append(
         Check(
@@ -261,7 +271,7 @@ def check_m1() -> list[Check]:
             "GQA, SwiGLU (4 F-sized tensors), RMSNorm; no dropout, no s^2 term",
         )
     )
-    return out  # fmt: skip
+    return out
 
 
 def check_m2() -> list[Check]:
@@ -270,18 +280,35 @@ def check_m2() -> list[Check]:
     w = Workload(shape, 16000, impl="hf-deepspeed")
     (p, g, o), cpu = memory.model_state_bytes_per_param(w)
     out = [_exact("M2", "model states, bytes/param (bf16 ZeRO + Adam)", 18, p + g + o)]
-    out.append(Check("M2", "model states, 8B params", "144 GiB", f"{18 * 8e9 / 1e9:g} GB "
-                     f"({18 * shape.n_params / GiB:.1f} GiB for the exact {shape.n_params:,})",
-                     "exact", "pass",
-                     "the publication multiplies 18 bytes by a nominal 8e9 and prints decimal GB "
-                     "as GiB"))  # fmt: skip
+    out.append(
+        Check(
+            "M2",
+            "model states, 8B params",
+            "144 GiB",
+            f"{18 * 8e9 / 1e9:g} GB "
+            f"({18 * shape.n_params / GiB:.1f} GiB for the exact {shape.n_params:,})",
+            "exact",
+            "pass",
+            "the publication multiplies 18 bytes by a nominal 8e9 and prints decimal GB as GiB",
+        )
+    )
     logits = 16000 * shape.vocab_size * 4 / GiB
-    out.append(_within("M2", "fp32 logits at 16K (16,000) tokens", 7.65, logits, 0.001, unit=" GiB",
-                       note="decimal K, as ALST uses"))  # fmt: skip
+    out.append(
+        _within(
+            "M2",
+            "fp32 logits at 16K (16,000) tokens",
+            7.65,
+            logits,
+            0.001,
+            unit=" GiB",
+            note="decimal K, as ALST uses",
+        )
+    )
     ckpt = Workload(shape, 125000, ac="full")
     hidden = memory.estimate(ckpt).per_layer["ac_full"] * shape.n_layers / GiB
-    out.append(_within("M2", "checkpointed hidden states, 125K tokens", 30.5, hidden, 0.002,
-                       unit=" GiB"))  # fmt: skip
+    out.append(
+        _within("M2", "checkpointed hidden states, 125K tokens", 30.5, hidden, 0.002, unit=" GiB")
+    )
     mask = memory.causal_mask_bytes(1, 125000, 2) / GiB
     out.append(
         _within(
@@ -297,7 +324,7 @@ def check_m2() -> list[Check]:
     return out
 
 
-M3_FEATURES = [
+M3_FEATURES: list[tuple[str, float, dict[str, Any]]] = [
     # (label, published max tokens, Workload options) - decimal K/M as ALST prints them
     ("baseline (dp=8)", 32e3, dict(dp=8, sp=1)),
     ("+ tiled logits+loss", 160e3, dict(dp=8, sp=1, tiled_loss=True)),
@@ -308,23 +335,35 @@ M3_FEATURES = [
     ("all features", 3.7e6,
      dict(dp=1, sp=8, tiled_loss=True, tiled_mlp=True, offload_activations=True)),
 ]  # fmt: skip
-_M3_BASE = dict(gpu="h100", ac="full", offload_optimizer=True, micro_batch=1)
+_M3_BASE: dict[str, Any] = dict(gpu="h100", ac="full", offload_optimizer=True, micro_batch=1)
 
 
 def check_m3() -> list[Check]:
     """ALST Table 1: longest sequence on 8x H100 per feature set (+-15%)."""
     out = []
     for label, pub, opts in M3_FEATURES:
-        w = Workload("llama3-8b", 8 * 256, impl="hf-deepspeed-fused", **_M3_BASE, **opts)
+        w = Workload(get_shape("llama3-8b"), 8 * 256, impl="hf-deepspeed-fused", **_M3_BASE, **opts)
         pred = max_seq_len(w)
         eager = max_seq_len(w.with_(impl="hf-deepspeed"))
         note = f"eager HF kernels instead: {eager / 1e3:,.0f}K"
         expl = None
         if label == "+ tiled MLP":
-            expl = ("ALST gains 9% from tiled MLP at this point where the model frees the whole "
-                    "SwiGLU working set (+31%); see README, 'M3 +tiled MLP'")  # fmt: skip
-        out.append(_within("M3", label, pub, pred, 0.15, pub_text=f"{pub / 1e3:,.0f}K tokens",
-                           explained=expl, note=note))  # fmt: skip
+            expl = (
+                "ALST gains 9% from tiled MLP at this point where the model frees the whole "
+                "SwiGLU working set (+31%); see README, 'M3 +tiled MLP'"
+            )
+        out.append(
+            _within(
+                "M3",
+                label,
+                pub,
+                pred,
+                0.15,
+                pub_text=f"{pub / 1e3:,.0f}K tokens",
+                explained=expl,
+                note=note,
+            )
+        )
     return out
 
 
@@ -335,27 +374,49 @@ _M4_BASE = dict(gpu="h100", ac="full", micro_batch=1, impl="hf-deepspeed")
 def check_m4() -> list[Check]:
     """Hugging Face blog: Qwen3-4B peak memory per GPU on 4x H100, sp=4 (+-10%), OOM at 128K."""
     out = []
-    why = ("with the stated CPU optimizer offload the model is {lit:.1f} GiB; the published peaks "
-           "match the optimizer states kept on the GPU (18 bytes/param / 4 ranks); see README, "
-           "'M4'")  # fmt: skip
+    why = (
+        "with the stated CPU optimizer offload the model is {lit:.1f} GiB; the published peaks "
+        "match the optimizer states kept on the GPU (18 bytes/param / 4 ranks); see README, "
+        "'M4'"
+    )
     for S, pub in M4_POINTS:
         lit = predict("qwen3-4b", S, sp=4, offload_optimizer=True, **_M4_BASE).memory.peak / GiB
         on_gpu = predict("qwen3-4b", S, sp=4, offload_optimizer=False, **_M4_BASE).memory.peak
         c = _within("M4", f"peak at {S // 1024}K, sp=4", pub, lit, 0.10, unit=" GB")
         if c.status == "fail":
-            c2 = _within("M4", f"peak at {S // 1024}K, sp=4", pub, on_gpu / GiB, 0.10, unit=" GB",
-                         explained=why.format(lit=lit))  # fmt: skip
-            c = Check(c.row, c.item, c.published, c2.predicted,
-                      c.band, "explained" if c2.status == "pass" else "fail",
-                      why.format(lit=lit))  # fmt: skip
+            c2 = _within(
+                "M4",
+                f"peak at {S // 1024}K, sp=4",
+                pub,
+                on_gpu / GiB,
+                0.10,
+                unit=" GB",
+                explained=why.format(lit=lit),
+            )
+            c = Check(
+                c.row,
+                c.item,
+                c.published,
+                c2.predicted,
+                c.band,
+                "explained" if c2.status == "pass" else "fail",
+                why.format(lit=lit),
+            )
         out.append(c)
     # out-of-memory boundary between 96K and 128K (same reading)
     fits96 = predict("qwen3-4b", 98304, sp=4, **_M4_BASE).fits
     fits128 = predict("qwen3-4b", 131072, sp=4, **_M4_BASE).fits
-    out.append(Check("M4", "OOM boundary, sp=4", "fits 96K, OOM at 128K",
-                     f"96K {'fits' if fits96 else 'OOM'}, 128K {'fits' if fits128 else 'OOM'}",
-                     "96K < boundary <= 128K", "pass" if fits96 and not fits128 else "fail",
-                     "optimizer states on the GPU, as for the peaks"))  # fmt: skip
+    out.append(
+        Check(
+            "M4",
+            "OOM boundary, sp=4",
+            "fits 96K, OOM at 128K",
+            f"96K {'fits' if fits96 else 'OOM'}, 128K {'fits' if fits128 else 'OOM'}",
+            "96K < boundary <= 128K",
+            "pass" if fits96 and not fits128 else "fail",
+            "optimizer states on the GPU, as for the peaks",
+        )
+    )
     one = predict("qwen3-4b", 8192, sp=1, gpu="h100", ac="full", impl="hf").memory.peak / GiB
     out.append(
         _within(
@@ -391,7 +452,7 @@ def check_t1() -> list[Check]:
                 1e-12,
             )
         )
-    return out  # fmt: skip
+    return out
 
 
 T2_POINTS = [
@@ -415,8 +476,7 @@ def check_t2() -> list[Check]:
         seq = int(S) // (8 * 256) * (8 * 256)
         p = predict("llama3-8b", seq, impl="hf-deepspeed-fused", **_M3_BASE, **opts)
         note = f"model's own step time for this run: {p.step_time_s:,.0f} s vs {t:,.0f} s published"
-        out.append(_within("T2", f"{label}: {t:g} s", pub, tflops, 0.02, unit=" TFLOPS",
-                           note=note))  # fmt: skip
+        out.append(_within("T2", f"{label}: {t:g} s", pub, tflops, 0.02, unit=" TFLOPS", note=note))
     return out
 
 
@@ -427,8 +487,11 @@ def check_t3() -> list[Check]:
     S = 65536
     fl = flops.count(shape, S, 1, recompute=False, causal=True)
     fwd = 4 * S * S * shape.n_heads * shape.head_dim / 2 * shape.n_layers  # half when causal
-    out.append(_within("T3", "attention fwd+bwd = 3.5x fwd (causal half)", 3.5 * fwd,
-                       fl.attention_hw, 1e-12))  # fmt: skip
+    out.append(
+        _within(
+            "T3", "attention fwd+bwd = 3.5x fwd (causal half)", 3.5 * fwd, fl.attention_hw, 1e-12
+        )
+    )
     for name in ("h100", "h200"):
         g = GPUS[name]
         rate = g.peak_flops * g.attention_efficiency / 1e12

@@ -1,4 +1,4 @@
-"""loss.py on one process: the sums, the tiled variant, and the FSDP2 scaling."""
+"""loss.py on one process: the sums, the tiled variant, the global token count."""
 
 import pytest
 import torch
@@ -8,7 +8,6 @@ from dtensor_ulysses.loss import (
     IGNORE_INDEX,
     cross_entropy_sum,
     global_valid_tokens,
-    loss_for_backward,
     tiled_cross_entropy_sum,
 )
 
@@ -45,10 +44,8 @@ def test_tiled_equals_full_forward_and_backward(chunk):
     torch.testing.assert_close(tw, gw, rtol=1e-6, atol=1e-6)
 
 
-def test_loss_for_backward_scales_for_fsdp_averaging():
-    x = torch.tensor(6.0)
-    assert loss_for_backward(x, n_valid_global=12, fsdp_world=4).item() == pytest.approx(2.0)
+def test_no_valid_labels_and_bad_chunks_are_errors():
     with pytest.raises(ValueError, match="no valid labels"):
-        loss_for_backward(x, 0, 4)
+        global_valid_tokens(torch.full((2, 3), IGNORE_INDEX))
     with pytest.raises(ValueError, match="chunk_tokens=0 must be >= 1"):
         tiled_cross_entropy_sum(*_data(), chunk_tokens=0)

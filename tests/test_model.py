@@ -12,15 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dtensor_ulysses.attention import LocalAttention
 from dtensor_ulysses.model import (
     Transformer,
     apply_rope,
     build_model,
-    init_weights,
     model_flops_per_token,
     rope_cos_sin,
 )
 from dtensor_ulysses.presets import PRESETS, get_shape
+from dtensor_ulysses.recompute import checkpoint_module
+from dtensor_ulysses.weights import init_weights
 
 TINY = get_shape("tiny")
 B, S = 2, 12
@@ -172,8 +174,8 @@ def test_module_names():
     expected |= {f"layers.{i}.{n}" for i in range(TINY.n_layers) for n in expected_block}
     assert names == expected
     block = model.layers[0]
-    assert block.checkpoint is False
-    assert block.attention.sp_mesh is None and block.attention.backend == "auto"
+    kernel = block.attention.inner_attention
+    assert isinstance(kernel, LocalAttention) and kernel.backend == "auto" and kernel.causal
     assert build_model(TINY).layers[0].attention.q_norm is None
 
 
@@ -332,7 +334,7 @@ def test_checkpoint_gives_identical_outputs_and_grads():
     shape = TINY.with_(qk_norm=True)
     plain, ckpt = build_model(shape, device="cpu"), build_model(shape, device="cpu")
     for block in ckpt.layers:
-        block.checkpoint = True
+        checkpoint_module(block)
     names_before = [n for n, _ in plain.named_parameters()]
     assert [n for n, _ in ckpt.named_parameters()] == names_before
     input_ids, position_ids = _batch(shape)
@@ -391,14 +393,16 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
             mismatched.append(name)
     results["init_mismatched"] = mismatched
 
-    # (2) Attention.sp_mesh: each rank holds a contiguous slice of the sequence
+    # (2) inner_attention swapped for the Ulysses engine: each rank holds a contiguous slice
+    from dtensor_ulysses.ulysses import UlyssesAttention
+
     sp_mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "sp"))["sp"]
     model = _model64(TINY)
     input_ids, position_ids = _batch(TINY, seq=8)
     full = model(input_ids, position_ids)
     full_grads = torch.autograd.grad(_loss(full, input_ids), list(model.parameters()))
     for block in model.layers:
-        block.attention.sp_mesh = sp_mesh
+        block.attention.inner_attention = UlyssesAttention(block.attention.inner_attention, sp_mesh)
     s = input_ids.shape[1] // world_size
     cut = slice(rank * s, (rank + 1) * s)
     local = model(input_ids[:, cut], position_ids[:, cut])

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from dtensor_ulysses.data import PackedCorpus, get_batch
 from dtensor_ulysses.launch import run_local_world
-from dtensor_ulysses.model import build_model, init_weights
+from dtensor_ulysses.model import build_model
+from dtensor_ulysses.weights import init_weights
 from tests import train_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,7 +219,7 @@ BAD = [
     (["--dp", "2", "--sp", "2"], 2, r"--dp 2 x --sp 2 = 4 but torchrun started 2 processes"),
     (["--sp", "2", "--seq-len", "63", "--strict-seq-len"], 2, r"--seq-len 63 is not divisible by sp=2; use a multiple of 2, e.g. 62 or 64"),
     (["--sp", "2", "--model", "tiny", "--seq-len", "64", "--batch-size", "2"], 3, r"--dp 1 x --sp 2 = 2 but torchrun started 3 processes"),
-    (["--sp", "3", "--seq-len", "63"], 3, r"model 'tiny' has 8 heads, not divisible by sp=3; choose sp in \{1, 2, 4, 8\}"),
+    (["--sp", "3", "--seq-len", "63"], 3, r"8 heads of model 'tiny' are not divisible by sp=3; choose sp in \{1, 2, 4, 8\} \(or pass --allow-uneven-heads"),
     (["--model", "gpt-9000"], 2, r"unknown model preset 'gpt-9000'; choose one of tiny, llama3-1b"),
     (["--resume", "--checkpoint-dir", "{tmp}/none"], 2, r"--resume: no checkpoint in .*; run once without --resume"),
     (["--data", "{tmp}/missing.txt"], 2, r"missing\.txt"),
@@ -329,3 +330,21 @@ def test_pack_docs_with_odd_seq_len_equals_per_document_single_device(world_size
                 assert abs(got - want) < 1e-4, (
                     f"{run['dp'], run['sp']} step {step}: {got} vs {want}"
                 )
+
+
+@pytest.mark.timeout(200)
+def test_packed_step_needs_no_position_gather(tmp_path):
+    """The step's layout carries the document starts, so packing costs no communication: the
+    packed step issues exactly the collectives and bytes of the unpacked one (no position-id
+    all-gather), and its all-to-alls are Ulysses' 2 per block forward and 2 backward."""
+    from dtensor_ulysses.presets import get_shape
+
+    n_layers = get_shape(CFG["model"]).n_layers
+    data = tmp_path / "short_docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"doc {i}: " + "ab" * (i % 7)}) + "\n"
+                            for i in range(200)))  # fmt: skip
+    cfg = dict(CFG, seq_len=61, pack_docs=True, data=[str(data)])
+    for r in run_local_world(train_workers.packed_step_collectives, 2, cfg):
+        assert r["docs"] > 1, "the window must hold several documents for this test to bite"
+        assert r[True] == r[False], r
+        assert r[True]["all_to_all"][0] == 4 * n_layers, r

@@ -8,9 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ulysses import train as du_train
 from dtensor_ulysses.data import PackedCorpus, get_batch
-from dtensor_ulysses.loss import cross_entropy_sum, global_valid_tokens, loss_for_backward
-from dtensor_ulysses.mesh import init_mesh
-from dtensor_ulysses.parallelize import fsdp_world_size
+from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
 
 
 def one_step_grads(rank: int, world_size: int, layouts: list[tuple[int, int]], cfg_kw: dict):
@@ -26,10 +24,9 @@ def one_step_grads(rank: int, world_size: int, layouts: list[tuple[int, int]], c
             corpus, 0, global_batch_size=cfg.batch_size, dp_rank=dp_rank, dp=dp,
             sp_rank=sp_rank, sp=sp, seed=cfg.seed,
         )  # fmt: skip
-        local_sum = cross_entropy_sum(model(batch.input_ids, batch.position_ids), batch.labels)
-        n_valid = global_valid_tokens(batch.labels)
-        loss_for_backward(local_sum, n_valid, fsdp_world_size(mesh)).backward()
-        total = local_sum.detach().reshape(1)
+        group = flatten_dp_sp(mesh).get_group()
+        local_sum, n_valid = du_train.forward_backward(model, batch, group)
+        total = local_sum.reshape(1)
         dist.all_reduce(total)
         grads = {}
         for name, p in model.named_parameters():
@@ -47,3 +44,28 @@ def run_training(rank: int, world_size: int, runs: list[dict]):
         records = du_train.train(cfg)
         results.append([(r["step"], r["loss"]) for r in records])
     return results
+
+
+def packed_step_collectives(rank: int, world_size: int, cfg_kw: dict):
+    """One forward/backward at dp=1, sp=world_size, with and without packed documents: per
+    collective kind, the count and bytes on this rank."""
+    from dtensor_ulysses.debug import CommCounter
+
+    cfg = du_train.validate(du_train.TrainConfig(dp=1, sp=world_size, **cfg_kw), world_size)
+    mesh = init_mesh(1, world_size, device_type="cpu")
+    model, _, _ = du_train.build(cfg, mesh, torch.device("cpu"))
+    corpus = PackedCorpus.from_paths(cfg.data, seq_len=cfg.seq_len)
+    out = {}
+    for pack_docs in (False, True):
+        batch = get_batch(
+            corpus, 0, global_batch_size=cfg.batch_size, dp_rank=0, dp=1, sp_rank=rank,
+            sp=world_size, seed=cfg.seed, pack_docs=pack_docs, uneven=True,
+        )  # fmt: skip
+        with CommCounter() as comm:
+            du_train.forward_backward(model, batch, flatten_dp_sp(mesh).get_group())
+        kinds = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+        out[pack_docs] = {k: (comm.count(k), comm.bytes(k)) for k in kinds}
+        out[pack_docs]["total"] = comm.count()
+        if pack_docs:
+            out["docs"] = max(len(row) for row in batch.layout.doc_starts)
+    return out

@@ -1,0 +1,106 @@
+"""How each implementation stores things: the accounting profiles the memory model reads.
+
+A profile says what one RMSNorm and one SwiGLU keep for backward, what the loss keeps, how many
+bytes per parameter the model states take (on the GPU and, offloaded, on the CPU) and which
+buffers are fixed. ``dtensor-ulysses`` is this project (FSDP2 + ``dtensor_ulysses/model.py``); the
+others reproduce the setups of the published Hugging Face / DeepSpeed rows. Used by
+:mod:`simulations.activations` and :mod:`simulations.memory`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["IMPL_PROFILES", "ImplProfile"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ImplProfile:
+    """How an implementation stores things; the profiles differ only where the code differs.
+
+    Attributes:
+        name: profile key.
+        norm_saved: bytes one RMSNorm keeps per hidden element, its output (the next matmul's
+            saved input) included: eager with an fp32 upcast (HF ``LlamaRMSNorm``, PyTorch's
+            composite ``rms_norm``) keeps the fp32 input (4), the normalized bf16 tensor for the
+            weight gradient (2) and the output (2) = 8; a fused kernel keeps input and output = 4.
+        mlp_saved: F-sized tensors the SwiGLU keeps: eager gate, up, silu(gate), product = 4; a
+            fused SwiGLU keeps gate and up, the down projection its input = 3.
+        mlp_bwd: F-sized gradients alive at once in the SwiGLU backward.
+        loss_kept: bytes per vocab entry per token the caller keeps alive through backward
+            (HF's model output holds the fp32 logits: 4; this project's loss returns a scalar: 0).
+        gpu_state_bytes: bytes per parameter on the GPU (before sharding), ``(params, grads,
+            optimizer)``, keyed by offload mode ``none``/``optimizer``/``params``.
+        cpu_state_bytes: bytes per parameter on the CPU, same keys.
+        loss_tile_bytes: fp32 logits of one loss tile (tiled loss).
+        loss_tile_tokens: tokens of one loss tile, when the implementation fixes it instead.
+        persistent_grads: gradient partitions stay allocated between steps (DeepSpeed ZeRO-3
+            preallocates them); else they exist from backward to ``zero_grad(set_to_none=True)``.
+        optimizer_temp: bytes per owned parameter of optimizer-step temporaries (torch AdamW
+            ``foreach``: one fp32 gradient-sized buffer, assumption; DeepSpeed's fused Adam: 0).
+        fixed_bytes: allocator-visible buffers that scale with neither the model nor the sequence
+            (communication buckets, workspaces).
+    """
+
+    name: str
+    norm_saved: int
+    mlp_saved: int
+    mlp_bwd: int
+    loss_kept: int
+    gpu_state_bytes: dict[str, tuple[int, int, int]]
+    cpu_state_bytes: dict[str, tuple[int, int, int]]
+    loss_tile_bytes: int
+    fixed_bytes: int
+    loss_tile_tokens: int | None = None
+    persistent_grads: bool = False
+    optimizer_temp: int = 4
+
+
+# FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and AdamW: sharded fp32
+# parameters (4), their fp32 gradients (4), Adam exp_avg + exp_avg_sq (8) = 16 bytes/param.
+# --offload-optimizer moves Adam's 8 to the CPU; --offload-params (CPUOffloadPolicy) all 16.
+_FSDP2_GPU = {"none": (4, 4, 8), "optimizer": (4, 4, 0), "params": (0, 0, 0)}
+_FSDP2_CPU = {"none": (0, 0, 0), "optimizer": (0, 0, 8), "params": (4, 4, 8)}
+# DeepSpeed ZeRO-3 bf16 (ALST's 18 bytes/param, row M2): bf16 parameters (2), fp32 gradients (4),
+# fp32 master weights + Adam (12). With offload_optimizer the GPU keeps the bf16 parameter partition
+# (2) and a bf16 gradient partition (2); fp32 gradients, master weights and Adam (16) go to the CPU.
+_ZERO3_GPU = {"none": (2, 4, 12), "optimizer": (2, 2, 0), "params": (0, 0, 0)}
+_ZERO3_CPU = {"none": (0, 0, 0), "optimizer": (0, 4, 12), "params": (2, 4, 12)}
+
+IMPL_PROFILES: dict[str, ImplProfile] = {
+    # This project: FSDP2 + dtensor_ulysses/model.py. RMSNorm upcasts to fp32 and calls
+    # F.rms_norm with an fp32 weight: it keeps the fp32 input (4) and the fp32 normalized tensor
+    # for the weight gradient (4); the bf16 output is the next matmul's input (2) = 10. Eager
+    # SwiGLU (4). train.py holds the bf16 logits until backward ends (loss_kept 2); loss.py's
+    # tiled loss materializes 4096-token chunks.
+    "dtensor-ulysses": ImplProfile(
+        name="dtensor-ulysses", norm_saved=10, mlp_saved=4, mlp_bwd=3, loss_kept=2,
+        gpu_state_bytes=_FSDP2_GPU, cpu_state_bytes=_FSDP2_CPU,
+        loss_tile_bytes=GiB, fixed_bytes=256 * 2**20, loss_tile_tokens=4096,
+    ),
+    # Hugging Face Transformers eager modules + DeepSpeed ZeRO-3 (the Hugging Face blog, row M4);
+    # the loss upcasts inside the loss function, the caller keeps no logits. DeepSpeed's buckets
+    # ("auto": ~hidden^2 elements each) and live-parameter cache: 1 GiB (assumption).
+    "hf-deepspeed": ImplProfile(
+        name="hf-deepspeed", norm_saved=8, mlp_saved=4, mlp_bwd=3, loss_kept=0,
+        gpu_state_bytes=_ZERO3_GPU, cpu_state_bytes=_ZERO3_CPU,
+        loss_tile_bytes=GiB, fixed_bytes=GiB, persistent_grads=True, optimizer_temp=0,
+    ),
+    # As "hf-deepspeed" with fused RMSNorm and SwiGLU kernels (bf16 saved tensors only) and the
+    # model output holding fp32 logits through backward: the storage that reproduces ALST's
+    # Table 1 (row M3); see simulations/README.md.
+    "hf-deepspeed-fused": ImplProfile(
+        name="hf-deepspeed-fused", norm_saved=4, mlp_saved=3, mlp_bwd=3, loss_kept=4,
+        gpu_state_bytes=_ZERO3_GPU, cpu_state_bytes=_ZERO3_CPU,
+        loss_tile_bytes=GiB, fixed_bytes=GiB, persistent_grads=True, optimizer_temp=0,
+    ),
+    # Hugging Face eager modules on one GPU without DeepSpeed: fp32 parameters and gradients,
+    # AdamW states on the GPU (16 bytes/param), autocast bf16 activations (row M4's 1-GPU figure).
+    "hf": ImplProfile(
+        name="hf", norm_saved=8, mlp_saved=4, mlp_bwd=3, loss_kept=0,
+        gpu_state_bytes=_FSDP2_GPU, cpu_state_bytes=_FSDP2_CPU,
+        loss_tile_bytes=GiB, fixed_bytes=256 * 2**20,
+    ),
+}  # fmt: skip
