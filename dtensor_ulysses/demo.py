@@ -14,7 +14,6 @@ from single-device attention on the same data.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.distributed as dist
@@ -22,11 +21,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_ulysses as du
 from dtensor_ulysses._exit import exit_process
+from dtensor_ulysses.debug import head_ranges, shard_range, ulysses_closed_form
 
 
-def _span(placement_dim: int, size: int, coord: int, parts: int) -> str:
-    chunk = math.ceil(size / parts)
-    lo, hi = min(coord * chunk, size), min((coord + 1) * chunk, size)
+def _span(lo: int, hi: int) -> str:
     return f"{lo}:{hi}"
 
 
@@ -54,14 +52,19 @@ def main(argv: list[str] | None = None) -> None:
         od = du.ulysses_attention(qd, kd, vd, causal=True, backend="sdpa")
     head_view = du.seq_to_head(qd)  # what attention sees: q[B, S, N_sp, H]
 
-    d, r = mesh.get_coordinate()
-    bs, ss, hs = _span(0, B, d, dp), _span(1, S, r, sp), _span(2, N, r, sp)
+    coord = mesh.get_coordinate()
+    assert coord is not None  # every rank of the world is on the mesh
+    d, r = coord
+    bs, ss = _span(*shard_range(B, dp, d)), _span(*shard_range(S, sp, r))
+    hs = _span(*head_ranges(N, sp)[r])
     ref = du.local_attention(*(t.to(od.device) for t in (q, k, v)), causal=True, backend="sdpa")
     err = (od.full_tensor() - ref).abs().max().item()
     index = du.kv_head_index(N, K, sp)
-    Kp = K if index is None else len(index)
-    e = q.element_size()
-    closed = (B // dp) * (S // sp) * H * e * ((N + 2 * Kp) + N)
+    closed: int | str = "n/a: S not divisible by sp"
+    if S % sp == 0:
+        cf = ulysses_closed_form(B // dp, S, N, K, H, sp, q.element_size(), rank=r)
+        closed = cf["forward"]["bytes"]
+    others = comm.count() - comm.count("all_to_all")
     lines = [
         f"rank {dist.get_rank()} (dp={d}, sp={r})",
         f"  before  q{list(qd.to_local().shape)} = q[batch {bs}, tokens {ss}, heads 0:{N}]"
@@ -71,16 +74,16 @@ def main(argv: list[str] | None = None) -> None:
         f"  after   o{list(od.to_local().shape)} = o[batch {bs}, tokens {ss}, heads 0:{N}]"
         f"   placements {od.placements}",
         f"  moved   {comm.count('all_to_all')} all-to-alls, {comm.bytes('all_to_all')} bytes in "
-        f"(closed form {closed}), other collectives: {comm.count() - comm.count('all_to_all')}",
+        f"(closed form {closed}), other collectives: {others}",
         f"  max |ulysses - single-device| = {err:.2e}",
     ]
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[object] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object("\n".join(lines), gathered, dst=0)
-    if dist.get_rank() == 0:
+    if gathered is not None:
         print(f"Ulysses attention: B={B} S={S} N={N} K={K} H={H} on mesh dp={dp} x sp={sp}")
         if index is not None:
             print(f"GQA: sp={sp} does not divide {K} kv heads; kv heads sent per rank: {index}")
-        print("\n".join(gathered))
+        print("\n".join(map(str, gathered)))
     dist.barrier()  # leave together (see train.main)
     dist.destroy_process_group()
 
