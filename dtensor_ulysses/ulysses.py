@@ -33,18 +33,28 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from dtensor_ulysses._all_to_all import all_to_all
 from dtensor_ulysses.attention import document_starts
 from dtensor_ulysses.plan import SeqLayout, divisors, head_plan, head_split, seq_split
 
-__all__ = ["SP_AXIS", "UlyssesAttention", "sp_axis", "sp_group", "to_heads", "to_seq"]
+__all__ = [
+    "SP_AXIS",
+    "UlyssesAttention",
+    "check_head_chunks",
+    "sp_axis",
+    "sp_group",
+    "to_heads",
+    "to_seq",
+]
 
 SP_AXIS = "sp"
 SEQ_DIM, HEAD_DIM = 1, 2
@@ -175,10 +185,24 @@ class UlyssesAttention(nn.Module):
             ``nn.Module``, e.g. :class:`~dtensor_ulysses.attention.LocalAttention`).
         mesh: a device mesh with an ``"sp"`` axis, or the sp process group itself.
         fuse_qkv: move q, k and v in one all-to-all (same bytes, one launch instead of three).
+        head_chunks: run attention in this many stages (UPipe's head-chunked Ulysses): k and v
+            are exchanged once; then per stage, ``heads_r / head_chunks`` q heads of every rank
+            go out, attend and come back into the output. Each stage is recomputed in backward
+            (its full-length tensors are never kept), so only one stage's ``[B, S, heads, H]``
+            working set exists at a time. Forward and backward bytes are the closed form of
+            one exchange; the recompute replays each stage's q all-to-all (torch's checkpoint
+            stops early once attention's saved tensors are rebuilt, so o's is not replayed).
+            Needs sp to divide the q heads and ``head_chunks`` to divide the heads each rank
+            holds.
     """
 
     def __init__(
-        self, attn_fn: AttnFn, mesh: DeviceMesh | dist.ProcessGroup, *, fuse_qkv: bool = True
+        self,
+        attn_fn: AttnFn,
+        mesh: DeviceMesh | dist.ProcessGroup,
+        *,
+        fuse_qkv: bool = True,
+        head_chunks: int = 1,
     ) -> None:
         super().__init__()
         if not callable(attn_fn):
@@ -186,9 +210,15 @@ class UlyssesAttention(nn.Module):
         self.group = sp_group(mesh)
         self.attn_fn = attn_fn
         self.fuse_qkv = fuse_qkv
+        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+            raise ValueError(f"head_chunks={head_chunks!r} must be an int >= 1 (1: no chunking)")
+        self.head_chunks = head_chunks
 
     def extra_repr(self) -> str:
-        return f"sp={dist.get_world_size(self.group)}, fuse_qkv={self.fuse_qkv}"
+        return (
+            f"sp={dist.get_world_size(self.group)}, fuse_qkv={self.fuse_qkv}, "
+            f"head_chunks={self.head_chunks}"
+        )
 
     def _seq_sizes(self, s: int, layout: SeqLayout | None, seq_len: int | None) -> list[int]:
         P, me = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -216,7 +246,7 @@ class UlyssesAttention(nn.Module):
         layout: SeqLayout | None = None,
         seq_len: int | None = None,
         position_ids: torch.Tensor | None = None,
-        **attn_kwargs,
+        **attn_kwargs: Any,
     ) -> torch.Tensor:
         """Attention over the whole sequence for this rank's slice.
 
@@ -261,6 +291,8 @@ class UlyssesAttention(nn.Module):
         elif layout is not None and layout.doc_starts is not None:
             attn_kwargs["doc_starts"] = layout.doc_starts
 
+        if self.head_chunks > 1:
+            return self._chunked(q, k, v, plan, seq_sizes, attn_kwargs)
         if not plan.is_plain_shard:  # GQA with sp not dividing K: replicate kv heads as needed
             idx = torch.tensor([h for hs in plan.kv_index for h in hs], device=k.device)
             k, v = k.index_select(HEAD_DIM, idx), v.index_select(HEAD_DIM, idx)
@@ -278,3 +310,82 @@ class UlyssesAttention(nn.Module):
         o_BSnH = self.attn_fn(q_BSnH, k_BSmH, v_BSmH, **attn_kwargs)
         # o[B, S, N_sp, H] -> o[B, S_sp, N, H]   (Shard(2) -> Shard(1) on sp)
         return to_seq(o_BSnH, self.group, seq_sizes, q_sizes)
+
+    def _chunked(
+        self,
+        q_BsNH: torch.Tensor,
+        k_BsKH: torch.Tensor,
+        v_BsKH: torch.Tensor,
+        plan,
+        seq_sizes: list[int],
+        attn_kwargs: dict,
+    ) -> torch.Tensor:
+        """Head-chunked attention: kv once, then ``C = head_chunks`` stages of q heads.
+
+        Rank ``r`` holds q heads ``[r*n, (r+1)*n)`` (``n = N / P``); stage ``c`` moves, from
+        every rank's sequence slice, the heads ``r*n + c*m .. r*n + (c+1)*m`` (``m = n / C``) of
+        each destination ``r``, so rank ``r`` attends with its own heads ``c*m .. (c+1)*m`` and
+        the kv heads they use, sliced from the kv it received once.
+        """
+        P, C = dist.get_world_size(self.group), self.head_chunks
+        B, s, N, H = q_BsNH.shape
+        check_head_chunks(N, P, C)
+        n, m = N // P, N // P // C
+        me = dist.get_rank(self.group)
+        if not plan.is_plain_shard:  # GQA with sp not dividing K: replicate kv heads as needed
+            idx = torch.tensor([h for hs in plan.kv_index for h in hs], device=k_BsKH.device)
+            k_BsKH, v_BsKH = k_BsKH.index_select(HEAD_DIM, idx), v_BsKH.index_select(HEAD_DIM, idx)
+        kv_sizes = plan.kv_heads
+        k_BSmH, v_BSmH = to_heads([k_BsKH, v_BsKH], self.group, seq_sizes, [kv_sizes, kv_sizes])
+        group_r = n // kv_sizes[me]  # local q heads per local kv head (rank me)
+        if m % group_r and group_r % m:
+            raise ValueError(
+                f"head_chunks={C}: stages of {m} q heads cut across the GQA groups of "
+                f"{group_r} q heads per kv head on sp rank {me}; choose head_chunks so that "
+                f"{m} and {group_r} divide one another"
+            )
+        o_BsPCmH = q_BsNH.new_empty(B, s, P, C, m, H)
+        q_BsPCmH = q_BsNH.view(B, s, P, C, m, H)
+        for c in range(C):
+            lo = c * m // group_r  # the local kv heads that local q heads c*m .. (c+1)*m use
+            hi = max(lo + 1, (c + 1) * m // group_r)
+            stage = functools.partial(
+                self._stage, seq_sizes=seq_sizes, kv=(lo, hi), attn_kwargs=attn_kwargs
+            )
+            q_c = q_BsPCmH[:, :, :, c].reshape(B, s, P * m, H)
+            if torch.is_grad_enabled():
+                o_c = checkpoint(stage, q_c, k_BSmH, v_BSmH, use_reentrant=False)
+            else:
+                o_c = stage(q_c, k_BSmH, v_BSmH)
+            o_BsPCmH[:, :, :, c] = o_c.view(B, s, P, m, H)
+        return o_BsPCmH.view(B, s, N, H)
+
+    def _stage(self, q_c, k_BSmH, v_BSmH, *, seq_sizes, kv, attn_kwargs) -> torch.Tensor:
+        """One stage: ``q_c[B, S_sp, P*m, H] -> [B, S, m, H]``, attend, and back."""
+        P = dist.get_world_size(self.group)
+        m = q_c.shape[HEAD_DIM] // P
+        (q_BSmH,) = to_heads([q_c], self.group, seq_sizes, [[m] * P])
+        lo, hi = kv
+        o_BSmH = self.attn_fn(q_BSmH, k_BSmH[:, :, lo:hi], v_BSmH[:, :, lo:hi], **attn_kwargs)
+        return to_seq(o_BSmH, self.group, seq_sizes, [m] * P)
+
+
+def check_head_chunks(n_heads: int, sp: int, head_chunks: int) -> None:
+    """Head-chunked Ulysses needs even heads per rank and ``head_chunks`` dividing them.
+
+    Raises:
+        ValueError: the numbers and the valid choices.
+    """
+    if n_heads % sp:
+        raise ValueError(
+            f"head_chunks={head_chunks} needs sp={sp} to divide the {n_heads} q heads (ranks "
+            f"must hold equal heads); choose sp in {{{', '.join(map(str, divisors(n_heads)))}}}"
+        )
+    per_rank = n_heads // sp
+    if per_rank % head_chunks:
+        raise ValueError(
+            f"head_chunks={head_chunks} does not divide the {per_rank} q heads each of the "
+            f"sp={sp} ranks holds; choose head_chunks in "
+            f"{{{', '.join(map(str, divisors(per_rank)))}}} (UPipe's choice: {per_rank}, one "
+            f"head per rank per stage)"
+        )

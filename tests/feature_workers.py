@@ -1,0 +1,87 @@
+"""Per-rank functions for the memory-feature tests (spawned processes import them by path)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+import dtensor_ulysses as du
+from tests.reference import reference_attention
+from tests.workers import get_mesh, make_inputs
+
+
+def _doc_lengths(S: int, rng: random.Random) -> list[int]:
+    lengths = [1]  # a one-token document first
+    while sum(lengths) < S:
+        lengths.append(min(rng.choice([1, 2, 3, 5, 8, 13]), S - sum(lengths)))
+    return lengths
+
+
+def _reference(q, k, v, go, starts, causal):
+    """float64 attention run on each document alone; returns o and the gradients."""
+    q64, k64, v64 = (t.detach().double().clone().requires_grad_() for t in (q, k, v))
+    S = q.shape[1]
+    rows = []
+    for b, row in enumerate(starts):
+        parts = [
+            reference_attention(q64[b : b + 1, lo:hi], k64[b : b + 1, lo:hi],
+                                v64[b : b + 1, lo:hi], causal=causal)
+            for lo, hi in zip(row, [*row[1:], S])
+        ]  # fmt: skip
+        rows.append(torch.cat(parts, dim=1))
+    o64 = torch.cat(rows, dim=0)
+    o64.backward(go.double())
+    return o64.detach(), q64.grad, k64.grad, v64.grad
+
+
+def head_chunks_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """UlyssesAttention(head_chunks=C) on local slices vs the float64 per-document reference;
+    plus the all-to-alls on the sp group, forward and backward."""
+    out = []
+    for case in cases:
+        mesh = get_mesh(case["dp"], case["sp"])
+        P, me, dp_rank = case["sp"], mesh.get_local_rank("sp"), mesh.get_local_rank("dp")
+        B, S = case["B"], case["S"]
+        q, k, v, go = make_inputs(case, torch.float64)
+        rng = random.Random(case["seed"])
+        if case["docs"]:
+            starts = []
+            for _ in range(B):
+                lengths = _doc_lengths(S, rng)
+                starts.append(tuple(sum(lengths[:i]) for i in range(len(lengths))))
+        else:
+            starts = [(0,)] * B
+        o64, dq, dk, dv = _reference(q, k, v, go, starts, case["causal"])
+        b = B // case["dp"]
+        rows = slice(dp_rank * b, (dp_rank + 1) * b)
+        sizes = [-(-S // P)] * P  # DTensor's Shard(1): chunks of ceil(S/P), the last ones shorter
+        sizes = [max(0, min(sizes[0], S - r * sizes[0])) for r in range(P)]
+        lo = sum(sizes[:me])
+        cut = slice(lo, lo + sizes[me])
+        doc_starts = tuple(starts[rows]) if case["docs"] else None
+        layout = du.SeqLayout(tuple(sizes), doc_starts)
+        ql, kl, vl = (t[rows, cut].detach().clone().requires_grad_() for t in (q, k, v))
+        kernel = du.LocalAttention("sdpa", causal=case["causal"])
+        engine = du.UlyssesAttention(kernel, mesh["sp"], head_chunks=case["C"])
+        with du.CommCounter() as fwd:
+            o = engine(ql, kl, vl, layout=layout)
+        with du.CommCounter() as bwd:
+            o.backward(go[rows, cut])
+        want = {"o": o64, "dq": dq, "dk": dk, "dv": dv}
+        got = {"o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+        errors = {n: (got[n] - want[n][rows, cut]).abs().max().item() for n in want}
+        group = mesh.get_group("sp")
+        out.append(
+            {
+                "case": case,
+                "errors": errors,
+                "sp_rank": me,
+                "local_B": b,
+                "local_S": sizes[me],
+                "fwd": (fwd.count("all_to_all", group), fwd.bytes("all_to_all", group)),
+                "bwd": (bwd.count("all_to_all", group), bwd.bytes("all_to_all", group)),
+                "other": sum(c.count() - c.count("all_to_all") for c in (fwd, bwd)),
+            }
+        )
+    return out
