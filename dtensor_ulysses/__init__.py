@@ -20,7 +20,7 @@ _EXPORTS = {
     "UlyssesAttention": "ulysses",
     "build_model": "model",
     "init_weights": "weights",
-    "parallelize": "parallelize",
+    "parallelize": "parallel",
     "flatten_dp_sp": "mesh",
     "force_backend": "attention",
     "head_to_seq": "dtensor_api",
@@ -70,7 +70,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from dtensor_ulysses.dtensor_api import head_to_seq, seq_to_head, ulysses_attention
     from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
     from dtensor_ulysses.model import build_model
-    from dtensor_ulysses.parallelize import parallelize
+    from dtensor_ulysses.parallel import parallelize
     from dtensor_ulysses.plan import SeqLayout, kv_head_index
     from dtensor_ulysses.ulysses import UlyssesAttention
     from dtensor_ulysses.weights import init_weights

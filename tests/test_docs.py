@@ -121,8 +121,11 @@ def test_build_strict(site):
     for page in ("index.html", "concepts/all-to-all/index.html", "reference/api/ulysses/index.html",
                  "concepts/formulas/index.html", "404.html"):  # fmt: skip
         assert (site / page).is_file(), page
-    api = (site / "reference/api/ulysses/index.html").read_text(encoding="utf-8")
-    assert "kv_head_index" in api and "seq_to_head" in api  # generated from the docstrings
+    for page, names in (("ulysses", ("UlyssesAttention", "to_heads")),
+                        ("dtensor_api", ("seq_to_head", "ulysses_attention")),
+                        ("plan", ("kv_head_index", "SeqLayout"))):  # fmt: skip
+        api = (site / f"reference/api/{page}/index.html").read_text(encoding="utf-8")
+        assert all(f'id="dtensor_ulysses.{page}.{n}"' in api for n in names), page  # docstrings
     formulas = (site / "concepts/formulas/index.html").read_text(encoding="utf-8")
     assert formulas.count("<math") > 10 and 'class="arithmatex"' not in formulas  # all rendered
 

@@ -129,3 +129,21 @@ def test_importing_the_simulator_does_not_import_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_public_names_survive_importing_every_submodule():
+    """A submodule named like a public function would replace the function on the package as
+    soon as it is imported (``du.parallelize`` once did); in a fresh interpreter, import every
+    submodule first, then check that each public name is not a module."""
+    code = (
+        "import importlib, pkgutil, types, dtensor_ulysses as du\n"
+        "for m in pkgutil.iter_modules(du.__path__):\n"
+        "    importlib.import_module('dtensor_ulysses.' + m.name)\n"
+        "bad = [n for n in du.__all__ if isinstance(getattr(du, n), types.ModuleType)]\n"
+        "assert not bad, bad\n"
+    )
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -1,15 +1,21 @@
 """Apply the parallelisms to the built-in model from outside, in a fixed order.
 
+(The module is ``parallel``, not ``parallelize``: a submodule named like the function would
+replace ``du.parallelize`` with the module as soon as it is imported.)
+
     1. Ulysses:  each block's ``attention.inner_attention`` (the local kernel) is wrapped in the
-                 Ulysses engine on the ``sp`` group; everything else is token-wise and runs on
-                 the local sequence slice unchanged. Nothing to do when sp = 1.
-    2. Activation checkpointing (optional): each block recomputes its activations in backward.
+                 Ulysses engine on the ``sp`` group (with ``head_chunks`` stages, if asked);
+                 everything else is token-wise and runs on the local sequence slice unchanged.
+                 Nothing to do when sp = 1 and there is one stage.
+    2. Activation checkpointing (optional): each block recomputes its activations in backward;
+                 with ``offload_activations`` the one input each block keeps lives on the host.
                  After Ulysses, so the recomputed forward also repeats the block's all-to-alls
                  (the checkpoint keeps only the block input, never head-sharded tensors).
     3. FSDP2 ``fully_shard`` on every block, then on the root, over the flattened ``dp x sp``
        ranks: sp ranks hold the same weights but see different tokens, so parameters, gradients
-       and optimizer states shard over all ``dp * sp`` ranks. Last, because it must see the
-       final module structure (its hooks wrap each block's forward, checkpointing included).
+       and optimizer states shard over all ``dp * sp`` ranks (on the host with
+       ``offload_params``). Last, because it must see the final module structure (its hooks
+       wrap each block's forward, checkpointing included).
 
 The model is built on ``meta``, parallelized here, then materialized and initialized::
 
@@ -33,9 +39,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from dtensor_ulysses.attention import LocalAttention
 from dtensor_ulysses.mesh import MESH_AXES, flatten_dp_sp
 from dtensor_ulysses.model import Attention, Transformer
+from dtensor_ulysses.offload import fsdp_offload_policy
 from dtensor_ulysses.plan import check_sp_for_heads
-from dtensor_ulysses.recompute import checkpoint_module
-from dtensor_ulysses.ulysses import UlyssesAttention
+from dtensor_ulysses.recompute import checkpoint_module, offload_checkpoints
+from dtensor_ulysses.ulysses import UlyssesAttention, check_head_chunks
 
 __all__ = ["default_mixed_precision", "parallelize"]
 
@@ -52,6 +59,9 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     activation_checkpointing: bool = False,
+    offload_activations: bool = False,
+    offload_params: bool = False,
+    head_chunks: int = 1,
     mixed_precision: MixedPrecisionPolicy | None | str = "auto",
     attention_backend: str = "auto",
     allow_uneven_heads: bool = False,
@@ -63,6 +73,12 @@ def parallelize(
             parallelized.
         mesh: the ``("dp", "sp")`` mesh from :func:`~dtensor_ulysses.mesh.init_mesh`.
         activation_checkpointing: recompute each block's activations in backward.
+        offload_activations: with checkpointing, keep each block's input in host memory until
+            its recompute (:mod:`dtensor_ulysses.offload`).
+        offload_params: parameters, gradients and optimizer states on the host (FSDP2's
+            ``CPUOffloadPolicy``; the optimizer then steps on the CPU).
+        head_chunks: attention in this many stages per block (head-chunked Ulysses, see
+            :class:`~dtensor_ulysses.ulysses.UlyssesAttention`); must divide the heads per rank.
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy``, ``None`` for full precision, or
             ``"auto"`` (bf16 compute + fp32 reduce on CUDA, fp32 on CPU).
         attention_backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``.
@@ -74,7 +90,9 @@ def parallelize(
 
     Raises:
         ValueError: the mesh is not ``("dp", "sp")``; the q heads are not divisible by sp
-            (without ``allow_uneven_heads``) or fewer than sp; the model was parallelized before.
+            (without ``allow_uneven_heads``) or fewer than sp; ``head_chunks`` does not divide
+            the heads per rank; ``offload_activations`` without checkpointing; the model was
+            parallelized before.
     """
     if mesh.mesh_dim_names != MESH_AXES:
         raise ValueError(
@@ -88,6 +106,13 @@ def parallelize(
     check_sp_for_heads(
         shape.n_heads, sp, what=f"heads of model {shape.name!r}", allow_uneven=allow_uneven_heads
     )
+    if head_chunks != 1:
+        check_head_chunks(shape.n_heads, sp, head_chunks)
+    if offload_activations and not activation_checkpointing:
+        raise ValueError(
+            "offload_activations moves the input a checkpointed block keeps; it needs "
+            "activation_checkpointing=True (--activation-checkpointing)"
+        )
 
     # 1. Ulysses: attention sees head-sharded, full-length q/k/v (the kernel keeps its choice).
     for block in model.layers:
@@ -95,13 +120,17 @@ def parallelize(
         kernel = attention.inner_attention
         if isinstance(kernel, LocalAttention):
             kernel.backend = attention_backend
-        if sp > 1:
-            attention.inner_attention = UlyssesAttention(kernel, mesh["sp"])
+        if sp > 1 or head_chunks > 1:
+            attention.inner_attention = UlyssesAttention(
+                kernel, mesh["sp"], head_chunks=head_chunks
+            )
 
     # 2. Activation checkpointing, per block (parameter names are unchanged).
     if activation_checkpointing:
         for block in model.layers:
             checkpoint_module(block)
+        if offload_activations:  # one offloader: block i's backward prefetches block i-1's input
+            offload_checkpoints(model.layers)
 
     # 3. FSDP2 over the flattened dp x sp ranks: blocks first, then the root (embedding, final
     #    norm, output head; a tied output head stays with the embedding in the root group).
@@ -110,6 +139,8 @@ def parallelize(
     fsdp_kwargs: dict = {"mesh": flatten_dp_sp(mesh)}
     if mixed_precision is not None:
         fsdp_kwargs["mp_policy"] = mixed_precision
+    if offload_params:
+        fsdp_kwargs["offload_policy"] = fsdp_offload_policy(mesh)
     for block in model.layers:
         fully_shard(block, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
