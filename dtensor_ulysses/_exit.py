@@ -4,8 +4,10 @@
    last collective can abort the process; a successful run therefore passes one barrier before
    ``destroy_process_group`` (:func:`leave_together`).
 2. Let rank 0 speak first. Bad input is found alike on every rank and rank 0 says it once;
-   torchrun stops every worker as soon as one exits, so the other ranks wait a moment before
-   leaving with a usage error.
+   torchrun stops every worker as soon as one exits, so the other ranks wait before leaving
+   with a usage error. The wait costs nothing when rank 0 is on time (its own exit ends the job
+   at once); it is long because on a loaded machine rank 0 can still be importing torch when
+   the others are done.
 3. Skip C++ static destructors. Even after all of that, a gloo worker can abort at interpreter
    shutdown ("terminate called without an active exception": gloo's worker threads still hold
    work whose tensors need the GIL while the interpreter is finalized), seen here intermittently
@@ -26,7 +28,7 @@ import torch.distributed as dist
 
 __all__ = ["USAGE_ERROR_GRACE_S", "exit_process", "leave_together"]
 
-USAGE_ERROR_GRACE_S = 5.0
+USAGE_ERROR_GRACE_S = 30.0
 
 
 def leave_together(code: int, rank: int) -> int:

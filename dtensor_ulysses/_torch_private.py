@@ -7,14 +7,22 @@ these, this file is the only one to change.
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 # Dispatcher-level interception: CommCounter sees every collective (c10d and functional) and the
 # simulator's memory tracer sees every tensor an op creates. Checked: 2.11, 2.13.
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["TorchDispatchMode", "fake_world_classes", "flatten_mesh", "tree_flatten"]
+__all__ = [
+    "TorchDispatchMode",
+    "dtensor_like",
+    "fake_world_classes",
+    "flatten_mesh",
+    "tree_flatten",
+]
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -36,3 +44,25 @@ def fake_world_classes():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeTensorMode, FakeStore
+
+
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor with ``like``'s mesh, placements, global shape and stride whose local tensor is
+    ``local`` itself, wherever it lives (``local``'s dtype; no autograd).
+
+    ``DTensor.from_local`` would copy a host ``local`` to the mesh's device; this is the
+    constructor FSDP2 uses for its CPU-offloaded shards (``_from_local_no_grad``):
+    ``DTensor(local, DTensorSpec(...), requires_grad=False)``. Used to present host optimizer
+    states to ``torch.distributed.checkpoint``. Checked: 2.13 (2.11 has the same constructor and
+    ``DTensorSpec``/``TensorMeta`` fields).
+    """
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    if local.shape != like.to_local().shape:
+        raise ValueError(
+            f"local tensor {tuple(local.shape)} is not shaped like the local shard "
+            f"{tuple(like.to_local().shape)}"
+        )
+    meta = TensorMeta(like.shape, like.stride(), local.dtype)
+    spec = DTensorSpec(like.device_mesh, tuple(like.placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)

@@ -49,8 +49,8 @@ def init_mesh(
 ) -> DeviceMesh:
     """Create the 2-D device mesh named ``("dp", "sp")``.
 
-    Initializes the default process group from the torchrun environment if needed: NCCL on CUDA,
-    gloo on CPU. On CUDA each process is pinned to ``cuda:LOCAL_RANK``.
+    Initializes the default process group from the torchrun environment if needed: NCCL on CUDA
+    (with gloo for CPU tensors), gloo on CPU. On CUDA each process is pinned to ``cuda:LOCAL_RANK``.
 
     Args:
         dp: data-parallel degree (number of different sequences per step).
@@ -70,7 +70,9 @@ def init_mesh(
         _check_degree("sp", sp)
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        # on CUDA, gloo too for CPU tensors (FSDP2's CPU offload keeps gradients on the host,
+        # and gradient clipping reduces them there), as torchtitan does
+        backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

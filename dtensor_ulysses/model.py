@@ -31,8 +31,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dtensor_ulysses.attention import LocalAttention
+from dtensor_ulysses.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.plan import SeqLayout
 from dtensor_ulysses.presets import PRESETS, ModelShape, get_shape
 
@@ -45,6 +47,7 @@ __all__ = [
     "apply_rope",
     "build_model",
     "init_std",
+    "set_tiling",
     "model_flops_per_token",
     "rope_cos_sin",
 ]
@@ -170,17 +173,37 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``, no biases."""
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``, no biases.
+
+    Attributes:
+        chunk_tokens: tiled MLP (ALST): when set, the MLP runs over chunks of at most this many
+            tokens, each recomputed in backward, so its ``[tokens, F]`` intermediates exist for
+            one chunk at a time (forward and backward). Token-wise, so exact.
+    """
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.chunk_tokens: int | None = None
+
+    def _mlp(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
 
     def forward(self, x_BsD: torch.Tensor) -> torch.Tensor:
-        h_BsF = F.silu(self.w1(x_BsD)) * self.w3(x_BsD)
-        return self.w2(h_BsF)
+        B, s, D = x_BsD.shape
+        c = self.chunk_tokens
+        if c is None or B * s <= c:
+            return self._mlp(x_BsD)
+        x_TD = x_BsD.reshape(B * s, D)
+        y_TD = x_TD.new_empty(B * s, D)  # filled chunk by chunk: no list of pieces to concatenate
+        for lo in range(0, B * s, c):
+            if torch.is_grad_enabled():
+                y_TD[lo : lo + c] = checkpoint(self._mlp, x_TD[lo : lo + c], use_reentrant=False)
+            else:
+                y_TD[lo : lo + c] = self._mlp(x_TD[lo : lo + c])
+        return y_TD.view(B, s, D)
 
 
 class TransformerBlock(nn.Module):
@@ -224,6 +247,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = (
             None if shape.tie_embeddings else nn.Linear(shape.dim, shape.vocab_size, bias=False)
         )
+        self.loss_chunk_tokens: int | None = None
 
     def forward_hidden(
         self,
@@ -266,12 +290,27 @@ class Transformer(nn.Module):
         position_ids_Bs: torch.Tensor,
         *,
         layout: SeqLayout | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``[B, s, V]`` for this rank's slice (see :meth:`forward_hidden`)."""
+        """Logits ``[B, s, V]`` for this rank's slice; with ``labels``, the loss instead.
+
+        With ``labels[B, s]`` the forward returns the float32 *sum* of the cross entropy over
+        the valid labels of this slice (:func:`~dtensor_ulysses.loss.cross_entropy_sum`),
+        computed inside the forward so that, under FSDP2, the output weight is the unsharded
+        parameter while it is used. With ``loss_chunk_tokens`` set (tiled loss), the logits
+        are made, scored and dropped ``loss_chunk_tokens`` rows at a time and recomputed in
+        backward: no ``[B, s, V]`` tensor ever exists.
+        """
         h_BsD = self.forward_hidden(input_ids_Bs, position_ids_Bs, layout=layout)
+        if labels is not None and self.loss_chunk_tokens is not None:
+            return tiled_cross_entropy_sum(
+                h_BsD, self.output_weight(), labels, chunk_tokens=self.loss_chunk_tokens
+            )
         if self.output is None:
-            return F.linear(h_BsD, self.tok_embeddings.weight)
-        return self.output(h_BsD)  # through the module, so FSDP2 hooks on it (if any) run
+            logits_BsV = F.linear(h_BsD, self.tok_embeddings.weight)
+        else:
+            logits_BsV = self.output(h_BsD)  # through the module, so FSDP2 hooks (if any) run
+        return logits_BsV if labels is None else cross_entropy_sum(logits_BsV, labels)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,6 +350,33 @@ def build_model(shape: ModelShape | str, *, device: str | torch.device = "meta")
     if device.type != "meta":
         model.to_empty(device=device)
         init_weights(model, seed=0)
+    return model
+
+
+def set_tiling(
+    model: Transformer,
+    *,
+    loss_chunk_tokens: int | None = None,
+    mlp_chunk_tokens: int | None = None,
+) -> Transformer:
+    """Turn the tiled loss and the tiled MLP on (a chunk size) or off (``None``), in place.
+
+    Both are exact: the same values and gradients, computed a chunk of tokens at a time.
+
+    Raises:
+        ValueError: a chunk size below 1.
+    """
+    for name, value in (
+        ("loss_chunk_tokens", loss_chunk_tokens),
+        ("mlp_chunk_tokens", mlp_chunk_tokens),
+    ):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name}={value!r} must be a positive number of tokens (or None: off)")
+    model.loss_chunk_tokens = loss_chunk_tokens
+    for block in model.layers:
+        block.feed_forward.chunk_tokens = mlp_chunk_tokens  # type: ignore[union-attr]
     return model
 
 

@@ -42,17 +42,20 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses import checkpoint as ckpt
 from dtensor_ulysses._exit import exit_process, leave_together
 from dtensor_ulysses.data import Batch, PackedCorpus, get_batch
-from dtensor_ulysses.loss import cross_entropy_sum, global_valid_tokens
+from dtensor_ulysses.loss import global_valid_tokens
 from dtensor_ulysses.mesh import default_device_type, flatten_dp_sp, init_mesh
 from dtensor_ulysses.metrics import StepLogger
-from dtensor_ulysses.model import build_model, model_flops_per_token
-from dtensor_ulysses.parallelize import parallelize
+from dtensor_ulysses.model import build_model, model_flops_per_token, set_tiling
+from dtensor_ulysses.offload import HostOffloadAdamW
+from dtensor_ulysses.parallel import parallelize
 from dtensor_ulysses.plan import check_sp_for_heads, nearby_multiples
 from dtensor_ulysses.presets import get_shape
+from dtensor_ulysses.ulysses import check_head_chunks
 from dtensor_ulysses.weights import init_weights
 
 __all__ = [
@@ -101,6 +104,14 @@ class TrainConfig:
     pack_docs: bool = False
     strict_seq_len: bool = False
     allow_uneven_heads: bool = False
+    tiled_loss: bool = False
+    loss_chunk_tokens: int | None = None  # None: min(2048, local tokens)
+    tiled_mlp: bool = False
+    mlp_chunk_tokens: int | None = None  # None: the model dim (ALST's choice), capped
+    head_chunks: int = 1
+    offload_activations: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
     device: str | None = None
     collective_timeout_s: float = 600.0
 
@@ -150,6 +161,50 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         action="store_true",
         help="accept q heads not divisible by sp (ranks get ceil/floor heads)",
     )
+    mem = p.add_argument_group("memory (million-token training; each is exact)")
+    mem.add_argument(
+        "--tiled-loss",
+        action="store_true",
+        help="compute the loss in chunks of tokens: no [B, s, V] logits",
+    )
+    mem.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=None,
+        help="tokens per loss chunk (default: 2048, or all local tokens if fewer)",
+    )
+    mem.add_argument(
+        "--tiled-mlp",
+        action="store_true",
+        help="run the MLP in chunks of tokens, each recomputed in backward",
+    )
+    mem.add_argument(
+        "--mlp-chunk-tokens",
+        type=int,
+        default=None,
+        help="tokens per MLP chunk (default: the model dim)",
+    )
+    mem.add_argument(
+        "--head-chunks",
+        type=int,
+        default=1,
+        help="attention in K stages of heads (UPipe); K divides the heads per rank",
+    )
+    mem.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="keep each checkpointed block's input on the host (needs --activation-checkpointing)",
+    )
+    mem.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="optimizer states and fp32 master weights on the host; AdamW steps on the CPU",
+    )
+    mem.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="parameters, gradients and optimizer states on the host (FSDP2 CPU offload)",
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--collective-timeout-s", type=float, default=d.collective_timeout_s)
     args = p.parse_args(argv)
@@ -196,6 +251,7 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"--batch-size {cfg.batch_size} (global) is not divisible by dp={cfg.dp}; use a "
             f"multiple of {cfg.dp}, e.g. {nearby_multiples(cfg.batch_size, cfg.dp)}"
         )
+    _validate_memory_features(cfg, shape)
     try:  # reads and checks the data files now; the packed stream is cached for train()
         PackedCorpus.from_paths(cfg.data, seq_len=cfg.seq_len)
     except ValueError as e:
@@ -229,29 +285,88 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
-def build(cfg: TrainConfig, mesh, device: torch.device):
-    """Model on meta -> parallelize -> materialize -> init; AdamW and its schedule."""
-    model = build_model(cfg.model, device="meta")
+def _local_tokens(cfg: TrainConfig) -> int:
+    """Tokens of the busiest rank's slice: ``(G / dp) * ceil(S / sp)``."""
+    assert cfg.sp is not None
+    return cfg.batch_size // cfg.dp * -(-cfg.seq_len // cfg.sp)
+
+
+def _validate_memory_features(cfg: TrainConfig, shape) -> None:
+    local = _local_tokens(cfg)
+    for flag, on, chunk in (
+        ("loss", cfg.tiled_loss, cfg.loss_chunk_tokens),
+        ("mlp", cfg.tiled_mlp, cfg.mlp_chunk_tokens),
+    ):
+        if chunk is None:
+            continue
+        if not on:
+            raise UsageError(f"--{flag}-chunk-tokens {chunk} needs --tiled-{flag}")
+        if chunk < 1 or chunk > local:
+            raise UsageError(
+                f"--{flag}-chunk-tokens {chunk} must be between 1 and the {local} tokens a rank "
+                f"holds (batch {cfg.batch_size} / dp {cfg.dp} x ceil(seq-len {cfg.seq_len} / "
+                f"sp {cfg.sp})); a chunk of all of them is --tiled-{flag} off"
+            )
+    if cfg.head_chunks != 1:
+        if cfg.head_chunks < 1:
+            raise UsageError(f"--head-chunks {cfg.head_chunks} must be >= 1 (1: off)")
+        assert cfg.sp is not None
+        try:
+            check_head_chunks(shape.n_heads, cfg.sp, cfg.head_chunks)
+        except ValueError as e:
+            raise UsageError(str(e).replace("head_chunks=", "--head-chunks ")) from None
+    if cfg.offload_activations and not cfg.activation_checkpointing:
+        raise UsageError(
+            "--offload-activations moves the one input a checkpointed block keeps to the host; "
+            "add --activation-checkpointing"
+        )
+    if cfg.offload_optimizer and cfg.offload_params:
+        raise UsageError(
+            "--offload-params already keeps the optimizer states on the host; pass one of "
+            "--offload-params and --offload-optimizer"
+        )
+
+
+def build(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, *, init: bool = True):
+    """Model on meta -> tiling -> parallelize -> materialize -> init; AdamW and its schedule.
+
+    Args:
+        cfg: a validated configuration.
+        mesh: the ``("dp", "sp")`` mesh.
+        device: where the model computes.
+        init: draw the initial weights (``False`` leaves them uninitialized: for memory tracing
+            under fake tensors, where values do not matter).
+    """
+    shape = get_shape(cfg.model)
+    local = _local_tokens(cfg)
+    model = build_model(shape, device="meta")
+    set_tiling(
+        model,
+        loss_chunk_tokens=(cfg.loss_chunk_tokens or min(2048, local)) if cfg.tiled_loss else None,
+        mlp_chunk_tokens=(cfg.mlp_chunk_tokens or min(shape.dim, local)) if cfg.tiled_mlp else None,
+    )
     parallelize(
         model,
         mesh,
         activation_checkpointing=cfg.activation_checkpointing,
+        offload_activations=cfg.offload_activations,
+        offload_params=cfg.offload_params,
+        head_chunks=cfg.head_chunks,
         attention_backend=cfg.attention_backend,
         allow_uneven_heads=cfg.allow_uneven_heads,
     )
-    model.to_empty(device=device)
-    init_weights(model, seed=cfg.seed)
+    # with FSDP2's CPU offload the sharded parameters live on the host (it copies them over)
+    model.to_empty(device="cpu" if cfg.offload_params else device)
+    if init:
+        init_weights(model, seed=cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0},
-        ],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    optimizer_cls = HostOffloadAdamW if cfg.offload_optimizer else torch.optim.AdamW
+    optimizer = optimizer_cls(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return model, optimizer, scheduler
 
@@ -307,8 +422,7 @@ def forward_backward(
     global-batch mean and FSDP2 sums their gradients, so the gradients equal the single-device
     ones. ``group``: the ``dp x sp`` ranks that share the batch.
     """
-    logits = model(batch.input_ids, batch.position_ids, layout=batch.layout)
-    local_sum = cross_entropy_sum(logits, batch.labels)
+    local_sum = model(batch.input_ids, batch.position_ids, layout=batch.layout, labels=batch.labels)
     n_valid = global_valid_tokens(batch.labels, group)
     (local_sum / n_valid).backward()
     return local_sum.detach(), n_valid

@@ -11,6 +11,7 @@ all-to-all (the stage is recomputed there).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dtensor_ulysses.launch import run_local_world
 from tests import feature_workers
@@ -52,3 +53,77 @@ def test_head_chunked_attention_is_exact_with_closed_form_bytes():
             # once attention's saved tensors are rebuilt, so o's all-to-all is not replayed)
             d_o, d_q, d_kv = b * s * N * H * E, b * S * n * H * E, b * S * 2 * kv_mine * H * E
             assert r["bwd"] == (1 + 3 * C, d_o + d_q + d_kv + q), label
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer: each feature alone and all together equal the plain single-process run
+# ----------------------------------------------------------------------------------------------
+FEATURES = {
+    "tiled_loss": dict(tiled_loss=True, loss_chunk_tokens=16),
+    "tiled_mlp": dict(tiled_mlp=True, mlp_chunk_tokens=16),
+    "head_chunks": dict(head_chunks=2),
+    "offload_activations": dict(activation_checkpointing=True, offload_activations=True),
+    "offload_optimizer": dict(offload_optimizer=True),
+    "offload_params": dict(offload_params=True),
+}
+FEATURES["all"] = {
+    k: v for name, kw in FEATURES.items() if name != "offload_params" for k, v in kw.items()
+}  # --offload-params replaces --offload-optimizer (both put the optimizer on the host)
+FEATURES["all_params_on_host"] = {**FEATURES["all"], "offload_optimizer": False,
+                                  "offload_params": True}  # fmt: skip
+WORLDS = {1: [(1, 1)], 2: [(1, 2)], 4: [(1, 4), (2, 2)]}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from tests.test_train import _reference
+
+    return _reference(3)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_each_feature_gives_the_single_device_loss_and_gradients(world_size, reference):
+    from tests import train_workers
+    from tests.test_train import CFG
+
+    ref_loss, ref_grads, _ = reference
+    runs = [(WORLDS[world_size], dict(CFG, **kw)) for kw in FEATURES.values()]
+    results = run_local_world(train_workers.one_step_grads_many, world_size, runs)
+    for rank, per_rank in enumerate(results):
+        for name, per_run in zip(FEATURES, per_rank):
+            for r in per_run:
+                label = f"{name} rank {rank} (dp, sp)={r['layout']}"
+                assert abs(r["loss"] - ref_loss) < 1e-5, f"{label}: loss {r['loss']} vs {ref_loss}"
+                assert set(r["grads"]) == set(ref_grads), f"{label}: parameter names differ"
+                for p, g in r["grads"].items():
+                    msg = f"{label} {p}"
+                    torch.testing.assert_close(
+                        g, ref_grads[p], rtol=1e-4, atol=1e-6, msg=lambda m, msg=msg: f"{msg}: {m}"
+                    )
+
+
+@pytest.mark.timeout(400)
+def test_three_steps_and_resume_with_every_feature(reference, tmp_path):
+    """Three steps of losses equal the plain run for each feature set at (dp, sp) = (2, 2);
+    with everything on, 3 steps straight equal 2 steps + a new run resumed for 1 more."""
+    from tests import train_workers
+    from tests.test_train import CFG
+
+    _, _, ref_losses = reference
+    runs = [dict(CFG, dp=2, sp=2, steps=3, **kw) for kw in FEATURES.values()]
+    for kw, losses in zip(FEATURES, run_local_world(train_workers.run_training, 4, runs)[0]):
+        for (step, got), want in zip(losses, ref_losses):
+            assert abs(got - want) < 1e-4, f"{kw} step {step}: {got} vs {want}"
+    for name in ("all", "all_params_on_host"):
+        base = dict(CFG, dp=1, sp=2, **FEATURES[name])
+        ck = str(tmp_path / name)
+        straight, first = run_local_world(
+            train_workers.run_training,
+            2,
+            [dict(base, steps=3), dict(base, steps=2, checkpoint_dir=ck)],
+        )[0]
+        [second] = run_local_world(
+            train_workers.run_training, 2, [dict(base, steps=3, checkpoint_dir=ck, resume=True)]
+        )[0]
+        assert first + second == straight, f"{name}: resumed losses differ from the straight run"

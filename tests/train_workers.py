@@ -69,3 +69,8 @@ def packed_step_collectives(rank: int, world_size: int, cfg_kw: dict):
         if pack_docs:
             out["docs"] = max(len(row) for row in batch.layout.doc_starts)
     return out
+
+
+def one_step_grads_many(rank: int, world_size: int, runs: list[tuple[list, dict]]):
+    """:func:`one_step_grads` for several (layouts, config) pairs in one world."""
+    return [one_step_grads(rank, world_size, layouts, cfg_kw) for layouts, cfg_kw in runs]

@@ -1,0 +1,137 @@
+"""Long-context training on one device: the real step's peak memory next to the trace's prediction.
+
+For each (model, sequence length) it runs a few real training steps of ``dtensor_ulysses.train``
+with the chosen memory features on one device (a world of one process), and reports the device
+allocator's peak (``torch.cuda.max_memory_allocated``; on CPU the process's peak resident set,
+which includes everything, so only the GPU numbers compare), tokens/s and MFU of the last step,
+next to what ``python -m simulations trace`` predicts for the same configuration.
+
+GPU run (one H100/H200; the command used when a GPU is lent, see benchmarks/README.md)::
+
+    python -m benchmarks.bench_long_context --models llama3-1b llama3-8b --features all \\
+        --seq-lens 131072 --steps 3 --json benchmarks/results/bench_long_context_gpu.json
+
+``--seq-lens max`` takes, per model, the trace's longest fitting sequence (``--find-max``).
+A CPU smoke run: ``--models tiny --seq-lens 256 --device cpu --steps 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FEATURE_SETS = {
+    "none": [],
+    "ac": ["--activation-checkpointing"],
+    "all": [
+        "--activation-checkpointing",
+        "--tiled-loss",
+        "--tiled-mlp",
+        "--offload-activations",
+        "--offload-params",
+    ],  # fmt: skip
+}
+TRAIN_FLAGS = {  # trainer flag -> the simulator's trace flag
+    "--activation-checkpointing": ["--ac", "full"],
+    "--tiled-loss": ["--tiled-loss"],
+    "--tiled-mlp": ["--tiled-mlp"],
+    "--offload-activations": ["--offload-activations"],
+    "--offload-params": ["--offload-params"],
+    "--offload-optimizer": ["--offload-optimizer"],
+}
+
+
+def _trace(model: str, seq_len: int | None, gpu: str, flags: list[str]) -> dict:
+    """``python -m simulations trace ... --json`` (``--find-max`` when ``seq_len`` is None)."""
+    sim_flags = [x for f in flags for x in TRAIN_FLAGS[f]]
+    if "--ac" not in sim_flags:
+        sim_flags += ["--ac", "none"]
+    length = ["--find-max"] if seq_len is None else ["--seq-len", str(seq_len)]
+    cmd = [sys.executable, "-m", "simulations", "trace", "--model", model, *length, "--dp", "1",
+           "--sp", "1", "--gpu", gpu, "--layers", "2", *sim_flags, "--json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    return json.loads(out.stdout)
+
+
+def _run(model: str, seq_len: int, flags: list[str], steps: int, device: str) -> dict:
+    """Train ``steps`` steps in a one-process world; the last step's record."""
+    from dtensor_ulysses import train as du_train
+
+    argv = ["--dp", "1", "--sp", "1", "--model", model, "--seq-len", str(seq_len),
+            "--batch-size", "1", "--steps", str(steps), "--warmup-steps", "1", *flags,
+            "--device", device]  # fmt: skip
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    cfg = du_train.validate(du_train.parse_args(argv), 1)
+    t0 = time.perf_counter()
+    records = du_train.train(cfg)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    last = records[-1]
+    return {**last, "wall_s": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_long_context")
+    p.add_argument("--models", nargs="+", default=["llama3-1b", "llama3-8b"])
+    p.add_argument("--seq-lens", nargs="+", default=["max"], help="tokens, or 'max' (trace)")
+    p.add_argument("--features", choices=sorted(FEATURE_SETS), default="all")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--gpu", default="h100", help="the simulator's GPU profile for the trace")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    flags = FEATURE_SETS[args.features]
+    rows = []
+    for model in args.models:
+        for length in args.seq_lens:
+            seq_len = None if length == "max" else int(length)
+            predicted = _trace(model, seq_len, args.gpu, flags)
+            if seq_len is None:
+                seq_len = predicted.get("max_seq_len")
+            row: dict = {"model": model, "seq_len": seq_len, "features": args.features,
+                         "predicted": predicted}  # fmt: skip
+            if seq_len:
+                try:
+                    row["measured"] = _run(model, seq_len, flags, args.steps, args.device)
+                except Exception as e:  # an out-of-memory is a result to report, not a crash
+                    row["measured"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            rows.append(row)
+            m, pr = row.get("measured", {}), row["predicted"]
+            print(
+                f"{model:>10} S={seq_len} | measured peak "
+                f"{m.get('peak_mem_bytes', float('nan')) / 2**30:.2f} GiB | predicted "
+                f"{pr.get('device_peak_bytes', float('nan')) / 2**30:.2f} GiB | "
+                f"{m.get('tokens_per_s', float('nan')):.0f} tok/s | mfu {m.get('mfu')} | "
+                f"{m.get('error', '')}{pr.get('error', '')}",
+                flush=True,
+            )
+    import torch
+
+    result = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        },
+        "rows": rows,
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

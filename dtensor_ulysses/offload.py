@@ -1,0 +1,467 @@
+"""Host memory for what the device does not need right now: activation checkpoints, model states.
+
+Three features (the million-token memory issue), each exact:
+
+* **Activation checkpoints on the host** (``--offload-activations``): :class:`ActivationOffloader`,
+  used by :func:`dtensor_ulysses.recompute.checkpoint_module`. The one tensor a checkpointed
+  block keeps for backward, its input ``h[B, s, D]``, is copied to host memory in forward and
+  back for that block's recompute. On CUDA the copies run on a side stream (pinned host memory,
+  events): device-to-host right after the block's forward is queued, host-to-device of block
+  ``i-1``'s input as soon as block ``i``'s recompute starts, so it is ready when needed.
+  Cost per step: ``2 * L * B * s * D * bytes`` over the host link (``L`` blocks, ``s`` local
+  tokens), overlapped with compute on CUDA; device memory saved: ``(L - 2) * B * s * D * bytes``
+  (one block's input is in flight, one is being recomputed).
+* **Parameters, gradients and optimizer states on the host** (``--offload-params``):
+  :func:`fsdp_offload_policy`, FSDP2's own ``CPUOffloadPolicy``. With ``n = P / W`` parameter
+  elements per rank (``P`` parameters, ``W = dp * sp`` ranks, fp32 shards), per step: ``4n``
+  bytes host-to-device for every all-gather of the shards (forward, and again in backward for
+  the blocks resharded after forward: about ``8n``), ``4n`` bytes device-to-host (the reduced
+  fp32 gradient shards), and the optimizer step on the CPU (below, without the master copy).
+  Device memory saved: ``16n`` bytes (parameters, gradients, AdamW states).
+* **Optimizer states alone on the host** (``--offload-optimizer``): :class:`HostOffloadAdamW`.
+  Parameters and gradients stay on the device; per step each rank copies its gradient shards
+  device-to-host (``4n`` bytes) and the updated parameter shards back (``4n`` bytes), and runs
+  AdamW on the CPU. Host memory ``16n`` bytes per rank (fp32 master, exp_avg, exp_avg_sq,
+  gradient buffer); device memory saved ``8n`` bytes.
+
+CPU AdamW time per step (both model-state options): torch's unfused AdamW makes about 8 passes
+over each shard, roughly ``12n`` floating-point operations and ``76n`` bytes of host memory
+traffic (about 48 read, 28 written per element); it is memory-bound, so about
+``76 * n / host_bandwidth`` seconds per rank, plus the copies above over the host link
+(``bytes / link_bandwidth``), none of it overlapped with the device's compute.
+
+**Host memory, for tracers.** Every host tensor these features create is allocated by
+:func:`host_empty` (:func:`to_host` is ``host_empty`` + copy), and the CPU optimizer math runs
+inside :func:`host_compute`. While either runs, :func:`allocating_host` is true: a
+``TorchDispatchMode`` that traces the real step under ``FakeTensorMode`` on CPU (where device and
+host are both ``"cpu"``) counts the storages that ops create while ``allocating_host()`` as host
+memory. Afterwards :func:`is_host` tells a registered host storage (keyed on
+``id(t.untyped_storage())``, weakly: an entry disappears with its storage) and :func:`host_bytes`
+sums the live ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw as _adamw
+
+from dtensor_ulysses._torch_private import dtensor_like
+
+__all__ = [
+    "ActivationOffloader",
+    "HostOffloadAdamW",
+    "allocating_host",
+    "fsdp_offload_policy",
+    "host_bytes",
+    "host_compute",
+    "host_empty",
+    "is_host",
+    "to_host",
+]
+
+# ----------------------------------------------------------------------------------------------
+# host memory: one allocator, a weak registry, a flag for tracers
+# ----------------------------------------------------------------------------------------------
+_HOST: dict[int, int] = {}  # id(untyped storage) -> nbytes, while the storage lives
+_STATE = threading.local()
+
+
+def allocating_host() -> bool:
+    """True inside :func:`host_empty` and :func:`host_compute`: ops allocate host memory now."""
+    return getattr(_STATE, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def host_compute() -> Iterator[None]:
+    """Mark a region whose allocations are host memory (the CPU optimizer step's temporaries)."""
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+
+
+def host_empty(
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *, pin: bool = False
+) -> torch.Tensor:
+    """The one allocation of host memory in this project: an empty CPU tensor, registered.
+
+    ``pin``: page-locked (needed for asynchronous copies to and from CUDA; needs CUDA).
+    """
+    with host_compute():
+        t = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+    st = t.untyped_storage()
+    key = id(st)
+    _HOST[key] = st.nbytes()
+    weakref.finalize(st, _HOST.pop, key, None)
+    return t
+
+
+def to_host(
+    t: torch.Tensor,
+    *,
+    pin: bool | None = None,
+    dtype: torch.dtype | None = None,
+    non_blocking: bool = False,
+) -> torch.Tensor:
+    """A copy of ``t`` in (registered) host memory, contiguous, optionally cast to ``dtype``.
+
+    ``pin=None``: pinned when ``t`` is on CUDA. ``non_blocking`` (pinned only): the copy is
+    queued on the current CUDA stream; synchronize before the CPU reads the result.
+    """
+    if pin is None:
+        pin = t.device.type == "cuda"
+    host = host_empty(t.shape, dtype or t.dtype, pin=pin)
+    host.copy_(t, non_blocking=non_blocking and pin)
+    return host
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage was allocated by :func:`host_empty` (and is still alive)."""
+    return id(t.untyped_storage()) in _HOST
+
+
+def host_bytes() -> int:
+    """Bytes of all live host storages allocated by :func:`host_empty` in this process."""
+    return sum(_HOST.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# activation checkpoints on the host
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class OffloadStats:
+    """Counters of an :class:`ActivationOffloader` (cumulative; :meth:`reset` them per step)."""
+
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    restored_tensors: int = 0
+    prefetched_tensors: int = 0  # restores whose copy had been started ahead (CUDA)
+
+    def reset(self) -> None:
+        self.offloaded_tensors = self.offloaded_bytes = 0
+        self.restored_tensors = self.prefetched_tensors = 0
+
+
+class _Saved:
+    """One offloaded block input: its host copy, and (CUDA) the events and the fetched copy."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device, ready: Any) -> None:
+        self.host = host
+        self.device = device
+        self.ready = ready  # CUDA event: the device-to-host copy finished
+        self.fetched: torch.Tensor | None = None  # device copy being brought back (CUDA)
+        self.fetched_event: Any = None
+        self.restored = False
+
+
+class ActivationOffloader:
+    """Moves each checkpointed block's input to host memory and back; shared by a model's blocks.
+
+    :func:`~dtensor_ulysses.recompute.checkpoint_module` calls :meth:`hooks` around each block's
+    checkpointed forward. Non-reentrant ``torch.utils.checkpoint`` saves the block's tensor
+    arguments through saved-tensor hooks (the inner recompute hooks take over inside the
+    block), so these hooks see exactly those arguments: the one that *is* the block input ``h``
+    is replaced by its host copy; the others (RoPE ``cos``/``sin``, shared by all blocks) are
+    kept as they are. Bit-exact: a copy out and back.
+
+    On CUDA the copies use one side stream per device and pinned memory; restoring block ``i``'s
+    input also starts bringing back the input of the block before it (forward order), so in a
+    backward pass each block's input arrives while the next-later block computes.
+
+    Args:
+        pin_memory: pinned host buffers (``None``: when the tensor is on CUDA).
+        prefetch: start block ``i-1``'s copy back when block ``i``'s is used (CUDA).
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None, prefetch: bool = True) -> None:
+        self.pin_memory = pin_memory
+        self.prefetch = prefetch
+        self.stats = OffloadStats()
+        self._order: list[weakref.ref[_Saved]] = []  # live offloaded inputs, forward order
+        self._streams: dict[torch.device, Any] = {}
+
+    def hooks(self, h: torch.Tensor) -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks that offload ``h`` (by identity of its storage and view)."""
+
+        def pack(t: torch.Tensor) -> Any:
+            return self._offload(t) if _same_tensor(t, h) else t
+
+        def unpack(x: Any) -> torch.Tensor:
+            return self._restore(x) if isinstance(x, _Saved) else x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    # -- forward: device -> host -------------------------------------------------------------
+    def _offload(self, t: torch.Tensor) -> _Saved:
+        pin = self.pin_memory
+        ready = None
+        if t.device.type == "cuda":
+            stream = self._stream(t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
+            with torch.cuda.stream(stream):
+                host = to_host(t, pin=pin, non_blocking=True)
+                ready = stream.record_event()
+            t.record_stream(stream)  # t's memory is not reused before the copy has read it
+        else:
+            host = to_host(t, pin=pin)
+        saved = _Saved(host, t.device, ready)
+        self._order = [r for r in self._order if r() is not None]
+        self._order.append(weakref.ref(saved))
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += t.numel() * t.element_size()
+        return saved
+
+    # -- backward: host -> device ------------------------------------------------------------
+    def _restore(self, saved: _Saved) -> torch.Tensor:
+        self.stats.restored_tensors += 1
+        if saved.device.type != "cuda":
+            saved.restored = True
+            return saved.host.clone()  # a device tensor of its own (device == host on CPU)
+        if saved.fetched is None:
+            self._fetch(saved)
+        else:
+            self.stats.prefetched_tensors += 1
+        torch.cuda.current_stream(saved.device).wait_event(saved.fetched_event)
+        out, saved.fetched, saved.restored = saved.fetched, None, True
+        if self.prefetch:
+            earlier = self._earlier(saved)
+            if earlier is not None:
+                self._fetch(earlier)
+        assert out is not None
+        return out
+
+    def _fetch(self, saved: _Saved) -> None:
+        """Queue the host-to-device copy of ``saved`` on the side stream."""
+        compute = torch.cuda.current_stream(saved.device)
+        out = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)
+        stream = self._stream(saved.device)
+        stream.wait_stream(compute)  # out's memory is free in compute-stream order
+        with torch.cuda.stream(stream):
+            stream.wait_event(saved.ready)
+            out.copy_(saved.host, non_blocking=True)
+            saved.fetched_event = stream.record_event()
+        out.record_stream(stream)  # if it is dropped unused, not reused before the copy ends
+        saved.fetched = out
+
+    def _earlier(self, saved: _Saved) -> _Saved | None:
+        """The live offloaded input saved just before ``saved``, not yet restored or fetched."""
+        refs = [r() for r in self._order]
+        if saved not in refs:
+            return None
+        for s in reversed(refs[: refs.index(saved)]):
+            if s is not None and not s.restored and s.fetched is None:
+                return s if s.device == saved.device else None
+        return None
+
+    def _stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+def _same_tensor(t: torch.Tensor, h: torch.Tensor) -> bool:
+    if t is h:
+        return True
+    return (
+        t.untyped_storage() is h.untyped_storage()
+        and t.shape == h.shape
+        and t.stride() == h.stride()
+        and t.storage_offset() == h.storage_offset()
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# model states on the host
+# ----------------------------------------------------------------------------------------------
+def fsdp_offload_policy(
+    mesh: DeviceMesh | str, *, pin_memory: bool | None = None
+) -> CPUOffloadPolicy:
+    """FSDP2's ``CPUOffloadPolicy`` for ``--offload-params``: pass it to every ``fully_shard``.
+
+    Parameters, gradients and the optimizer states (a plain ``torch.optim.AdamW`` then steps on
+    the CPU) live on the host; FSDP2 copies each shard to the device before its all-gather and
+    each reduced gradient shard back (see the module docstring for the traffic). Works on CPU
+    meshes too (gloo, torch 2.13; pinning needs CUDA).
+
+    Args:
+        mesh: the FSDP mesh, or its device type.
+        pin_memory: pinned host memory (``None``: on CUDA).
+    """
+    device_type = mesh if isinstance(mesh, str) else mesh.device_type
+    if pin_memory is None:
+        pin_memory = device_type == "cuda"
+    return CPUOffloadPolicy(pin_memory=pin_memory)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class HostOffloadAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` whose states live on the host and whose step runs on the CPU.
+
+    Same hyperparameters, param groups and update as ``torch.optim.AdamW`` (no ``amsgrad``,
+    ``maximize``, ``fused``, ``capturable``): the math is torch's own functional AdamW. For each
+    parameter (an FSDP2 ``DTensor`` shard or a plain tensor) it keeps on the host (pinned on
+    CUDA): an fp32 master copy of the local shard, ``exp_avg``, ``exp_avg_sq`` and a gradient
+    buffer. :meth:`step` copies the local gradients to the host, runs AdamW on the CPU and copies
+    the updated values into the device parameters.
+
+    ``state_dict()`` holds exactly AdamW's keys (``step``, ``exp_avg``, ``exp_avg_sq``), each
+    presented as a ``DTensor`` shaped and placed like its parameter whose local tensor *is* the
+    host buffer (no device copy), so ``torch.distributed.checkpoint``'s ``get_state_dict`` /
+    ``set_state_dict`` save and load it like AdamW's (and the checkpoints are interchangeable).
+    The master copy is not saved: it equals the fp32 parameter after every step, and is taken
+    again from the parameter at the first step after :meth:`load_state_dict` (DCP loads the
+    optimizer before the model). Parameters are expected in fp32 (FSDP2 keeps fp32 shards;
+    bf16 is compute only); with lower-precision parameters, a resume restarts the master from
+    the rounded parameter.
+
+    Cost per step and rank, ``n`` local parameter elements: ``4n`` bytes device-to-host
+    (gradients, fp32) and ``4n`` host-to-device (parameters), plus the CPU AdamW, about
+    ``76 * n / host_bandwidth`` seconds (see the module docstring); host memory ``16n`` bytes;
+    device memory saved ``8n`` bytes.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        foreach: the CPU math with foreach kernels (default True; bit-identical on CPU).
+        pin_memory: pinned host buffers (``None``: when the parameter is on CUDA).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        foreach: bool = True,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"invalid learning rate {lr}; use lr >= 0")
+        if not eps >= 0.0:
+            raise ValueError(f"invalid eps {eps}; use eps >= 0")
+        for i, b in enumerate(betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"invalid beta parameter at index {i}: {b}; use 0 <= beta < 1")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"invalid weight_decay {weight_decay}; use weight_decay >= 0")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.foreach = foreach
+        self.pin_memory = pin_memory
+        self._master: dict[torch.Tensor, torch.Tensor] = {}
+        self._grad: dict[torch.Tensor, torch.Tensor] = {}
+        self._copied_back: list[Any] = []  # CUDA events: parameters written from the masters
+
+    def _pin(self, p: torch.Tensor) -> bool:
+        return _local(p).device.type == "cuda" if self.pin_memory is None else self.pin_memory
+
+    def _host_zeros(self, p: torch.Tensor) -> torch.Tensor:
+        return host_empty(_local(p).shape, torch.float32, pin=self._pin(p)).zero_()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One AdamW step of every parameter with a gradient, on the CPU."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for event in self._copied_back:  # the masters are not overwritten mid-copy
+            event.synchronize()
+        self._copied_back = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for p in params:
+                if p.grad.is_sparse:
+                    raise ValueError("HostOffloadAdamW does not support sparse gradients")
+                local, state = _local(p), self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = self._host_zeros(p)
+                    state["exp_avg_sq"] = self._host_zeros(p)
+                if p not in self._master:  # first step, or first after load_state_dict
+                    self._master[p] = to_host(
+                        local, pin=self._pin(p), dtype=torch.float32, non_blocking=True
+                    )
+                if p not in self._grad:
+                    self._grad[p] = host_empty(local.shape, torch.float32, pin=self._pin(p))
+                self._grad[p].copy_(_local(p.grad), non_blocking=self._grad[p].is_pinned())
+                masters.append(self._master[p])
+                grads.append(self._grad[p])
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if any(_local(p).device.type == "cuda" for p in params):
+                torch.cuda.current_stream().synchronize()  # gradients and masters have arrived
+            beta1, beta2 = group["betas"]
+            with host_compute():
+                _adamw(
+                    masters, grads, exp_avgs, exp_avg_sqs, [], steps,
+                    foreach=self.foreach, amsgrad=False, beta1=beta1, beta2=beta2,
+                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=False,
+                )  # fmt: skip
+            for p, master in zip(params, masters):
+                local = _local(p)
+                local.copy_(master, non_blocking=master.is_pinned())
+                if local.device.type == "cuda":
+                    self._copied_back.append(torch.cuda.current_stream().record_event())
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's state dict; ``exp_avg``/``exp_avg_sq`` as DTensors over the host shards."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = {}
+        for idx, st in sd["state"].items():
+            p = params[idx]
+            st = dict(st)
+            if isinstance(p, DTensor):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key] = dtensor_like(st[key], p)
+            state[idx] = st
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load AdamW-format state (from :meth:`state_dict`, AdamW's, or DCP) into host memory."""
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups) or any(
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
+        ):
+            raise ValueError(
+                f"loaded state dict has groups of sizes {[len(s['params']) for s in saved_groups]}"
+                f", this optimizer {[len(g['params']) for g in groups]}"
+            )
+        saved_state = state_dict["state"]
+        with torch.no_grad():
+            for g, s in zip(groups, saved_groups):
+                for p, key in zip(g["params"], s["params"]):
+                    if key not in saved_state:
+                        continue
+                    saved, state = saved_state[key], self.state[p]
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        value = _local(saved[name])
+                        if name not in state:
+                            state[name] = self._host_zeros(p)
+                        if state[name].untyped_storage() is not value.untyped_storage():
+                            state[name].copy_(value)
+                    state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32)
+                g.update({k: v for k, v in s.items() if k not in ("params", "param_names")})
+        self._master.clear()  # taken again from the (by then loaded) parameters
