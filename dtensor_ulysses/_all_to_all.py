@@ -47,6 +47,17 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _strided_blocks(
+    buf: torch.Tensor, P: int, block: int, offset: int, piece: Sequence[int]
+) -> torch.Tensor:
+    """``buf`` seen as ``[P, *piece]``: piece ``j`` at ``offset + j * block`` (contiguous)."""
+    stride, acc = [], 1
+    for size in reversed(piece):
+        stride.append(acc)
+        acc *= size
+    return buf.as_strided([P, *piece], [block, *reversed(stride)], buf.storage_offset() + offset)
+
+
 def _exchange(
     xs: Sequence[torch.Tensor],
     scatter_dim: int,
@@ -55,20 +66,20 @@ def _exchange(
     gather_sizes: Sequence[Sizes],
     group: dist.ProcessGroup,
 ) -> list[torch.Tensor]:
-    """The collective: per destination, the pieces of every tensor, in one 1-D buffer."""
+    """The collective: per destination, the pieces of every tensor, in one 1-D buffer.
+
+    Each byte is copied once on the way in (into the preallocated send buffer) and once on the
+    way out (into the preallocated results): one strided copy per tensor when its pieces are
+    equal for every rank (and the blocks of the other tensors too), else one copy per piece.
+    """
     P, me = dist.get_world_size(group), dist.get_rank(group)
-    pieces, in_splits = [], []
-    offsets = [0] * len(xs)
-    for j in range(P):
-        numel = 0
-        for i, x in enumerate(xs):
-            piece = x.narrow(scatter_dim, offsets[i], scatter_sizes[i][j])
-            offsets[i] += scatter_sizes[i][j]
-            pieces.append(piece.reshape(-1))
-            numel += piece.numel()
-        in_splits.append(numel)
-    send = torch.cat(pieces)
-    # from rank j, tensor i arrives with scatter dim = my share, gather dim = j's size
+    # send: destination j's block holds, in tensor order, the piece of every tensor for j
+    send_shapes = [
+        [_piece_shape(x.shape, scatter_dim, scatter_sizes[i][j], gather_dim, x.shape[gather_dim])
+         for i, x in enumerate(xs)]
+        for j in range(P)
+    ]  # fmt: skip
+    # recv: from rank j, tensor i arrives with scatter dim = my share, gather dim = j's size
     recv_shapes = [
         [
             _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim, gather_sizes[i][j])
@@ -76,15 +87,55 @@ def _exchange(
         ]
         for j in range(P)
     ]
+    in_splits = [sum(_numel(s) for s in shapes) for shapes in send_shapes]
     out_splits = [sum(_numel(s) for s in shapes) for shapes in recv_shapes]
+    send = xs[0].new_empty(sum(in_splits))
     recv = send.new_empty(sum(out_splits))
+    outs = [
+        send.new_empty(_piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim,
+                                    sum(gather_sizes[i])))
+        for i, x in enumerate(xs)
+    ]  # fmt: skip
+    _move(xs, send, send_shapes, in_splits, scatter_dim, packing=True)
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
-    parts: list[list[torch.Tensor]] = [[] for _ in xs]
-    for j, chunk in enumerate(recv.split(out_splits)):
-        sizes = [_numel(s) for s in recv_shapes[j]]
-        for i, flat in enumerate(chunk.split(sizes)):
-            parts[i].append(flat.view(recv_shapes[j][i]))
-    return [torch.cat(p, dim=gather_dim) for p in parts]
+    _move(outs, recv, recv_shapes, out_splits, gather_dim, packing=False)
+    return outs
+
+
+def _move(
+    tensors: Sequence[torch.Tensor],
+    buf: torch.Tensor,
+    shapes: Sequence[Sequence[Sequence[int]]],
+    splits: Sequence[int],
+    dim: int,
+    *,
+    packing: bool,
+) -> None:
+    """Copy ``tensors`` into ``buf`` (packing) or ``buf`` into ``tensors``, cut along ``dim``:
+    rank ``j``'s block of ``buf`` holds piece ``j`` of every tensor, in order."""
+    P = len(splits)
+    starts = [0] * P
+    for j in range(1, P):
+        starts[j] = starts[j - 1] + splits[j - 1]
+    within = [0] * P  # offset of the current tensor inside each rank's block
+    for i, t in enumerate(tensors):
+        sizes = [shapes[j][i][dim] for j in range(P)]
+        equal = len(set(sizes)) == 1 and len(set(splits)) == 1 and len(set(within)) == 1
+        if equal and sizes[0] > 0:  # one strided copy for all ranks
+            view = _strided_blocks(buf, P, splits[0], within[0], shapes[0][i])
+            pieces = t.unflatten(dim, (P, sizes[0])).movedim(dim, 0)
+            (view.copy_(pieces) if packing else pieces.copy_(view))
+        else:  # uneven pieces: one copy per piece
+            lo = 0
+            for j in range(P):
+                if sizes[j]:
+                    n = _numel(shapes[j][i])
+                    flat = buf.narrow(0, starts[j] + within[j], n).view(shapes[j][i])
+                    piece = t.narrow(dim, lo, sizes[j])
+                    (flat.copy_(piece) if packing else piece.copy_(flat))
+                lo += sizes[j]
+        for j in range(P):
+            within[j] += _numel(shapes[j][i])
 
 
 class _AllToAll(torch.autograd.Function):
@@ -96,7 +147,6 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         scatter_dim, gather_dim, scatter_sizes, gather_sizes, group = ctx.args
-        grads = [g.contiguous() for g in grads]
         # reverse: scatter along the old gather dim by the senders' sizes, gather back ours
         back = _exchange(grads, gather_dim, scatter_dim, gather_sizes, scatter_sizes, group)
         return (None, None, None, None, None, *back)

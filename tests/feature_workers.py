@@ -85,3 +85,51 @@ def head_chunks_worker(rank: int, world_size: int, cases: list[dict]) -> list[di
             }
         )
     return out
+
+
+def copy_count_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Bytes written by copy kernels (copy_, cat, clone, _to_copy) inside the fused q, k, v
+    all-to-all and its backward, next to the bytes that travel."""
+    import torch.distributed as dist
+
+    from dtensor_ulysses._all_to_all import all_to_all
+    from dtensor_ulysses._torch_private import TorchDispatchMode
+
+    aten = torch.ops.aten
+    copies = {aten.copy_.default, aten.cat.default, aten.clone.default, aten._to_copy.default}
+
+    class CopyBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in copies:
+                self.bytes += out.numel() * out.element_size()
+            return out
+
+    group = dist.group.WORLD
+    out = []
+    for case in cases:
+        g = torch.Generator().manual_seed(case["seed"])
+        B, s, H, P = case["B"], case["s"], case["H"], world_size
+        xs = [torch.randn(B, s, n, H, generator=g, requires_grad=True) for n in case["heads"]]
+        sizes = [[n // P] * P for n in case["heads"]]
+        if case.get("uneven_heads"):
+            sizes = [[n // P + (r < n % P) for r in range(P)] for n in case["heads"]]
+        with CopyBytes() as fwd:
+            ys = all_to_all(xs, scatter_dim=2, gather_dim=1, group=group, scatter_sizes=sizes)
+        grads = [torch.ones_like(y) for y in ys]
+        with CopyBytes() as bwd:
+            torch.autograd.backward(ys, grads)
+        out.append(
+            {
+                "case": case,
+                "sent": sum(x.numel() * x.element_size() for x in xs),
+                "received": sum(y.numel() * y.element_size() for y in ys),
+                "fwd_copy_bytes": fwd.bytes,
+                "bwd_copy_bytes": bwd.bytes,
+            }
+        )
+    return out
