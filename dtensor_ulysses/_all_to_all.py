@@ -14,7 +14,9 @@ the same bytes as three.
 
 The backward of an all-to-all is the all-to-all with scatter and gather swapped (and their size
 lists swapped), so forward and backward are one ``all_to_all_single`` each, on every backend
-(NCCL and gloo alike). Only the public ``torch.distributed.all_to_all_single`` is used.
+(NCCL and gloo alike), with the public ``torch.distributed.all_to_all_single``. Under
+``torch.compile`` the same exchange runs through functional collectives instead (see
+:func:`_exchange_functional`), so a compiled block has no graph break at the collective.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from dtensor_ulysses._torch_private import functional_all_to_all
 
 __all__ = ["all_to_all", "even_sizes"]
 
@@ -138,6 +142,40 @@ def _move(
             within[j] += _numel(shapes[j][i])
 
 
+def _exchange_functional(
+    xs: Sequence[torch.Tensor],
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: Sequence[Sizes],
+    gather_sizes: Sequence[Sizes],
+    group: dist.ProcessGroup,
+) -> list[torch.Tensor]:
+    """The same exchange with functional ops only, for ``torch.compile``: the pieces are
+    concatenated instead of copied into preallocated buffers, and the functional all-to-all
+    (differentiable itself: its backward is the reverse all-to-all) moves them. Same bytes."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    pieces, in_splits, offsets = [], [], [0] * len(xs)
+    for j in range(P):
+        for i, x in enumerate(xs):
+            pieces.append(x.narrow(scatter_dim, offsets[i], scatter_sizes[i][j]).reshape(-1))
+            offsets[i] += scatter_sizes[i][j]
+        in_splits.append(sum(p.numel() for p in pieces[-len(xs) :]))
+    recv_shapes = [
+        [
+            _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim, gather_sizes[i][j])
+            for i, x in enumerate(xs)
+        ]
+        for j in range(P)
+    ]
+    out_splits = [sum(_numel(s) for s in shapes) for shapes in recv_shapes]
+    recv = functional_all_to_all(torch.cat(pieces), out_splits, in_splits, group)
+    parts: list[list[torch.Tensor]] = [[] for _ in xs]
+    for j, chunk in enumerate(recv.split(out_splits)):
+        for i, flat in enumerate(chunk.split([_numel(s) for s in recv_shapes[j]])):
+            parts[i].append(flat.view(recv_shapes[j][i]))
+    return [torch.cat(p, dim=gather_dim) for p in parts]
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, *xs):
@@ -217,6 +255,9 @@ def all_to_all(
             )
     if P == 1:
         return tensors[0] if single else tensors
+    if torch.compiler.is_compiling():  # traced by dynamo: no autograd.Function, no c10d call
+        out = _exchange_functional(tensors, scatter_dim, gather_dim, sc, ga, group)
+        return out[0] if single else out
     sc_t = tuple(tuple(s) for s in sc)
     ga_t = tuple(tuple(g) for g in ga)
     out = _AllToAll.apply(scatter_dim, gather_dim, sc_t, ga_t, group, *tensors)

@@ -7,6 +7,8 @@ these, this file is the only one to change.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -66,3 +68,15 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     meta = TensorMeta(like.shape, like.stride(), local.dtype)
     spec = DTensorSpec(like.device_mesh, tuple(like.placements), tensor_meta=meta)
     return DTensor(local, spec, requires_grad=False)
+
+
+def functional_all_to_all(
+    send: Any, out_splits: list[int], in_splits: list[int], group: Any
+) -> Any:
+    """``torch.distributed._functional_collectives.all_to_all_single`` (differentiable, traced
+    by ``torch.compile`` without a graph break), waited on. Checked: 2.13.
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    out = funcol.all_to_all_single_autograd(send, out_splits, in_splits, group)
+    return funcol.wait_tensor(out)

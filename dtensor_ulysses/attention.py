@@ -19,7 +19,6 @@ and benchmarks can pin the ``auto`` choice with :func:`force_backend` or the env
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterator, Sequence
 
@@ -42,13 +41,18 @@ ENV_VAR = "DTENSOR_ULYSSES_ATTENTION"
 _forced: str | None = None
 
 
-@functools.cache
+_flash: list = []  # [flash_attn_func or None] once looked up (a plain cache: torch.compile
+# traces through functools.cache wrappers, and would reach the import inside)
+
+
 def _flash_attn_func():
-    try:
-        from flash_attn import flash_attn_func
-    except Exception:  # ImportError, or a broken build (undefined CUDA symbols)
-        return None
-    return flash_attn_func
+    if not _flash:
+        try:
+            from flash_attn import flash_attn_func
+        except Exception:  # ImportError, or a broken build (undefined CUDA symbols)
+            flash_attn_func = None
+        _flash.append(flash_attn_func)
+    return _flash[0]
 
 
 def flash_attn_available() -> bool:
@@ -193,6 +197,7 @@ class LocalAttention(nn.Module):
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         self.backend = backend
         self.causal = causal
+        _flash_attn_func()  # look flash-attn up now, eagerly, not inside a compiled forward
 
     def forward(self, q, k, v, *, layout=None, doc_starts=None) -> torch.Tensor:
         if layout is not None and doc_starts is None:

@@ -11,7 +11,9 @@ replace ``du.parallelize`` with the module as soon as it is imported.)
                  with ``offload_activations`` the one input each block keeps lives on the host.
                  After Ulysses, so the recomputed forward also repeats the block's all-to-alls
                  (the checkpoint keeps only the block input, never head-sharded tensors).
-    3. FSDP2 ``fully_shard`` on every block, then on the root, over the flattened ``dp x sp``
+    3. ``torch.compile`` per block (optional): after checkpointing, so the recompute is part of
+       the compiled region; the all-to-alls run as functional collectives there (no graph break).
+    4. FSDP2 ``fully_shard`` on every block, then on the root, over the flattened ``dp x sp``
        ranks: sp ranks hold the same weights but see different tokens, so parameters, gradients
        and optimizer states shard over all ``dp * sp`` ranks (on the host with
        ``offload_params``). Last, because it must see the final module structure (its hooks
@@ -62,6 +64,7 @@ def parallelize(
     offload_activations: bool = False,
     offload_params: bool = False,
     head_chunks: int = 1,
+    compile: bool | str = False,
     mixed_precision: MixedPrecisionPolicy | None | str = "auto",
     attention_backend: str = "auto",
     allow_uneven_heads: bool = False,
@@ -79,6 +82,8 @@ def parallelize(
             ``CPUOffloadPolicy``; the optimizer then steps on the CPU).
         head_chunks: attention in this many stages per block (head-chunked Ulysses, see
             :class:`~dtensor_ulysses.ulysses.UlyssesAttention`); must divide the heads per rank.
+        compile: ``torch.compile`` each block (``True``: the default backend, inductor; or a
+            backend name, e.g. ``"aot_eager"``).
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy``, ``None`` for full precision, or
             ``"auto"`` (bf16 compute + fp32 reduce on CUDA, fp32 on CPU).
         attention_backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``.
@@ -132,7 +137,13 @@ def parallelize(
         if offload_activations:  # one offloader: block i's backward prefetches block i-1's input
             offload_checkpoints(model.layers)
 
-    # 3. FSDP2 over the flattened dp x sp ranks: blocks first, then the root (embedding, final
+    # 3. torch.compile per block (torchtitan's granularity: one graph per block).
+    if compile:
+        backend = "inductor" if compile is True else compile
+        for block in model.layers:
+            block.compile(backend=backend, fullgraph=True)
+
+    # 4. FSDP2 over the flattened dp x sp ranks: blocks first, then the root (embedding, final
     #    norm, output head; a tied output head stays with the embedding in the root group).
     if mixed_precision == "auto":
         mixed_precision = default_mixed_precision(mesh.device_type)

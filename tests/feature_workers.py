@@ -133,3 +133,62 @@ def copy_count_worker(rank: int, world_size: int, cases: list[dict]) -> list[dic
             }
         )
     return out
+
+
+def compile_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """``torch.compile(fullgraph=True)`` of the engine around SDPA (a graph break is an error)
+    against the eager call: outputs and gradients."""
+    torch._dynamo.reset()
+    mesh = get_mesh(1, world_size)
+    out = []
+    for case in cases:
+        q, k, v, go = make_inputs(case, torch.float32)
+        s = case["S"] // world_size
+        cut = slice(rank * s, (rank + 1) * s)
+        engine = du.UlyssesAttention(
+            du.LocalAttention("sdpa"), mesh["sp"], head_chunks=case.get("C", 1)
+        )
+        compiled = torch.compile(engine, fullgraph=True, backend=case["backend"])
+        results = {}
+        for name, fn in (("eager", engine), ("compiled", compiled)):
+            ql, kl, vl = (t[:, cut].detach().clone().requires_grad_() for t in (q, k, v))
+            o = fn(ql, kl, vl)
+            o.backward(go[:, cut])
+            results[name] = {"o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+        e, c = results["eager"], results["compiled"]
+        errors = {n: (e[n] - c[n]).abs().max().item() for n in ("o", "dq", "dk", "dv")}
+        out.append({"case": case, "errors": errors})
+    return out
+
+
+def compiled_model_worker(rank: int, world_size: int, backend: str) -> dict:
+    """The tiny model through du.parallelize with and without compile=backend (blocks compiled
+    after checkpointing, before FSDP2), at dp=1, sp=world_size: loss and every gradient."""
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_ulysses.data import PackedCorpus, get_batch
+    from dtensor_ulysses.mesh import flatten_dp_sp
+    from dtensor_ulysses.model import build_model
+    from dtensor_ulysses.weights import init_weights
+
+    torch._dynamo.reset()
+    mesh = du.init_mesh(1, world_size, device_type="cpu")
+    corpus = PackedCorpus.from_paths(None, seq_len=64)
+    batch = get_batch(corpus, 0, global_batch_size=2, dp_rank=0, dp=1, sp_rank=rank,
+                      sp=world_size, seed=0)  # fmt: skip
+    group = flatten_dp_sp(mesh).get_group()
+    out = {}
+    for name, compile in (("eager", False), ("compiled", backend)):
+        model = build_model("tiny")
+        du.parallelize(model, mesh, activation_checkpointing=True, compile=compile)
+        model.to_empty(device="cpu")
+        init_weights(model, seed=0)
+        loss = model(batch.input_ids, batch.position_ids, layout=batch.layout, labels=batch.labels)
+        loss.backward()
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for n, p in model.named_parameters()}  # fmt: skip
+        total = loss.detach().reshape(1)
+        torch.distributed.all_reduce(total, group=group)
+        out[name] = (total.item(), grads)
+    (le, ge), (lc, gc) = out["eager"], out["compiled"]
+    return {"loss": (le, lc), "grad_err": max((ge[n] - gc[n]).abs().max().item() for n in ge)}
