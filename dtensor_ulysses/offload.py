@@ -192,10 +192,16 @@ class ActivationOffloader:
         self._streams: dict[torch.device, Any] = {}
 
     def hooks(self, h: torch.Tensor) -> torch.autograd.graph.saved_tensors_hooks:
-        """Saved-tensor hooks that offload ``h`` (by identity of its storage and view)."""
+        """Saved-tensor hooks that offload ``h`` (by identity of its storage and view).
+
+        ``h`` is held weakly: autograd keeps the hooks alive with the graph, and a strong
+        reference would keep every block's device input alive next to its host copy.
+        """
+        h_ref = weakref.ref(h)
 
         def pack(t: torch.Tensor) -> Any:
-            return self._offload(t) if _same_tensor(t, h) else t
+            h_now = h_ref()
+            return self._offload(t) if h_now is not None and _same_tensor(t, h_now) else t
 
         def unpack(x: Any) -> torch.Tensor:
             return self._restore(x) if isinstance(x, _Saved) else x
