@@ -207,8 +207,11 @@ def block_backward_transients(w: Workload, g: RankGeometry) -> dict[str, float]:
         stages["all_to_all_buffers"] = 2 * w.tp * e * D * tokens
     if w.tiled_mlp:
         # ALST TiledMLP: ceil(s / D) tiles; one tile replays the SwiGLU and its backward
-        n_tiles = max(1, math.ceil(tokens / D))
-        tile = math.ceil(tokens / n_tiles)
+        if w.mlp_chunk_tokens:
+            tile = min(tokens, w.mlp_chunk_tokens)
+        else:
+            n_tiles = max(1, math.ceil(tokens / D))
+            tile = math.ceil(tokens / n_tiles)
         prof = IMPL_PROFILES[w.impl]
         stages["mlp_working"] = (prof.mlp_saved + prof.mlp_bwd) * e * F * tile
     else:
@@ -224,7 +227,7 @@ def loss_bytes(w: Workload, tokens: int) -> tuple[float, float]:
     V, e = w.shape.vocab_size, w.e
     if w.tiled_loss:
         prof = IMPL_PROFILES[w.impl]
-        tile = prof.loss_tile_tokens or prof.loss_tile_bytes // (FP32 * V)
+        tile = w.loss_chunk_tokens or prof.loss_tile_tokens or prof.loss_tile_bytes // (FP32 * V)
         tile = max(1, min(tokens, tile))
         # one tile: logits (e), fp32 log-softmax, fp32 gradient (forward and backward fused);
         # plus the gradient of the hidden states accumulated over tiles (e * D per token)

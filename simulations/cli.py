@@ -1,12 +1,15 @@
-"""Command line: ``python -m simulations {predict,plan,compare,published,validate}``.
+"""Command line: ``python -m simulations {predict,plan,compare,published,validate,trace}``.
 
-Kept in one file (~330 lines): the parser of every subcommand and its text output, side by side.
+Kept in one file (~450 lines): the parser of every subcommand and its text output, side by side.
 
     python -m simulations predict --model llama3-8b --seq-len 131072 --dp 1 --sp 8 --gpu h100 --json
     python -m simulations plan --model llama3-8b --gpus 8 --gpu h100 --json
     python -m simulations compare --model llama3-8b --seq-len 131072 --sp 8 --gpu h100
     python -m simulations published [--row M3] [--json]
     python -m simulations validate [--skip-comm] [--skip-memory]
+    python -m simulations trace --model llama3-8b --seq-len 131072 --dp 1 --sp 8 --gpu h100 \
+        --tiled-loss --tiled-mlp --layers 2 --json          # the real step, fake tensors
+    python -m simulations trace --model llama3-8b --sp 8 --gpu h100 --find-max [features] --json
 
 Bad input prints ``error: <what and how to fix it>`` and exits 2 (no traceback).
 """
@@ -49,6 +52,7 @@ def _common(p: argparse.ArgumentParser, *, layout: bool) -> None:
     p.add_argument("--offload-activations", action="store_true")
     p.add_argument("--tiled-mlp", action="store_true")
     p.add_argument("--tiled-loss", action="store_true")
+    _chunk_options(p)
     p.add_argument("--attention", default="ulysses", choices=METHODS)
     p.add_argument("--ulysses-degree", type=int, default=None, help="usp: the Ulysses part of sp")
     p.add_argument("--reduce-dtype", default="fp32", choices=sorted(DTYPE_BYTES))
@@ -70,6 +74,42 @@ def _common(p: argparse.ArgumentParser, *, layout: bool) -> None:
     )
 
 
+def _chunk_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss tile")
+    p.add_argument("--mlp-chunk-tokens", type=int, default=None, help="tokens per MLP tile")
+    p.add_argument(
+        "--head-chunks", type=int, default=1, help="Ulysses attention in K head stages (1: off)"
+    )
+
+
+def _trace_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--gpu", default="h100", help=f"GPU profile: {', '.join(GPUS)}")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length S (tokens)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree")
+    p.add_argument("--ac", default="full", choices=AC_MODES, help="activation checkpointing")
+    p.add_argument("--tiled-loss", action="store_true")
+    p.add_argument("--tiled-mlp", action="store_true")
+    _chunk_options(p)
+    p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--offload-params", action="store_true")
+    p.add_argument(
+        "--layers", type=int, default=None,
+        help="trace L and L+1 blocks (L >= 5) and extrapolate linearly to the model's depth",
+    )  # fmt: skip
+    p.add_argument(
+        "--find-max", action="store_true",
+        help="bisect to the longest fitting sequence (no --seq-len)",
+    )  # fmt: skip
+    p.add_argument(
+        "--granularity", type=int, default=None,
+        help="--find-max grid, tokens (default 1024 * sp)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def _options(a: argparse.Namespace) -> dict[str, Any]:
     return dict(
         gpu=a.gpu,
@@ -81,6 +121,9 @@ def _options(a: argparse.Namespace) -> dict[str, Any]:
         offload_activations=a.offload_activations,
         tiled_mlp=a.tiled_mlp,
         tiled_loss=a.tiled_loss,
+        loss_chunk_tokens=a.loss_chunk_tokens,
+        mlp_chunk_tokens=a.mlp_chunk_tokens,
+        head_chunks=a.head_chunks,
         attention=a.attention,
         ulysses_degree=a.ulysses_degree,
         reduce_dtype=a.reduce_dtype,
@@ -110,6 +153,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="measured vs predicted, and every published row")
     p.add_argument("--skip-comm", action="store_true", help="skip the gloo communication runs")
     p.add_argument("--skip-memory", action="store_true", help="skip the fake-tensor memory trace")
+    p = sub.add_parser(
+        "trace", help="trace the real training step with fake tensors: device peak, host bytes"
+    )
+    _trace_parser(p)
     return ap
 
 
@@ -302,6 +349,83 @@ def _cmd_validate(a) -> int:
     return run(comm=not a.skip_comm, memory=not a.skip_memory)
 
 
+def _trace_case(a):
+    from simulations import _trace
+    from simulations.config import Workload
+
+    if a.find_max == (a.seq_len is not None):
+        raise ValueError("give --seq-len S, or --find-max (without --seq-len)")
+    feats = tuple(
+        (k, getattr(a, k))
+        for k in _trace.FEATURE_FLAGS
+        if getattr(a, k) not in (None, False) and not (k == "head_chunks" and a.head_chunks == 1)
+    )
+    if a.layers is not None and a.layers < 5:
+        raise ValueError(
+            f"--layers={a.layers}: extrapolation needs traces of at least 5 blocks (the two "
+            f"first, the two last and one between); use --layers 5"
+        )
+    case = _trace.TraceCase(
+        a.model, a.seq_len or 1024 * a.sp, a.dp, a.sp, ac=a.ac, features=feats,
+        extrapolate_from=a.layers, gpu=a.gpu,
+    )  # fmt: skip
+    Workload(**{**_workload_kwargs(case)})  # validate the options (clear errors) before tracing
+    return case
+
+
+def _workload_kwargs(case) -> dict[str, Any]:
+    return dict(
+        shape=case.model, seq_len=case.seq_len, dp=case.dp, sp=case.sp, ac=case.ac,
+        gpu=case.gpu, **dict(case.features),
+    )  # fmt: skip
+
+
+def _format_trace(obj: dict) -> str:
+    head = (
+        f"{obj['model']} S={obj['seq_len']:,} dp={obj['dp']} sp={obj['sp']} on {obj['gpu']} "
+        f"(features: {', '.join(obj['features']) or 'none'}; layers {obj['layers']}, traced "
+        f"{obj['traced_layers']})"
+    )
+    rows = [
+        (ph, _b(v["device_peak_bytes"]), *(_b(x) for x in v["by_category"].values()))
+        for ph, v in obj["phases"].items()
+    ]
+    cats = tuple(next(iter(obj["phases"].values()))["by_category"])
+    out = [head, _table(rows, ("phase", "device peak", *cats)), ""]
+    out.append(
+        f"device peak {_b(obj['device_peak_bytes'])} ({obj['peak_phase']}) of "
+        f"{_b(obj['capacity_bytes'])} usable: {'fits' if obj['fits'] else 'DOES NOT FIT'}; "
+        f"host {_b(obj['host_bytes'])}; simulator {_b(obj['predicted']['device_peak_bytes'])}"
+    )
+    if "max_seq_len" in obj:
+        out.append(
+            f"longest fitting sequence: {obj['max_seq_len']:,} (grid {obj['granularity']:,})"
+        )
+    return "\n".join(out)
+
+
+def _cmd_trace(a) -> int:
+    from simulations import _trace
+
+    case = _trace_case(a)
+    log = None if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    if a.find_max:
+        g = a.granularity or 1024 * a.sp
+        if g < 1:
+            raise ValueError(f"--granularity={g} must be >= 1")
+        best, probes, rep = _trace.find_max(case, granularity=g, log=log)
+        if rep is None:
+            obj: dict[str, Any] = {"model": a.model, "gpu": a.gpu, "dp": a.dp, "sp": a.sp,
+                                   "fits": False, "max_seq_len": 0}  # fmt: skip
+            print(json.dumps(obj, indent=2) if a.json else f"nothing fits (grid {g:,} tokens)")
+            return 1
+        obj = dict(rep, max_seq_len=best, granularity=g, probes=probes)
+    else:
+        obj = _trace.report(case)
+    print(json.dumps(obj, indent=2) if a.json else _format_trace(obj))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for bad input)."""
     a = _parser().parse_args(argv)
@@ -311,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "plan": _cmd_plan,
         "published": _cmd_published,
         "validate": _cmd_validate,
+        "trace": _cmd_trace,
     }[a.cmd]
     try:
         if getattr(a, "plot", None):
@@ -318,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             require_matplotlib()  # fail before any work, not after printing the report
         return cmd(a)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:

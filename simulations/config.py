@@ -81,6 +81,11 @@ class Workload:
         offload_activations: checkpointed block inputs are copied to the CPU (needs ``ac="full"``).
         tiled_mlp: the MLP runs over sequence tiles and is recomputed per tile in backward.
         tiled_loss: logits and loss are computed over sequence tiles, never materialized whole.
+        loss_chunk_tokens: tokens per loss tile (``None``: the profile's default).
+        mlp_chunk_tokens: tokens per MLP tile (``None``: ``ceil(s / ceil(s / D))``, ALST's
+            choice of about ``D`` tokens per tile).
+        head_chunks: Ulysses attention in ``K`` stages of ``N / K`` q heads each (UPipe-style;
+            1: all heads at once); must divide the q heads each rank attends with.
         attention: ``ulysses``, ``ring``, ``megatron-sp`` or ``usp``.
         ulysses_degree: for ``usp``, the Ulysses part of ``sp`` (default: the largest divisor of
             ``sp`` that divides the q heads and fits in a node).
@@ -107,6 +112,9 @@ class Workload:
     offload_activations: bool = False
     tiled_mlp: bool = False
     tiled_loss: bool = False
+    loss_chunk_tokens: int | None = None
+    mlp_chunk_tokens: int | None = None
+    head_chunks: int = 1
     attention: str = "ulysses"
     ulysses_degree: int | None = None
     reduce_dtype: str = "fp32"
@@ -192,6 +200,24 @@ class Workload:
             raise ValueError(
                 "offload_activations offloads the checkpointed block inputs; it needs ac='full'"
             )
+        for name in ("loss_chunk_tokens", "mlp_chunk_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        _positive_int("head_chunks", self.head_chunks)
+        if self.head_chunks > 1:
+            if self.attention != "ulysses":
+                raise ValueError(
+                    f"head_chunks={self.head_chunks} is a Ulysses feature; use "
+                    f"attention='ulysses' or head_chunks=1"
+                )
+            per_rank = max(head_plan(N, K, P).q_heads)
+            if N % P or per_rank % self.head_chunks:
+                ok = divisors(per_rank) if N % P == 0 else [1]
+                raise ValueError(
+                    f"head_chunks={self.head_chunks} must divide the {per_rank} q heads each of "
+                    f"the sp={P} ranks attends with ({N} heads / {P}); choose it in "
+                    f"{_fmt_set(ok)}"
+                )
         if self.sharding == "ddp" and (self.offload_params or self.offload_optimizer):
             raise ValueError("offload needs sharding='fsdp' (ZeRO-3 / FSDP2); use sharding='fsdp'")
 
@@ -297,6 +323,9 @@ class Workload:
             "offload_activations": self.offload_activations,
             "tiled_mlp": self.tiled_mlp,
             "tiled_loss": self.tiled_loss,
+            "loss_chunk_tokens": self.loss_chunk_tokens,
+            "mlp_chunk_tokens": self.mlp_chunk_tokens,
+            "head_chunks": self.head_chunks,
             "attention": self.attention,
             "ulysses_degree": self.a2a_degree if self.attention == "usp" else None,
             "reduce_dtype": self.reduce_dtype,

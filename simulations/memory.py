@@ -225,6 +225,9 @@ def _estimate_rank(w: Workload, g: RankGeometry) -> MemoryBreakdown:
     comps = {k: float(moments[name].get(k, 0.0)) for k in COMPONENTS}
     del loss_kept  # freed before block backward; already inside loss_peak
     cpu = cpu_pb * m.n_params / w.shard_degree
+    if w.offload_optimizer and not w.offload_params:
+        # HostOffloadAdamW steps on the host: its temporaries are host memory (traced)
+        cpu += prof.optimizer_temp * owned
     if w.offload_activations:
         cpu += L * ckpt_one
     per_layer = {"no_ac": layer_saved, "ac_full": ckpt_one}

@@ -60,9 +60,12 @@ class ImplProfile:
 
 # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and AdamW: sharded fp32
 # parameters (4), their fp32 gradients (4), Adam exp_avg + exp_avg_sq (8) = 16 bytes/param.
-# --offload-optimizer moves Adam's 8 to the CPU; --offload-params (CPUOffloadPolicy) all 16.
+# --offload-optimizer (dtensor_ulysses.offload.HostOffloadAdamW) moves Adam's 8 to the host and
+# keeps there an fp32 master copy (4) and a gradient buffer (4) as well: 16 host bytes/param;
+# --offload-params (CPUOffloadPolicy) puts all 16 on the host. Traced: 16 + the CPU step's
+# temporaries (optimizer_temp), to 0.1%.
 _FSDP2_GPU = {"none": (4, 4, 8), "optimizer": (4, 4, 0), "params": (0, 0, 0)}
-_FSDP2_CPU = {"none": (0, 0, 0), "optimizer": (0, 0, 8), "params": (4, 4, 8)}
+_FSDP2_CPU = {"none": (0, 0, 0), "optimizer": (4, 4, 8), "params": (4, 4, 8)}
 # DeepSpeed ZeRO-3 bf16 (ALST's 18 bytes/param, row M2): bf16 parameters (2), fp32 gradients (4),
 # fp32 master weights + Adam (12). With offload_optimizer the GPU keeps the bf16 parameter partition
 # (2) and a bf16 gradient partition (2); fp32 gradients, master weights and Adam (16) go to the CPU.
@@ -73,12 +76,12 @@ IMPL_PROFILES: dict[str, ImplProfile] = {
     # This project: FSDP2 + dtensor_ulysses/model.py. RMSNorm upcasts to fp32 and calls
     # F.rms_norm with an fp32 weight: it keeps the fp32 input (4) and the fp32 normalized tensor
     # for the weight gradient (4); the bf16 output is the next matmul's input (2) = 10. Eager
-    # SwiGLU (4). train.py holds the bf16 logits until backward ends (loss_kept 2); loss.py's
-    # tiled loss materializes 4096-token chunks.
+    # SwiGLU (4). The loss is computed inside the model's forward and returns a scalar: the caller
+    # keeps no logits (loss_kept 0; traced). loss.py's tiled loss materializes chunks of tokens.
     "dtensor-ulysses": ImplProfile(
-        name="dtensor-ulysses", norm_saved=10, mlp_saved=4, mlp_bwd=3, loss_kept=2,
+        name="dtensor-ulysses", norm_saved=10, mlp_saved=4, mlp_bwd=3, loss_kept=0,
         gpu_state_bytes=_FSDP2_GPU, cpu_state_bytes=_FSDP2_CPU,
-        loss_tile_bytes=GiB, fixed_bytes=256 * 2**20, loss_tile_tokens=4096,
+        loss_tile_bytes=GiB, fixed_bytes=256 * 2**20, loss_tile_tokens=2048,
     ),
     # Hugging Face Transformers eager modules + DeepSpeed ZeRO-3 (the Hugging Face blog, row M4);
     # the loss upcasts inside the loss function, the caller keeps no logits. DeepSpeed's buckets

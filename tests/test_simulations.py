@@ -380,7 +380,9 @@ def test_model_states_fsdp2():
     assert p.components["optimizer_states"] == pytest.approx(8 * n)
     off = memory.estimate(w.with_(offload_optimizer=True))
     assert off.components["optimizer_states"] == 0
-    assert off.cpu_bytes == pytest.approx(8 * n)
+    # HostOffloadAdamW: fp32 master, gradient buffer, exp_avg, exp_avg_sq (16) + the CPU step's
+    # fp32 temporary (4) on the host, as traced
+    assert off.cpu_bytes == pytest.approx(20 * n)
 
 
 def test_checkpointing_and_offload_reduce_activation_memory():
@@ -591,3 +593,42 @@ def test_cli_plot_without_or_with_matplotlib(tmp_path, capsys):
         assert "needs matplotlib" in capsys.readouterr().err
     else:
         assert main(argv) == 0 and png.stat().st_size > 0
+
+
+def test_trace_find_max_search_settles_on_the_grid(monkeypatch):
+    # the search alone, with a stand-in trace whose peak is a + b * S (no torch): it must return
+    # the largest multiple of the grid that fits, with few probes
+    from simulations import _trace
+    from simulations.hardware import get_gpu
+
+    cap = get_gpu("h100").usable_bytes
+
+    class Fake:
+        def __init__(self, s):
+            self.device_peak_bytes = 20 * 2**30 + 40_000 * s + (s // 7919) % 3  # not exactly linear
+            self.host_bytes, self.traced_layers = 0, (32,)
+
+        def to_dict(self):
+            return {"device_peak_bytes": self.device_peak_bytes, "phases": {}}
+
+    monkeypatch.setattr(_trace, "trace", lambda case: Fake(case.seq_len))
+    case = _trace.TraceCase("llama3-8b", 8192, 1, 8)
+    g = 8192
+    best, probes, rep = _trace.find_max(case, granularity=g)
+    assert best % g == 0 and Fake(best).device_peak_bytes <= cap < Fake(best + g).device_peak_bytes
+    assert rep is not None and rep["seq_len"] == best and len(probes) <= 8
+    for start in (g, 64 * g, 10_000 * g):  # a bad starting guess still converges
+        assert _trace.find_max(case, granularity=g, start=start)[0] == best
+
+
+def test_cli_trace_bad_input(capsys):
+    from simulations.cli import main
+
+    assert main(["trace", "--model", "llama3-8b", "--sp", "8"]) == 2
+    assert "--find-max" in capsys.readouterr().err
+    assert main(["trace", "--model", "llama3-8b", "--sp", "8", "--find-max", "--seq-len", "8"]) == 2
+    assert main(["trace", "--model", "llama3-8b", "--seq-len", "8192", "--layers", "2"]) == 2
+    assert "at least 5 blocks" in capsys.readouterr().err
+    assert main(["trace", "--model", "llama3-8b", "--seq-len", "8192", "--sp", "8",
+                 "--head-chunks", "3"]) == 2  # fmt: skip
+    assert "head_chunks=3" in capsys.readouterr().err
