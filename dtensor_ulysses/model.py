@@ -63,8 +63,36 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # ----------------------------------------------------------------------------------------------
 # building blocks
 # ----------------------------------------------------------------------------------------------
+class _RMSNormFunction(torch.autograd.Function):
+    """``y = x * rsqrt(mean(x^2) + eps) * w``, computed in (at least) float32, that keeps only
+    ``x`` in its own dtype and one float32 scale per row for backward (a float32 copy of ``x``
+    would be 2-3x the bytes at bf16: the largest saved tensor of a block at long context)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = _compute_dtype(x.dtype)
+        xf = x.to(dtype)
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, w, rstd)
+        return (xf * rstd * w.to(dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, w, rstd = ctx.saved_tensors
+        dtype = rstd.dtype
+        xhat = x.to(dtype) * rstd
+        gyf = gy.to(dtype)
+        gw = (gyf * xhat).reshape(-1, xhat.shape[-1]).sum(0)
+        g_xhat = gyf * w.to(dtype)
+        gx = rstd * (g_xhat - xhat * (g_xhat * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw.to(w.dtype), None
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain, computed in (at least) float32.
+
+    Backward keeps only the input (in its own dtype) and one float32 scale per row, and
+    recomputes the rest in float32.
 
     Args:
         dim: size of the normalized (last) dimension.
@@ -78,9 +106,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = _compute_dtype(x.dtype)
-        y = F.rms_norm(x.to(dtype), (self.dim,), self.weight.to(dtype), self.eps)
-        return y.to(x.dtype)
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm({self.dim}) got an input of shape {tuple(x.shape)}")
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

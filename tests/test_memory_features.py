@@ -197,3 +197,31 @@ def test_offloaded_block_inputs_leave_the_device():
     assert alive == [], f"block inputs still on the device: {alive}"
     loss.backward()  # and the recompute still finds them
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_rmsnorm_keeps_its_input_in_bf16_and_is_exact():
+    """RMSNorm's backward keeps the bf16 input and one float32 scale per row (not a float32
+    copy of the input), and its float64 forward and gradients equal plain autograd's."""
+    from dtensor_ulysses.model import RMSNorm
+
+    norm = RMSNorm(128).to(torch.bfloat16)
+    x = torch.randn(4, 64, 128, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        norm(x).sum().backward()
+    assert (
+        sum(t.numel() * t.element_size() for t in saved) == 4 * 64 * 128 * 2 + 128 * 2 + 4 * 64 * 4
+    )
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(3, 5, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(16, generator=g, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(3, 5, 16, generator=g, dtype=torch.float64)
+    norm64 = RMSNorm(16, eps=1e-5).to(torch.float64)
+    norm64.weight.data.copy_(w64)
+    y = norm64(x64)
+    gx, gw = torch.autograd.grad(y, (x64, norm64.weight), gy)
+    ref = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5) * w64
+    rgx, rgw = torch.autograd.grad(ref, (x64, w64), gy)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(gx, rgx, rtol=0, atol=1e-12)
+    torch.testing.assert_close(gw, rgw, rtol=0, atol=1e-12)
