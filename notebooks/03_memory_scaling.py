@@ -41,6 +41,8 @@ import simulations as sim
 from dtensor_ulysses import debug
 from dtensor_ulysses.presets import PRESETS
 from simulations import report
+from simulations.config import Workload
+from simulations.planner import max_seq_len
 from tutorial import sim_figures
 from tutorial.widgets import live, show
 from tutorial.workers import SavedActivations, run_on_ranks
@@ -148,10 +150,62 @@ for S in SEQ_LENS:
     )
 
 # %% [markdown]
+# ## The million-token features, one at a time
+#
+# Past checkpointing, four other things fill a rank at millions of tokens: the logits of the loss,
+# the MLP's `[s, F]` intermediates, the checkpointed block inputs and the optimizer states. The
+# trainer has a flag for each (see the how-to "Train a million tokens"); each is exact. Here they
+# are stacked one at a time for llama3-8b on 8x H100 (`sp=8`), with the simulator's longest
+# sequence for each stack. The simulator's model of every feature is checked against a trace of
+# the real training step (`python -m simulations trace`) within 10%.
+
+# %%
+STACK = [
+    ("checkpointing", dict(ac="full")),
+    ("+ tiled loss", dict(tiled_loss=True)),
+    ("+ tiled MLP", dict(tiled_mlp=True)),
+    ("+ checkpoints on host", dict(offload_activations=True)),
+    ("+ 4 head chunks", dict(head_chunks=4)),
+    ("+ optimizer on host", dict(offload_optimizer=True)),
+]
+options, stacked = {}, []
+for label, kw in STACK:
+    options |= kw
+    w = Workload("llama3-8b", 8 * 1024, dp=1, sp=8, gpu="h100", **options)
+    stacked.append((label, max_seq_len(w)))
+    print(f"{label:>24}: {stacked[-1][1]:>10,} tokens")
+assert [n for _, n in stacked] == sorted(n for _, n in stacked), "no feature may cost length"
+
+
+# %%
+def plot_stack(stacked):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    labels, tokens = zip(*stacked)
+    ax.barh(range(len(tokens)), [t / 1e6 for t in tokens], color="tab:blue")
+    ax.set_yticks(range(len(tokens)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("longest sequence (million tokens), llama3-8b, 8x H100, sp=8")
+    for i, t in enumerate(tokens):
+        ax.text(t / 1e6, i, f" {t / 1e6:.2f}M", va="center", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+show(plot_stack(stacked))
+
+# %% [markdown]
+# The tiled loss and the offloaded checkpoints buy the most; head chunks shrink attention's
+# working set, which binds only once the rest is gone (here it does not move the wall: the
+# recomputed block does). The measured longest sequences, from traces of the real step, are in
+# the simulator's README.
+
+# %% [markdown]
 # ## What to take away
 #
 # * Model states are sharded over all GPUs whatever `sp` is; activations and logits are sharded
 #   over `sp`. So the out-of-memory wall moves out roughly `sp` times.
 # * Once activations are checkpointed, the logits are often what hits the wall first; a tiled loss
-#   removes most of them.
+#   removes most of them, and offloading the checkpoints to the host the next largest part.
 # * Next, notebook 4 (communication): what sharding the sequence costs.
