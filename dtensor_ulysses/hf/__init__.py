@@ -1,0 +1,117 @@
+"""Hugging Face ``transformers`` causal LMs under Ulysses + FSDP2 (the optional extra ``hf``).
+
+``pip install "dtensor-ulysses[hf]"`` (transformers >= 5, safetensors, tokenizers). Importing
+this package does not import transformers; its names import it on first use (a clear error names
+the extra when it is missing).
+
+For your own training loop::
+
+    from dtensor_ulysses import hf
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lm = hf.HFCausalLM(model)                      # model(ids, pos, layout=, labels=) -> loss sum
+    hf.parallelize(lm, mesh)                       # Ulysses -> checkpointing -> FSDP2
+    b = hf.shard_batch({"input_ids": ids, "labels": ids}, mesh)   # this rank's slice
+    (lm(b.input_ids, b.position_ids, layout=b.layout, labels=b.labels) / b.n_valid).backward()
+
+Pieces: :mod:`~dtensor_ulysses.hf.routing` (``apply_ulysses``: every attention layer through the
+one engine, refusals, the first-step guard), :mod:`~dtensor_ulysses.hf.batch` (``shard_batch``),
+:mod:`~dtensor_ulysses.hf.model` (``HFCausalLM``, ``parallelize``, safetensors in and out, the
+trainer's ``build``), :mod:`~dtensor_ulysses.hf.data` (tokenized and chat corpora, evaluation).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "ATTN_IMPLEMENTATION": "routing",
+    "UnsupportedModelError": "routing",
+    "UnroutedAttentionError": "routing",
+    "apply_ulysses": "routing",
+    "attention_modules": "routing",
+    "check_supported": "routing",
+    "ShardedBatch": "batch",
+    "shard_batch": "batch",
+    "HFCausalLM": "model",
+    "build": "model",
+    "check_tokenizer": "model",
+    "load_pretrained": "model",
+    "load_tokenizer": "model",
+    "load_weights": "model",
+    "parallelize": "model",
+    "save_pretrained": "model",
+    "TokenCorpus": "data",
+    "encode_chat": "data",
+    "eval_batches": "data",
+    "evaluate": "data",
+    "get_batch": "data",
+    "load_corpus": "data",
+}
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "HFCausalLM",
+    "ShardedBatch",
+    "TokenCorpus",
+    "UnroutedAttentionError",
+    "UnsupportedModelError",
+    "apply_ulysses",
+    "attention_modules",
+    "build",
+    "check_supported",
+    "check_tokenizer",
+    "encode_chat",
+    "eval_batches",
+    "evaluate",
+    "get_batch",
+    "load_corpus",
+    "load_pretrained",
+    "load_tokenizer",
+    "load_weights",
+    "parallelize",
+    "save_pretrained",
+    "shard_batch",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from dtensor_ulysses.hf.batch import ShardedBatch, shard_batch
+    from dtensor_ulysses.hf.data import (
+        TokenCorpus,
+        encode_chat,
+        eval_batches,
+        evaluate,
+        get_batch,
+        load_corpus,
+    )
+    from dtensor_ulysses.hf.model import (
+        HFCausalLM,
+        build,
+        check_tokenizer,
+        load_pretrained,
+        load_tokenizer,
+        load_weights,
+        parallelize,
+        save_pretrained,
+    )
+    from dtensor_ulysses.hf.routing import (
+        ATTN_IMPLEMENTATION,
+        UnroutedAttentionError,
+        UnsupportedModelError,
+        apply_ulysses,
+        attention_modules,
+        check_supported,
+    )

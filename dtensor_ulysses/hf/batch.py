@@ -1,0 +1,138 @@
+"""A padded or packed batch (transformers convention) to this rank's sequence slice.
+
+Legend: ``B`` rows of this dp rank, ``S`` full length, ``s`` this sp rank's piece (DTensor's
+``Shard(1)`` cut, :func:`~dtensor_ulysses.plan.seq_split`; uneven ``S`` is fine).
+
+transformers' causal-LM ``labels`` are the inputs themselves (the model shifts them inside its
+loss). Cut into slices, the last token of a slice would lose its target, so here labels are
+shifted over the *full* sequence first (``labels[:, t] <- labels[:, t + 1]``, the last one
+``-100``), then sliced. Padding (``attention_mask == 0``) is never attended to: each contiguous
+run of real tokens becomes a document of the layout, and positions whose input or target is
+padding get label ``-100``. Position ids stay global (given, or ``0..S-1``); packed documents
+(position ids restarting at 0) become the layout's document starts. The valid-token count is
+summed over the ``dp x sp`` ranks, for the loss ``sum / n_valid``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtensor_ulysses.attention import document_starts
+from dtensor_ulysses.loss import IGNORE_INDEX, global_valid_tokens
+from dtensor_ulysses.mesh import flatten_dp_sp
+from dtensor_ulysses.plan import SeqLayout
+
+__all__ = ["ShardedBatch", "shard_batch"]
+
+
+@dataclass
+class ShardedBatch:
+    """This rank's slice of a batch, ready for the model and the loss.
+
+    Attributes:
+        input_ids: ``[B, s]`` token ids.
+        labels: ``[B, s]`` targets, already shifted (``-100``: no loss).
+        position_ids: ``[B, s]`` global positions (per document when packed).
+        layout: the batch's :class:`~dtensor_ulysses.plan.SeqLayout` (pieces, documents).
+        n_valid: valid labels of the whole batch over all ``dp x sp`` ranks.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    layout: SeqLayout
+    n_valid: int
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments for a model prepared by :func:`~dtensor_ulysses.hf.apply_ulysses`
+        (no ``labels``: the targets are already shifted, use them with
+        :func:`~dtensor_ulysses.loss.cross_entropy_sum`)."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "ulysses_layout": self.layout,
+        }
+
+    def to(self, device: torch.device | str) -> ShardedBatch:
+        ids, labels, pos = (t.to(device) for t in (self.input_ids, self.labels, self.position_ids))
+        return ShardedBatch(ids, labels, pos, self.layout, self.n_valid)
+
+
+def _get(batch: Any, key: str) -> Any:
+    if isinstance(batch, Mapping):
+        return batch.get(key)
+    return getattr(batch, key, None)
+
+
+def _runs(mask_BS: torch.Tensor) -> list[list[int]]:
+    """Per row, the starts of the runs of equal mask values; ones must be contiguous."""
+    out = []
+    for b, row in enumerate(mask_BS.to(torch.int64).cpu()):
+        change = (row[1:] != row[:-1]).nonzero().flatten().add(1).tolist()
+        starts = [0, *change]
+        ones = [i for i in starts if row[i] == 1]
+        if len(ones) > 1:
+            raise ValueError(
+                f"attention_mask row {b} has {len(ones)} separate runs of real tokens; only "
+                f"left or right padding is supported (for packed documents pass position_ids "
+                f"restarting at 0 per document and an all-ones mask)"
+            )
+        out.append(starts)
+    return out
+
+
+def shard_batch(batch: Any, mesh: DeviceMesh) -> ShardedBatch:
+    """This rank's slice of a ``[B, S]`` batch; call on every rank (one all-reduce).
+
+    Args:
+        batch: a mapping or object with ``input_ids [B, S]`` and optional ``labels`` (transformers
+            convention: unshifted, ``-100`` for no loss; default: ``input_ids``),
+            ``attention_mask`` (1 real, 0 padding; left or right padding) and ``position_ids``
+            (global; restarting at 0 per packed document). Every sp rank of a dp group passes
+            the same batch.
+        mesh: the ``("dp", "sp")`` mesh.
+
+    Returns:
+        A :class:`ShardedBatch` on the device of ``input_ids``.
+    """
+    ids = _get(batch, "input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("batch['input_ids'] must be a [B, S] tensor")
+    B, S = ids.shape
+    labels = _get(batch, "labels")
+    labels = ids.clone() if labels is None else labels.to(ids.device, torch.int64).clone()
+    mask = _get(batch, "attention_mask")
+    pos = _get(batch, "position_ids")
+    for name, t in (("labels", labels), ("attention_mask", mask), ("position_ids", pos)):
+        if t is not None and t.shape[-1] != S:
+            raise ValueError(f"batch[{name!r}] has shape {tuple(t.shape)}; expected [B, {S}]")
+    pos = (
+        torch.arange(S, device=ids.device).expand(B, S)
+        if pos is None
+        else pos.to(ids.device).expand(B, S)
+    )
+    starts = document_starts(pos)
+    if mask is not None:
+        mask = mask.to(ids.device).bool()
+        for b, extra in enumerate(_runs(mask)):
+            starts[b] = sorted(set(starts[b]) | set(extra))
+        labels[~mask] = IGNORE_INDEX
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    if mask is not None:
+        shifted[~mask] = IGNORE_INDEX  # no loss where the input is padding
+    sp, me = mesh["sp"].size(), mesh.get_local_rank("sp")
+    docs = None if all(len(r) == 1 for r in starts) else tuple(tuple(r) for r in starts)
+    layout = SeqLayout.split(S, sp, docs)
+    lo = layout.offset(me)
+    hi = lo + layout.seq_sizes[me]
+    out_labels = shifted[:, lo:hi].contiguous()
+    n_valid = global_valid_tokens(out_labels, flatten_dp_sp(mesh).get_group())
+    return ShardedBatch(
+        ids[:, lo:hi].contiguous(), out_labels, pos[:, lo:hi].contiguous(), layout, n_valid
+    )

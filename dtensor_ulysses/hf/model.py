@@ -1,0 +1,459 @@
+"""transformers models in the trainer: the model-call adapter, parallelize, safetensors in and out.
+
+* :class:`HFCausalLM` gives a transformers causal LM the call the trainer makes,
+  ``model(input_ids, position_ids, layout=, labels=) -> float32 loss sum`` over this rank's
+  slice, with the transformers parameter names unchanged (it adopts the model's children).
+* :func:`parallelize`: Ulysses -> activation checkpointing -> ``fully_shard(blocks)`` ->
+  ``fully_shard(root)`` over ``dp x sp``, gradients summed: the order and settings of
+  :func:`dtensor_ulysses.parallelize`.
+* :func:`load_pretrained` builds the model on ``meta``, parallelizes it, materializes only the
+  shards and fills them from the safetensors files one tensor at a time
+  (:func:`~dtensor_ulysses.weights.copy_full_`): no rank ever holds the whole model.
+* :func:`save_pretrained` gathers one full tensor at a time; rank 0 writes ``config.json`` and
+  safetensors shards that ``AutoModelForCausalLM.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
+from dtensor_ulysses.loss import cross_entropy_sum, tiled_cross_entropy_sum
+from dtensor_ulysses.mesh import MESH_AXES, flatten_dp_sp
+from dtensor_ulysses.offload import fsdp_offload_policy
+from dtensor_ulysses.parallel import default_mixed_precision
+from dtensor_ulysses.recompute import checkpoint_module, offload_checkpoints
+from dtensor_ulysses.weights import bare_name, copy_full_
+
+__all__ = [
+    "HFCausalLM",
+    "build",
+    "check_tokenizer",
+    "load_pretrained",
+    "load_tokenizer",
+    "load_weights",
+    "parallelize",
+    "save_pretrained",
+    "validate_config",
+]
+
+# config attributes that change the logits beyond ``h @ lm_head.weight.T``
+_HEAD_EXTRAS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier")
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM with the trainer's call; parameter names are transformers'.
+
+    ``forward(input_ids, position_ids=None, *, layout=None, labels=None)``: this rank's slice in,
+    and with ``labels`` (already shifted, ``-100`` for no loss) the float32 cross-entropy *sum*
+    over the valid labels of the slice; without, the logits ``[B, s, V]``.
+
+    Args:
+        model: a transformers causal LM (``AutoModelForCausalLM``).
+        loss_chunk_tokens: compute the loss from the final hidden states in chunks of this many
+            tokens (:func:`~dtensor_ulysses.loss.tiled_cross_entropy_sum`, no ``[B, s, V]``
+            logits); needs a plain output head.
+    """
+
+    hf_model: PreTrainedModel
+
+    def __init__(self, model: PreTrainedModel, *, loss_chunk_tokens: int | None = None) -> None:
+        super().__init__()
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
+        self.__dict__["hf_model"] = model  # not a submodule: its children become ours
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        if any(True for _ in model.named_parameters(recurse=False)):
+            raise ValueError(f"{type(model).__name__} has parameters outside its submodules")
+        self.loss_chunk_tokens = loss_chunk_tokens
+        if loss_chunk_tokens is not None:
+            cfg = model.config.get_text_config()
+            head = model.get_output_embeddings()
+            extras = [a for a in _HEAD_EXTRAS if getattr(cfg, a, None) not in (None, 1, 1.0)]
+            if not isinstance(head, nn.Linear) or head.bias is not None or extras:
+                raise ValueError(
+                    f"the tiled loss computes h @ lm_head.weight.T, but the output head of "
+                    f"{type(model).__name__} does more ({extras or type(head).__name__}); "
+                    f"train without the tiled loss"
+                )
+
+    @property
+    def config(self) -> Any:
+        return self.hf_model.config
+
+    def train(self, mode: bool = True) -> HFCausalLM:
+        super().train(mode)
+        self.hf_model.training = mode
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        layout: Any = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
+        if layout is not None:
+            kwargs["ulysses_layout"] = layout
+        if labels is not None and self.loss_chunk_tokens is not None:
+            h = self.hf_model.base_model(**kwargs).last_hidden_state
+            weight = self.hf_model.get_output_embeddings().weight
+            return tiled_cross_entropy_sum(h, weight, labels, self.loss_chunk_tokens)
+        logits = self.hf_model(**kwargs).logits
+        return logits if labels is None else cross_entropy_sum(logits, labels)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    activation_checkpointing: bool = False,
+    offload_activations: bool = False,
+    offload_params: bool = False,
+    head_chunks: int = 1,
+    mixed_precision: MixedPrecisionPolicy | None | str = "auto",
+    attention_backend: str = "auto",
+    allow_uneven_heads: bool = False,
+) -> nn.Module:
+    """Ulysses -> activation checkpointing -> ``fully_shard(layers)`` -> ``fully_shard(root)``.
+
+    The order and FSDP2 settings of :func:`dtensor_ulysses.parallelize` (gradients summed over
+    ``dp x sp``, for the token-weighted loss), on a transformers model or an
+    :class:`HFCausalLM` (then the root). Options as there.
+    """
+    if mesh.mesh_dim_names != MESH_AXES:
+        raise ValueError(f"parallelize needs the {MESH_AXES} mesh, got {mesh.mesh_dim_names}")
+    if isinstance(model, FSDPModule):
+        raise ValueError("the model is already parallelized; build a new one (on meta)")
+    if offload_activations and not activation_checkpointing:
+        raise ValueError("offload_activations needs activation_checkpointing=True")
+    hf = unwrap(model)
+    # 1. Ulysses (always, also at sp=1: the engine is where packed documents are handled)
+    apply_ulysses(
+        hf, mesh["sp"], head_chunks=head_chunks, backend=attention_backend,
+        allow_uneven_heads=allow_uneven_heads,
+    )  # fmt: skip
+    _, layers = decoder_layers(hf)
+    # 2. activation checkpointing, per decoder layer (names unchanged)
+    if activation_checkpointing:
+        for layer in layers:
+            checkpoint_module(layer)
+        if offload_activations:
+            offload_checkpoints(layers)
+    # 3. FSDP2 over dp x sp: layers, then the root (embeddings, final norm, output head)
+    if mixed_precision == "auto":
+        mixed_precision = default_mixed_precision(mesh.device_type)
+    kw: dict = {"mesh": flatten_dp_sp(mesh)}
+    if mixed_precision is not None:
+        kw["mp_policy"] = mixed_precision
+    if offload_params:
+        kw["offload_policy"] = fsdp_offload_policy(mesh)
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# safetensors in
+# ----------------------------------------------------------------------------------------------
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / n for n in names]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{str(directory)!r} has no safetensors weights (model.safetensors or an index); "
+            f"save the model with save_pretrained(..., safe_serialization=True)"
+        )
+    return files
+
+
+def check_model_dir(directory: str | os.PathLike) -> Path:
+    """A local model directory with ``config.json`` and safetensors weights, or ValueError."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist (a local directory)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    _weight_files(path)
+    return path
+
+
+def load_weights(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Fill ``model`` (plain or FSDP2-sharded, materialized) from a directory's safetensors,
+    one full tensor at a time, each rank keeping its shard.
+
+    Raises:
+        ValueError: a missing, unexpected or wrongly shaped tensor (weights that do not match
+            the config).
+    """
+    hf = unwrap(model)
+    targets: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        targets[bare_name(name)] = p
+    persistent = set(hf.state_dict().keys())
+    for name, b in model.named_buffers():
+        if bare_name(name) in persistent:
+            targets[bare_name(name)] = b
+    ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
+    seen, unexpected = set(), []
+    for file in _weight_files(Path(directory)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key not in targets:
+                    if not any(re.search(p, key) for p in ignore):
+                        unexpected.append(key)
+                    continue
+                full = f.get_tensor(key)
+                param = targets[key]
+                if tuple(full.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"weights do not match the config: {key} has shape {tuple(full.shape)} "
+                        f"in {file.name}, the model built from config.json expects "
+                        f"{tuple(param.shape)}"
+                    )
+                copy_full_(param, full.to(param.dtype))
+                seen.add(key)
+    tied = _tied_names(hf)
+    missing = sorted(k for k in targets if k not in seen and k not in tied)
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not match the config of {type(hf).__name__}: "
+            + (f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} " if missing else "")
+            + (f"unexpected {unexpected[:5]}" if unexpected else "")
+        )
+
+
+def _tied_names(hf: PreTrainedModel) -> set[str]:
+    """Names of parameters that are the same tensor as an earlier one (tied embeddings)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, p in hf.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.setdefault(id(p), name)
+    return tied
+
+
+@torch.no_grad()
+def _init_buffers(hf: PreTrainedModel) -> None:
+    """Recompute the non-persistent buffers (RoPE frequencies) that ``to_empty`` left blank."""
+    persistent = set(hf.state_dict().keys())
+    for mname, module in hf.named_modules():
+        own = [n for n, _ in module.named_buffers(recurse=False)]
+        blank = [n for n in own if (f"{mname}.{n}" if mname else n) not in persistent]
+        if not blank:
+            continue
+        if "RotaryEmbedding" not in type(module).__name__:
+            raise ValueError(
+                f"{mname} ({type(module).__name__}) has buffers {blank} that are not in the "
+                f"checkpoint and cannot be recomputed here"
+            )
+        hf._init_weights(module)
+
+
+def load_pretrained(
+    directory: str | os.PathLike,
+    mesh: DeviceMesh,
+    device: torch.device | str,
+    *,
+    loss_chunk_tokens: int | None = None,
+    **parallel_kwargs: Any,
+) -> HFCausalLM:
+    """``config.json`` + safetensors -> an FSDP2-sharded, Ulysses-routed :class:`HFCausalLM`.
+
+    Built on ``meta``, parallelized (``parallel_kwargs`` go to :func:`parallelize`), then only
+    this rank's shards are allocated (on the host with ``offload_params``) and filled.
+    """
+    path = check_model_dir(directory)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = HFCausalLM(hf, loss_chunk_tokens=loss_chunk_tokens)
+    parallelize(model, mesh, **parallel_kwargs)
+    model.to_empty(device="cpu" if parallel_kwargs.get("offload_params") else device)
+    _init_buffers(hf)
+    load_weights(model, path)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# safetensors out
+# ----------------------------------------------------------------------------------------------
+def save_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write a directory that ``AutoModelForCausalLM.from_pretrained`` loads; call on every rank.
+
+    Each full tensor is gathered in turn (one all-gather per sharded tensor); rank 0 keeps
+    them on the host until a shard file of ``max_shard_bytes`` is full, then writes it. The
+    directory appears complete or not at all (written beside it, then renamed).
+
+    Args:
+        model: a (parallelized) transformers model or :class:`HFCausalLM`.
+        directory: the output directory (replaced if it exists).
+        tokenizer: also saved, when given.
+        dtype: the saved dtype (default: the config's ``dtype``, else the parameters').
+    """
+    hf = unwrap(model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = Path(directory)
+    if dtype is None:
+        dtype = getattr(hf.config, "dtype", None)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    tied = _tied_names(hf)
+    persistent = set(hf.state_dict().keys())
+    tensors = [
+        (bare_name(n), t)
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if bare_name(n) in persistent and bare_name(n) not in tied
+    ]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent)) if rank == 0 else None
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors:
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if rank != 0:
+            continue
+        full = full.detach().to("cpu", dtype if dtype and full.is_floating_point() else None)
+        n = full.numel() * full.element_size()
+        if size and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = full.contiguous()
+        size += n
+    if rank == 0:
+        assert tmp is not None
+        names = (
+            ["model.safetensors"]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
+        for fname, shard in zip(names, shards):
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {}, "weight_map": {k: f for f, s in zip(names, shards) for k in s}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        hf.config.save_pretrained(tmp)  # _attn_implementation is not written
+        if getattr(hf, "generation_config", None) is not None:
+            hf.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer and the trainer's build
+# ----------------------------------------------------------------------------------------------
+def load_tokenizer(directory: str | os.PathLike) -> Any:
+    """``AutoTokenizer.from_pretrained`` of a local directory, or ValueError."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"tokenizer directory {str(path)!r} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {e}") from None
+
+
+def check_tokenizer(tokenizer: Any, config: Any) -> None:
+    """The tokenizer's ids must fit the model's embedding (ValueError otherwise)."""
+    vocab = config.get_text_config().vocab_size
+    if len(tokenizer) > vocab:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+            f"{vocab} rows; use the model's own tokenizer (--tokenizer)"
+        )
+
+
+def build(cfg: Any, mesh: DeviceMesh, device: torch.device):
+    """``train.build`` for ``--hf-model DIR``: the sharded model, AdamW and its schedule.
+
+    Reads ``cfg.hf_model`` and the trainer's options (checkpointing, offloading, head chunks,
+    tiled loss, attention backend, uneven heads, learning-rate schedule).
+    """
+    from dtensor_ulysses.offload import HostOffloadAdamW
+    from dtensor_ulysses.train import _local_tokens, lr_lambda
+
+    if getattr(cfg, "tiled_mlp", False):
+        raise ValueError("--tiled-mlp applies to the built-in model only, not to --hf-model")
+    chunk = None
+    if cfg.tiled_loss:
+        chunk = cfg.loss_chunk_tokens or min(2048, _local_tokens(cfg))
+    model = load_pretrained(
+        cfg.hf_model, mesh, device, loss_chunk_tokens=chunk,
+        activation_checkpointing=cfg.activation_checkpointing,
+        offload_activations=cfg.offload_activations, offload_params=cfg.offload_params,
+        head_chunks=cfg.head_chunks, attention_backend=cfg.attention_backend,
+        allow_uneven_heads=cfg.allow_uneven_heads,
+    )  # fmt: skip
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    optimizer_cls = HostOffloadAdamW if cfg.offload_optimizer else torch.optim.AdamW
+    optimizer = optimizer_cls(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    return model, optimizer, scheduler
+
+
+def validate_config(cfg: Any) -> Any:
+    """The trainer's checks of ``--hf-model`` / ``--tokenizer`` before any process group exists
+    (rank 0 prints them as one ``error:`` line); returns the tokenizer.
+
+    Raises:
+        ValueError: no such directory, no config.json or weights, an unsupported architecture
+            (naming the layer and feature), heads not divisible by sp, a tokenizer larger than
+            the embedding.
+    """
+    from dtensor_ulysses.hf.routing import check_supported
+    from dtensor_ulysses.plan import check_sp_for_heads
+
+    path = check_model_dir(cfg.hf_model)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        check_supported(AutoModelForCausalLM.from_config(config))
+    check_sp_for_heads(
+        config.get_text_config().num_attention_heads, cfg.sp,
+        what=f"q heads of {path.name}", allow_uneven=cfg.allow_uneven_heads,
+    )  # fmt: skip
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.hf_model)
+    check_tokenizer(tokenizer, config)
+    return tokenizer
