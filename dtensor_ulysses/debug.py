@@ -7,7 +7,9 @@ for together when a placement or a byte count looks wrong, as torch keeps ``Comm
 * :class:`CommCounter` - a ``TorchDispatchMode`` that records every c10d and functional
   collective (including those issued by DTensor, FSDP2 and autograd backward): kind, group, input
   bytes. A rank's *bytes* for a collective are the size of the buffer it passes in (for an
-  all-gather, the local shard; for a reduce-scatter, the full buffer).
+  all-gather, the local shard; for a reduce-scatter, the full buffer). Point-to-point: each send
+  (``dist.send``/``isend``, also inside ``batch_isend_irecv``) is one ``p2p``; each receive is
+  one ``p2p_recv``, with its buffer's bytes.
 * Layouts of ``x[B, S, N, H]``: :func:`shard_range`, :func:`local_ranges`, :func:`ownership`,
   :func:`describe` (a real DTensor), :func:`describe_placements`, and the notation
   ``q[B_dp, S_sp, N, H]`` <-> ``(Shard(0), Shard(1))`` (:func:`layout_notation`,
@@ -80,7 +82,7 @@ _C10D = {
     "gather_": ("gather", 1, 2),
     "scatter_": ("scatter", 1, 2),
     "send": ("p2p", 0, 1),
-    "recv_": ("p2p", 0, 1),
+    "recv_": ("p2p_recv", 0, 1),  # kept apart: "p2p" bytes are what goes on the wire
     "barrier": ("barrier", 0, 1),
 }
 _FUNCTIONAL = {  # input first, group name last
