@@ -143,17 +143,36 @@ def rope_cos_sin(
     return angle_BsR.cos()[:, :, None, :], angle_BsR.sin()[:, :, None, :]
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class _RoPEFunction(torch.autograd.Function):
+    """The rotation, whose gradient is the inverse rotation: nothing per tensor is saved (only
+    the tables, shared by every block), instead of float32 copies of q and k."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(gy, cos, -sin), None, None
+
+
 def apply_rope(
     x_BshH: torch.Tensor, cos_Bs1R: torch.Tensor, sin_Bs1R: torch.Tensor
 ) -> torch.Tensor:
     """Rotate ``x[B, s, heads, H]`` by the RoPE angles (rotate-half convention, as in Llama/HF).
 
     The head dim is split into halves ``(x1, x2)``; pair ``(x1[j], x2[j])`` is rotated by angle
-    ``j``. Computed in ``cos``'s dtype and cast back to ``x``'s.
+    ``j``. Computed in ``cos``'s dtype and cast back to ``x``'s. Backward rotates the gradient
+    back by ``-angle`` and keeps nothing but the (shared) tables.
     """
-    x1, x2 = x_BshH.to(cos_Bs1R.dtype).chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos_Bs1R - x2 * sin_Bs1R, x2 * cos_Bs1R + x1 * sin_Bs1R), dim=-1)
-    return rotated.to(x_BshH.dtype)
+    return _RoPEFunction.apply(x_BshH, cos_Bs1R, sin_Bs1R)
 
 
 class Attention(nn.Module):
