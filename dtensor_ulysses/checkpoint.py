@@ -5,6 +5,13 @@ A checkpoint is a directory ``step_00000042/`` holding the sharded model and opt
 step, config) and ``rng_rank{r}.pt`` (each rank's RNG state). It is written to ``*.tmp`` and
 renamed when every rank has finished, so a run killed mid-save leaves the previous checkpoint as
 the newest one.
+
+Damage after the fact (a truncated or overwritten file, a disk that filled up) is found before
+anything is built: :func:`verify` checks that ``.metadata`` loads, that every file it names exists
+and holds every item it points into, and that ``trainer.pt`` and the RNG files load and agree
+with the directory's step. :func:`select_resume` picks the newest checkpoint that passes, and
+reports the damaged ones it skipped. ``keep_last`` (:func:`save`) deletes older checkpoints only
+once the new one is complete (renamed into place).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["save", "latest", "load"]
+__all__ = ["latest", "load", "prune", "read_meta", "save", "select_resume", "verify"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -41,8 +49,18 @@ def save(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     meta: dict,
+    *,
+    keep_last: int | None = None,
+    announce: bool = False,
 ) -> Path:
-    """Write the checkpoint of ``step`` (steps completed) under ``ckpt_dir``; returns its path."""
+    """Write the checkpoint of ``step`` (steps completed) under ``ckpt_dir``; returns its path.
+
+    Args:
+        keep_last: once this one is complete, keep only the newest ``keep_last`` checkpoints
+            (None: keep all).
+        announce: rank 0 prints one line when the checkpoint is complete.
+    """
+    t0 = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
@@ -59,18 +77,133 @@ def save(
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        if keep_last is not None:
+            prune(ckpt_dir, keep_last)
+        if announce:
+            size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
+            print(
+                f"checkpoint step {step} written to {final} ({size / 2**20:.1f} MiB, "
+                f"{time.perf_counter() - t0:.1f} s)",
+                flush=True,
+            )
     _barrier()
     return final
 
 
+def _step_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(
+        (p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)),
+        key=lambda p: p.name,
+        reverse=True,
+    )
+
+
+def prune(ckpt_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (and ``*.tmp`` leftovers
+    older than the newest complete one); returns what was deleted. Call it only after a new
+    checkpoint is complete."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1")
+    root = Path(ckpt_dir)
+    complete = [p for p in _step_dirs(root) if (p / "trainer.pt").is_file()]
+    doomed = complete[keep_last:]
+    if complete:
+        newest = complete[0].name
+        doomed += [
+            p for p in root.glob("step_*.tmp")
+            if p.is_dir() and p.name.removesuffix(".tmp") < newest
+        ]  # fmt: skip
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
 def latest(ckpt_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint in ``ckpt_dir`` (``*.tmp`` leftovers ignored), or None."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return None
-    steps = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-    complete = [p for p in steps if (p / "trainer.pt").is_file()]
-    return max(complete, key=lambda p: p.name, default=None)
+    complete = [p for p in _step_dirs(Path(ckpt_dir)) if (p / "trainer.pt").is_file()]
+    return complete[0] if complete else None
+
+
+def verify(path: str | os.PathLike) -> str | None:
+    """What is wrong with the checkpoint at ``path``, or ``None`` if it looks intact.
+
+    Checks, without loading any tensor: ``.metadata`` loads; every file it names exists and is
+    long enough for every item stored in it, and each item starts like a ``torch.save`` archive;
+    ``trainer.pt`` loads, with a ``step`` equal to the directory's, a scheduler state and the
+    run's metadata; every ``rng_rank*.pt`` loads. Fast: reads the small files and a few bytes per
+    item.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    if not (path / ".metadata").is_file():
+        return "its .metadata file is missing (the save did not finish)"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+        storage = metadata.storage_data
+        if not isinstance(storage, dict) or not storage:
+            return ".metadata names no stored data"
+    except Exception as e:
+        return f".metadata cannot be read ({type(e).__name__}: {_short(e)})"
+    ends: dict[str, int] = {}
+    starts: dict[str, list[int]] = {}
+    for info in storage.values():
+        rel = info.relative_path
+        ends[rel] = max(ends.get(rel, 0), info.offset + info.length)
+        if not getattr(info, "transform_descriptors", None):
+            starts.setdefault(rel, []).append(info.offset)
+    for rel, end in sorted(ends.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        size = f.stat().st_size
+        if size < end:
+            return f"{rel} is truncated ({size} bytes; its items need {end})"
+        try:
+            with f.open("rb") as fh:
+                for offset in starts.get(rel, []):
+                    fh.seek(offset)
+                    if fh.read(2) != b"PK":
+                        return f"{rel} is damaged (no stored item at byte {offset})"
+        except OSError as e:
+            return f"{rel} cannot be read ({e.strerror or e})"
+    try:
+        trainer = read_meta(path)
+    except Exception as e:
+        return f"trainer.pt cannot be read ({type(e).__name__}: {_short(e)})"
+    m = _STEP_DIR.match(path.name)
+    if not isinstance(trainer, dict) or not {"step", "scheduler", "meta"} <= set(trainer):
+        return "trainer.pt does not hold the trainer state (step, scheduler, meta)"
+    if m and trainer["step"] != int(m.group(1)):
+        return f"trainer.pt says step {trainer['step']} but the directory is {path.name}"
+    for rng in sorted(path.glob("rng_rank*.pt")):
+        try:
+            torch.load(rng, weights_only=False)
+        except Exception as e:
+            return f"{rng.name} cannot be read ({type(e).__name__}: {_short(e)})"
+    return None
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def select_resume(ckpt_dir: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest intact checkpoint in ``ckpt_dir`` (or None), and the newer ones that are
+    damaged, each with what is wrong (newest first). Incomplete ``*.tmp`` directories are not
+    checkpoints and are ignored."""
+    damaged: list[tuple[Path, str]] = []
+    for p in _step_dirs(Path(ckpt_dir)):
+        problem = verify(p)
+        if problem is None:
+            return p, damaged
+        damaged.append((p, problem))
+    return None, damaged
 
 
 def read_meta(path: Path) -> dict:

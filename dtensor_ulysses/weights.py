@@ -1,13 +1,14 @@
 """Weights into parameters, whatever the sharding: deterministic init, and full values to shards.
 
 A parameter may be a plain tensor or an FSDP2 ``DTensor`` shard. :func:`copy_full_` puts a full
-value into either (each rank keeps its own part, cut without communication), so the same code
-initializes a plain model and a sharded one identically, and loads a full checkpoint tensor
-into FSDP2 shards.
+value into either (each rank keeps its own part, cut without communication), and loads a full
+checkpoint tensor into FSDP2 shards. :func:`init_weights` draws only the rows each rank holds,
+with values that do not depend on the sharding, so a plain model and a sharded one start equal.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import TYPE_CHECKING
 
@@ -64,17 +65,73 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(zlib.crc32(name.encode(), seed))
 
 
+# Rows drawn per generator: about this many elements a block, so a block is a few MiB at most.
+ROW_BLOCK_ELEMENTS = 1 << 20
+
+
+def _rows_per_block(shape: tuple[int, ...]) -> int:
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return max(1, ROW_BLOCK_ELEMENTS // max(1, row))
+
+
+def _draw_rows(
+    shape: tuple[int, ...], lo: int, hi: int, std: float, seed: int, name: str
+) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of the full value of parameter ``name``, drawn block by block.
+
+    Row block ``b`` (rows ``[b*R, (b+1)*R)``, ``R`` from the shape alone) is drawn from a
+    generator seeded by ``zlib.crc32(f"{name}#{b}", seed)``: any range of rows gets the values
+    the full draw has there, and only the blocks that overlap the range are drawn.
+    """
+    rows, rest = shape[0], tuple(shape[1:])
+    per = _rows_per_block(shape)
+    out = torch.empty((hi - lo, *rest), dtype=torch.float32)
+    for b in range(lo // per, -(-hi // per)):
+        b_lo, b_hi = b * per, min(rows, (b + 1) * per)
+        s, e = max(lo, b_lo), min(hi, b_hi)
+        gen = _generator(seed, f"{name}#{b}")
+        if (s, e) == (b_lo, b_hi):  # the whole block lies in the range: draw in place
+            out[s - lo : e - lo].normal_(0.0, std, generator=gen)
+        else:
+            block = torch.empty((b_hi - b_lo, *rest), dtype=torch.float32)
+            block.normal_(0.0, std, generator=gen)
+            out[s - lo : e - lo] = block[s - b_lo : e - b_lo]
+    return out
+
+
+def _local_rows(param: torch.Tensor) -> tuple[int, int] | None:
+    """The rows ``[lo, hi)`` of the full parameter that this rank holds, when its part is a block
+    of whole rows (a plain tensor, or FSDP2's ``Shard(0)``); ``None`` for any other layout."""
+    if not isinstance(param, DTensor):
+        return (0, param.shape[0]) if param.dim() else None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # a torch without the helper: the caller draws the full value
+        return None
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    if param.dim() == 0 or tuple(shape[1:]) != tuple(param.shape[1:]) or any(offset[1:]):
+        return None
+    if tuple(param.to_local().shape) != tuple(shape):
+        return None
+    return offset[0], offset[0] + shape[0]
+
+
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int = 0) -> None:
     """Deterministic weights of the built-in model, identical whatever the sharding.
 
-    Each parameter's *full* value is drawn on CPU in float32 from a generator seeded by
-    ``zlib.crc32(name, seed)`` (the CRC-32 of ``name`` continued from ``seed``), where ``name``
-    is its ``named_parameters()`` name without wrapper prefixes; then each rank copies in its own
-    part (:func:`copy_full_`). Stds come from :func:`~dtensor_ulysses.model.init_std`.
-
-    Every rank draws every full value: ``O(n_params)`` CPU time, about 3 s per 1e8 parameters
-    (measured on one core: ~40 s for ``llama3-1b``, ~4 min for ``llama3-8b``).
+    Each parameter's full value is a float32 draw on CPU from ``normal(0, std)``, made of row
+    blocks: block ``b`` of the rows (about :data:`ROW_BLOCK_ELEMENTS` elements; the block size
+    depends on the parameter's shape only) comes from a generator seeded by
+    ``zlib.crc32(f"{name}#{b}", seed)``, where ``name`` is the parameter's
+    ``named_parameters()`` name without wrapper prefixes. Each rank draws only the blocks that
+    overlap the rows it holds (FSDP2 shards dim 0), so no rank ever materializes a full
+    parameter: the CPU time and the memory are ``O(n_params / ranks)`` per rank (about 3 s per
+    1e8 parameters a rank on one core), and the values are the same for any sharding. Stds come
+    from :func:`~dtensor_ulysses.model.init_std`; norm weights are ones. A sharded layout that is
+    not a block of rows falls back to drawing the full value and keeping this rank's part.
 
     Args:
         model: a materialized :class:`~dtensor_ulysses.model.Transformer` (built on a device, or
@@ -87,6 +144,8 @@ def init_weights(model: Transformer, seed: int = 0) -> None:
     """
     from dtensor_ulysses.model import init_std
 
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed} must be in [0, 2**32)")
     n_layers = model.shape.n_layers
     for module_name, module in model.named_modules():
         for param_name, p in module.named_parameters(recurse=False):
@@ -97,9 +156,13 @@ def init_weights(model: Transformer, seed: int = 0) -> None:
                     f"model.to_empty(device=...)"
                 )
             std = init_std(name, module, n_layers)
+            local = p.to_local() if isinstance(p, DTensor) else p
             if std is None:
-                full = torch.ones(p.shape, dtype=torch.float32)
-            else:
-                full = torch.empty(p.shape, dtype=torch.float32)
-                full.normal_(0.0, std, generator=_generator(seed, name))
-            copy_full_(p, full)
+                local.fill_(1.0)
+                continue
+            rows = _local_rows(p)
+            shape = tuple(p.shape)
+            if rows is None:
+                copy_full_(p, _draw_rows(shape, 0, shape[0], std, seed, name))
+            elif rows[1] > rows[0]:
+                local.copy_(_draw_rows(shape, rows[0], rows[1], std, seed, name))

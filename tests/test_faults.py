@@ -1,0 +1,374 @@
+"""The trainer fails early, clearly and safely (issue 13).
+
+Damaged checkpoints (each kind of file) make ``--resume`` fall back to the newest intact one, or
+stop with one ``error:`` line naming the damaged path; a rank killed by SIGKILL in the middle of
+a checkpoint write leaves a run that resumes; ``--keep-last`` prunes only after a newer
+checkpoint is complete; bad devices, kernels and data files are refused before anything is
+built; the memory preflight refuses an 8B model on a CPU machine in seconds, suggests the flags
+that make a run fit, and ``--allow-oversubscribe`` overrides it. Each torchrun job is a real one
+(2 CPU processes) with a timeout; the in-process checks need no process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtensor_ulysses import checkpoint as ckpt
+from dtensor_ulysses.preflight import check_fits, estimate_memory, parse_bytes
+from dtensor_ulysses.presets import get_shape
+from tests.test_train import _descendants
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--seq-len", "64", "--batch-size", "2"]
+
+
+def _cmd(args: list[str], nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "dtensor_ulysses.train", *args]  # fmt: skip
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The test's environment without capacity overrides (unless given), one thread a rank."""
+    env = {k: v for k, v in os.environ.items() if "MEMORY_CAPACITY" not in k}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _run_all(jobs: list[tuple[list[str], dict]], timeout: float = 240) -> list:
+    """Start every torchrun job at once; wait for all. Returns CompletedProcess-like tuples."""
+    procs = []
+    for args, env in jobs:
+        procs.append(subprocess.Popen(_cmd(args), cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    out = []
+    for (args, _), proc in zip(jobs, procs):
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{args}: still running after {timeout} s (a hang)")
+        out.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    return out
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("warning: ")]
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def three_checkpoints(tmp_path_factory) -> Path:
+    """A run of 3 steps checkpointing every step and keeping the last 2: step 2 and step 3."""
+    ck = tmp_path_factory.mktemp("faults") / "ck"
+    [res] = _run_all([([*TINY, "--steps", "3", "--checkpoint-every", "1", "--keep-last", "2",
+                        "--checkpoint-dir", str(ck)], _env())])  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    written = re.findall(r"^checkpoint step (\d+) written to (\S+)", res.stdout, re.M)
+    assert [int(s) for s, _ in written] == [1, 2, 3], res.stdout[-2000:]
+    assert "pack-docs off" in res.stdout, "the header says whether packing is on"
+    return ck
+
+
+def test_keep_last_prunes_after_the_newer_checkpoint_is_complete(three_checkpoints):
+    names = sorted(p.name for p in three_checkpoints.iterdir())
+    assert names == ["step_00000002", "step_00000003"], names
+    for p in three_checkpoints.iterdir():
+        assert ckpt.verify(p) is None, p
+
+
+def _damage(step_dir: Path, kind: str) -> Path:
+    """Truncate one file of a checkpoint to half its size; returns the file."""
+    target = {
+        "distcp": sorted(step_dir.glob("*.distcp"))[-1],
+        "trainer": step_dir / "trainer.pt",
+        "metadata": step_dir / ".metadata",
+    }[kind]
+    data = target.read_bytes()
+    target.write_bytes(data[: len(data) // 2])
+    return target
+
+
+@pytest.mark.timeout(400)
+def test_damaged_newest_checkpoint_falls_back_or_stops(three_checkpoints, tmp_path):
+    """Each kind of file truncated in the newest checkpoint: resume from the older one, with a
+    warning naming both. Every checkpoint damaged: one error line naming the newest."""
+    jobs, dirs = [], {}
+    for kind in ("distcp", "trainer", "metadata"):
+        ck = tmp_path / kind
+        shutil.copytree(three_checkpoints, ck)
+        _damage(ck / "step_00000003", kind)
+        assert ckpt.verify(ck / "step_00000003") is not None, kind
+        dirs[kind] = ck
+        jobs.append(([*TINY, "--steps", "4", "--resume", "--checkpoint-dir", str(ck)], _env()))
+    none_ok = tmp_path / "none"
+    shutil.copytree(three_checkpoints, none_ok)
+    _damage(none_ok / "step_00000003", "metadata")
+    _damage(none_ok / "step_00000002", "distcp")
+    jobs.append(([*TINY, "--steps", "4", "--resume", "--checkpoint-dir", str(none_ok)], _env()))
+    results = _run_all(jobs)
+    for kind, res in zip(dirs, results):
+        label = f"{kind}: rc={res.returncode}\n{res.stderr[-3000:]}"
+        assert res.returncode == 0, label
+        bad, good = dirs[kind] / "step_00000003", dirs[kind] / "step_00000002"
+        [warning] = _warnings(res.stderr)
+        assert str(bad) in warning and str(good) in warning, label
+        assert f"resumed from {good}" in res.stdout, res.stdout[-2000:]
+        assert re.search(r"^step 3/4 \| loss", res.stdout, re.M), res.stdout[-2000:]
+        assert "dtensor_ulysses/" not in res.stderr, label
+    res = results[-1]
+    label = f"none intact: rc={res.returncode}\n{res.stderr[-3000:]}"
+    assert res.returncode != 0, label
+    [error] = _errors(res.stderr)
+    assert str(none_ok / "step_00000003") in error and "damaged" in error, label
+    assert "dtensor_ulysses/" not in res.stderr, label
+
+
+def _worker_pids(root_pid: int) -> dict[int, int]:
+    """rank -> pid of the torchrun workers below ``root_pid`` (from their environment)."""
+    out = {}
+    for pid in _descendants(root_pid):
+        with contextlib.suppress(OSError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"dtensor_ulysses.train" not in cmdline or b"torch.distributed.run" in cmdline:
+                continue
+            for item in env:
+                if item.startswith(b"RANK="):
+                    out[int(item[5:])] = pid
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_kill_a_rank_during_a_checkpoint_write_then_resume(tmp_path):
+    """SIGKILL rank 1 while a checkpoint is being written (its ``.tmp`` directory exists):
+    torchrun stops the job, the half-written checkpoint is ignored, and --resume continues from
+    the newest complete one."""
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("needs /proc")
+    ck = tmp_path / "ck"
+    args = [*TINY, "--steps", "100000", "--checkpoint-every", "1", "--checkpoint-dir", str(ck)]
+    proc = subprocess.Popen(_cmd(args), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        workers: dict[int, int] = {}
+        killed_during = None
+        while killed_during is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint write seen"
+            if len(workers) < 2:
+                workers = _worker_pids(proc.pid)
+            tmps = list(ck.glob("step_*.tmp")) if ck.is_dir() else []
+            done = list(ck.glob("step_????????")) if ck.is_dir() else []
+            if tmps and done and 1 in workers:
+                os.kill(workers[1], signal.SIGKILL)
+                killed_during = tmps[0]
+            time.sleep(0.002)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode != 0, "torchrun must fail when a worker is killed"
+    finally:
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    complete = sorted(p.name for p in ck.iterdir() if not p.name.endswith(".tmp"))
+    last = int(complete[-1].removeprefix("step_"))
+    [res] = _run_all([([*TINY, "--steps", str(last + 1), "--resume", "--checkpoint-dir",
+                        str(ck)], _env())])  # fmt: skip
+    assert res.returncode == 0, f"killed during {killed_during.name}\n{res.stderr[-3000:]}"
+    assert f"resumed from {ck / complete[-1]}" in res.stdout, res.stdout[-2000:]
+    assert not list(ck.glob("step_*.tmp")), "the next save clears older half-written ones"
+
+
+def _tiny_checkpoint(path: Path) -> Path:
+    """A complete one-process checkpoint of the tiny model (no process group needed)."""
+    from dtensor_ulysses.model import build_model
+
+    model = build_model("tiny", device="cpu")
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None]).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.warns(UserWarning):  # DCP: "assuming the intent is to save in a single process"
+        return ckpt.save(path, 7, model, opt, sched, {"seed": 0})
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_verify_names_what_is_wrong(tmp_path):
+    good = _tiny_checkpoint(tmp_path / "ck")
+    assert ckpt.verify(good) is None
+    cases = {
+        "distcp": "truncated",
+        "trainer": "trainer.pt cannot be read",
+        "metadata": ".metadata cannot be read",
+    }
+    for kind, want in cases.items():
+        bad = tmp_path / kind / good.name
+        shutil.copytree(good, bad)
+        _damage(bad, kind)
+        problem = ckpt.verify(bad)
+        assert problem is not None and want in problem, (kind, problem)
+    missing = tmp_path / "missing" / good.name
+    shutil.copytree(good, missing)
+    (missing / ".metadata").unlink()
+    assert "missing" in (ckpt.verify(missing) or "")
+    # newest damaged, older intact: the older is chosen and the newer reported
+    both = tmp_path / "both"
+    shutil.copytree(good, both / "step_00000007")
+    newer = both / "step_00000009"
+    shutil.copytree(good, newer)
+    trainer = torch.load(newer / "trainer.pt", weights_only=False)
+    torch.save(dict(trainer, step=9), newer / "trainer.pt")
+    _damage(newer, "distcp")
+    path, damaged = ckpt.select_resume(both)
+    assert path == both / "step_00000007"
+    assert [p for p, _ in damaged] == [newer]
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input up front
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(400)
+def test_bad_devices_kernels_and_data_each_give_one_error(tmp_path):
+    binary = tmp_path / "program.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e ".encode("latin-1") * 20)
+    cases = [
+        (["--data", str(binary)], r"program\.bin' is binary \(a NUL byte at offset 7\)"),
+        (["--data", str(latin1)], r"latin1\.txt' is not UTF-8 text \(byte 3"),
+        (["--attention-backend", "flash_attn"], r"flash_attn"),
+        (["--keep-last", "0"], r"--keep-last 0 must be >= 1"),
+        (["--no-such-option"], r"unrecognized arguments: --no-such-option"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], r"--device cuda: "))
+    results = _run_all([([*TINY, *args, "--steps", "1"], _env()) for args, _ in cases])
+    for (args, pattern), res in zip(cases, results):
+        label = f"{args}: rc={res.returncode}\n{res.stderr[-2000:]}"
+        assert res.returncode != 0, label
+        errors = _errors(res.stderr)
+        assert len(errors) == 1, f"expected one message from rank 0; {label}"
+        assert re.search(pattern, errors[0]), label
+        assert "dtensor_ulysses/" not in res.stderr, f"a worker traceback leaked; {label}"
+        assert "step 1/1" not in res.stdout, f"it trained; {label}"
+
+
+@pytest.mark.timeout(120)
+def test_usage_error_exits_2_without_torchrun():
+    """A world of one (plain ``python -m``): the process's own status, 2."""
+    cmd = [sys.executable, "-m", "dtensor_ulysses.train", "--keep-last", "-1"]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=100)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert _errors(res.stderr) == ["error: --keep-last -1 must be >= 1 (omit it to keep all)"]
+
+
+def test_help_shows_every_default_once(capsys):
+    from dtensor_ulysses.train import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert not re.search(r"\(default: [^)]*\) \(default:", text), text
+    assert "(default: None)" not in text
+    for option, default in [("--seed SEED", "0"), ("--lr LR", "0.001"), ("--steps STEPS", "40"),
+                            ("--warmup-steps WARMUP_STEPS", "10"),
+                            ("--head-chunks HEAD_CHUNKS", "1")]:  # fmt: skip
+        block = text.split(option, 2)[-1].split(" --", 1)[0]
+        assert f"(default: {default})" in block, (option, block)
+
+
+# ----------------------------------------------------------------------------------------------
+# memory preflight
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_preflight_refuses_8b_on_cpu_in_seconds():
+    """``--model llama3-8b`` on a CPU machine: one error line with the estimate, the capacity
+    and what to do, in under 15 s (it used to be OOM-killed after a minute)."""
+    env = _env()
+    from dtensor_ulysses.preflight import host_capacity
+
+    cap, _ = host_capacity()
+    if cap is None or cap > 32 * 2**30:  # a big machine: pretend it has 32 GiB per rank
+        env = _env(DTENSOR_ULYSSES_MEMORY_CAPACITY="32GiB")
+    t0 = time.monotonic()
+    [res] = _run_all([(["--model", "llama3-8b", "--device", "cpu", "--steps", "1"], env)], 60)
+    elapsed = time.monotonic() - t0
+    label = f"rc={res.returncode} in {elapsed:.1f} s\n{res.stderr[-3000:]}"
+    assert res.returncode != 0, label
+    [error] = _errors(res.stderr)
+    assert re.search(r"memory preflight: this run needs about [\d.]+ GiB of memory per rank", error)
+    assert "but a rank has" in error and "--allow-oversubscribe" in error, error
+    assert elapsed < 15, label
+
+
+@pytest.mark.timeout(300)
+def test_preflight_capacity_override_refuses_then_allows(tmp_path):
+    refused, forced = _run_all([
+        ([*TINY, "--steps", "1"], _env(DTENSOR_ULYSSES_MEMORY_CAPACITY="1MiB")),
+        ([*TINY, "--steps", "1", "--allow-oversubscribe"],
+         _env(DTENSOR_ULYSSES_MEMORY_CAPACITY="1MiB")),
+    ])  # fmt: skip
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    [error] = _errors(refused.stderr)
+    assert "but a rank has 1 MiB ($DTENSOR_ULYSSES_MEMORY_CAPACITY)" in error, error
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    [warning] = _warnings(forced.stderr)
+    assert "starting anyway" in warning
+    assert re.search(r"^step 1/1 \| loss", forced.stdout, re.M), forced.stdout[-2000:]
+
+
+def test_preflight_suggests_the_flags_that_fit():
+    shape = get_shape("llama3-8b")
+    run = dict(seq_len=131072, batch_size=2, dp=2, sp=8)
+    plain = estimate_memory(shape, compute_bytes=2, **run)
+    with_ac = estimate_memory(shape, compute_bytes=2, activation_checkpointing=True, **run)
+    assert with_ac.device_bytes < plain.device_bytes / 2
+    cap = (plain.device_bytes + with_ac.device_bytes) // 2
+    res = check_fits(shape, device_type="cuda", features={}, device_cap=cap, host_cap=2**40,
+                     capacity_source="test", **run)  # fmt: skip
+    assert not res.fits and res.suggestion == ["--activation-checkpointing"], res.problem
+    assert "add --activation-checkpointing" in (res.problem or "")
+    ok = check_fits(shape, device_type="cuda", features={"activation_checkpointing": True},
+                    device_cap=cap, host_cap=2**40, **run)  # fmt: skip
+    assert ok.fits
+    # on CPU the host is the device: offloading is never suggested
+    cpu = check_fits(shape, device_type="cpu", features={}, device_cap=cap // 4, host_cap=None,
+                     **run)  # fmt: skip
+    assert not cpu.fits and "offload" not in (cpu.problem or "")
+
+
+def test_parse_bytes():
+    assert parse_bytes("12GiB") == 12 * 2**30
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("1e9") == 10**9
+    with pytest.raises(ValueError, match="not a memory size"):
+        parse_bytes("lots")
+
+
+def test_init_draws_only_the_rows_asked_for():
+    """Any row range of a parameter equals the same rows of the full draw (so FSDP2 shards,
+    whatever their number, hold the values of the unsharded model)."""
+    from dtensor_ulysses.weights import _draw_rows, _rows_per_block
+
+    shape = (300, 4096)  # 256 rows a block: ranges cross block edges
+    assert _rows_per_block(shape) == 256
+    full = _draw_rows(shape, 0, 300, 0.02, 5, "w")
+    for lo, hi in [(0, 1), (10, 260), (255, 257), (256, 300), (299, 300), (0, 300)]:
+        assert torch.equal(_draw_rows(shape, lo, hi, 0.02, 5, "w"), full[lo:hi]), (lo, hi)
+    assert not torch.equal(_draw_rows(shape, 0, 300, 0.02, 6, "w"), full)
