@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from dtensor_ulysses.loss import IGNORE_INDEX
-from dtensor_ulysses.plan import SeqLayout, nearby_multiples
+from dtensor_ulysses.plan import SeqLayout, check_ring_seq, nearby_multiples, zigzag_positions
 
 __all__ = [
     "IGNORE_INDEX",
@@ -176,11 +176,29 @@ def _jsonl_documents(path: pathlib.Path, data: bytes) -> list[bytes]:
     return docs
 
 
-def _file_documents(path: pathlib.Path, *, allow_empty: bool = False) -> list[bytes]:
+def _check_text(path: pathlib.Path, data: bytes) -> None:
+    """Refuse a file that is not UTF-8 text (an executable, an archive, UTF-16, ...)."""
+    fix = "--data takes UTF-8 text or JSONL files; pass a text file (or convert this one)"
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"data file {str(path)!r} is binary (a NUL byte at offset {nul}); {fix}")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"data file {str(path)!r} is not UTF-8 text (byte {e.start} cannot be decoded); {fix}"
+        ) from None
+
+
+def _file_documents(
+    path: pathlib.Path, *, allow_empty: bool = False, check_text: bool = False
+) -> list[bytes]:
     data = _read_bytes(path)
     if path.suffix.lower() == ".jsonl":
         docs = _jsonl_documents(path, data)
     else:
+        if check_text:
+            _check_text(path, data)
         docs = [data] if data.strip() else []
     if not docs and not allow_empty:
         what = 'no line with a non-empty "text"' if path.suffix.lower() == ".jsonl" else "no text"
@@ -217,7 +235,8 @@ def read_documents(paths: Sequence[str | os.PathLike] | None = None) -> list[byt
         The documents, none empty.
 
     Raises:
-        ValueError: no paths; a file is missing, a directory or unreadable; a JSONL line is not
+        ValueError: no paths; a file is missing, a directory or unreadable; a text file is not
+            UTF-8 or holds a NUL byte (binary); a JSONL line is not
             valid JSON or has no ``"text"`` string (the message gives the line number); a file
             has no text; the built-in corpus is empty.
     """
@@ -229,7 +248,7 @@ def read_documents(paths: Sequence[str | os.PathLike] | None = None) -> list[byt
         raise ValueError(
             "no data files given; pass at least one file, or None for the built-in corpus"
         )
-    return [d for p in paths for d in _file_documents(pathlib.Path(p))]
+    return [d for p in paths for d in _file_documents(pathlib.Path(p), check_text=True)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,6 +489,8 @@ def get_batch(
     seed: int,
     pack_docs: bool = False,
     uneven: bool = False,
+    ring: int = 1,
+    ring_rank: int = 0,
 ) -> Batch:
     """This rank's slice ``[b, S_sp]`` of the global batch ``[G, S]`` at ``step``.
 
@@ -490,13 +511,22 @@ def get_batch(
         uneven: accept ``S`` not divisible by ``sp``: sp rank ``q`` then keeps DTensor's uneven
             ``Shard(1)`` piece (chunks of ``ceil(S / sp)``, the last ones shorter or empty, as
             :func:`dtensor_ulysses.plan.seq_split`); every token is still on exactly one rank.
+        ring: the ring degree (Ulysses x Ring, :mod:`dtensor_ulysses.ring`); ``1``: no ring.
+        ring_rank: this rank's coordinate on the ``ring`` mesh axis. With ``ring > 1`` the rank
+            at ``(ring_rank, sp_rank)`` keeps the global tokens
+            :func:`~dtensor_ulysses.plan.zigzag_positions` ``(S, ring, sp, ring_rank, sp_rank)``
+            (zigzag chunks ``ring_rank`` and ``2*ring-1-ring_rank`` of ``S / (2*ring)`` tokens,
+            cut over ``sp``); ids, labels (shifted first) and position ids (global, or with
+            ``pack_docs`` the document positions of the full window, so RoPE is right) are all
+            sliced by them, and the layout holds the full window's document starts.
 
     Returns:
         :class:`Batch` of int64 ``[b, S_sp]`` tensors on the CPU, with the step's layout.
 
     Raises:
-        ValueError: ``G`` not divisible by ``dp``; ``S`` not divisible by ``sp``; a rank out of
-            range; a negative step.
+        ValueError: ``G`` not divisible by ``dp``; ``S`` not divisible by ``sp`` (with a ring:
+            ``S`` not a multiple of ``2 * ring``, or ``S / ring`` not divisible by ``sp``); a
+            rank out of range; a negative step.
     """
     if not isinstance(corpus, PackedCorpus):
         raise TypeError(f"corpus must be a PackedCorpus, got {type(corpus).__name__}")
@@ -504,7 +534,9 @@ def get_batch(
     _check_int("global_batch_size", global_batch_size, 1)
     _check_int("dp", dp, 1)
     _check_int("sp", sp, 1)
-    for name, rank, size in (("dp_rank", dp_rank, dp), ("sp_rank", sp_rank, sp)):
+    _check_int("ring", ring, 1)
+    ranks = (("dp_rank", dp_rank, dp), ("sp_rank", sp_rank, sp), ("ring_rank", ring_rank, ring))
+    for name, rank, size in ranks:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
             axis = name.removesuffix("_rank")
             raise ValueError(
@@ -516,7 +548,15 @@ def get_batch(
             f"{dp}, e.g. {-(-global_batch_size // dp) * dp}"
         )
     S = corpus.seq_len
-    if S % sp and not uneven:
+    if ring > 1:
+        check_ring_seq(S, ring)  # S / (2 * ring) zigzag chunks
+        if (S // ring) % sp and not uneven:
+            raise ValueError(
+                f"seq_len {S} gives each of the ring={ring} ranks {S // ring} tokens, not "
+                f"divisible by sp={sp}; use a multiple of {2 * ring * sp}, e.g. "
+                f"{nearby_multiples(S, 2 * ring * sp)}"
+            )
+    elif S % sp and not uneven:
         raise ValueError(
             f"seq_len {S} is not divisible by sp={sp}; use a multiple of {sp}, "
             f"e.g. {nearby_multiples(S, sp)}"
@@ -528,10 +568,18 @@ def get_batch(
     ids_bS, labels_bS = win_bL[:, :-1], win_bL[:, 1:]  # shift first, then slice
     if pack_docs:  # document starts may lie on an earlier slice: positions over all of S
         pos_bS = document_positions(ids_bS)
-        layout = SeqLayout.split(S, sp, document_starts(ids_bS))
+        layout = SeqLayout.split(S, sp, document_starts(ids_bS), ring=ring)
     else:
         pos_bS = torch.arange(S, dtype=torch.int64).expand(b, S)
-        layout = SeqLayout.split(S, sp)
+        layout = SeqLayout.split(S, sp, ring=ring)
+    if ring > 1:  # this rank's zigzag tokens, in local order (global positions, for RoPE)
+        mine = torch.tensor(zigzag_positions(S, ring, sp, ring_rank, sp_rank), dtype=torch.int64)
+        return Batch(
+            input_ids=ids_bS[:, mine].contiguous(),
+            labels=labels_bS[:, mine].contiguous(),
+            position_ids=pos_bS[:, mine].contiguous(),
+            layout=layout,
+        )
     sizes = layout.seq_sizes
     lo = layout.offset(sp_rank)
     hi = lo + sizes[sp_rank]

@@ -6,7 +6,11 @@ replace ``du.parallelize`` with the module as soon as it is imported.)
     1. Ulysses:  each block's ``attention.inner_attention`` (the local kernel) is wrapped in the
                  Ulysses engine on the ``sp`` group (with ``head_chunks`` stages, if asked);
                  everything else is token-wise and runs on the local sequence slice unchanged.
-                 Nothing to do when sp = 1 and there is one stage.
+                 Nothing to do when sp = 1 and there is one stage. On a ``("dp", "ring",
+                 "sp")`` mesh (Ulysses x Ring) the kernel the engine wraps is
+                 :class:`~dtensor_ulysses.ring.RingAttention` over the ``ring`` group (used
+                 directly when sp = 1 and there is one stage); the model passes the step's
+                 layout, whose document starts are global.
     2. Activation checkpointing (optional): each block recomputes its activations in backward;
                  with ``offload_activations`` the one input each block keeps lives on the host.
                  After Ulysses, so the recomputed forward also repeats the block's all-to-alls
@@ -14,10 +18,10 @@ replace ``du.parallelize`` with the module as soon as it is imported.)
     3. ``torch.compile`` per block (optional): after checkpointing, so the recompute is part of
        the compiled region; the all-to-alls run as functional collectives there (no graph break).
     4. FSDP2 ``fully_shard`` on every block, then on the root, over the flattened ``dp x sp``
-       ranks: sp ranks hold the same weights but see different tokens, so parameters, gradients
-       and optimizer states shard over all ``dp * sp`` ranks (on the host with
-       ``offload_params``). Last, because it must see the final module structure (its hooks
-       wrap each block's forward, checkpointing included).
+       ranks (``dp x ring x sp`` with a ring): sp ranks hold the same weights but see different
+       tokens, so parameters, gradients and optimizer states shard over all ``dp * sp`` ranks
+       (on the host with ``offload_params``). Last, because it must see the final module
+       structure (its hooks wrap each block's forward, checkpointing included).
 
 The model is built on ``meta``, parallelized here, then materialized and initialized::
 
@@ -39,14 +43,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from dtensor_ulysses.attention import LocalAttention
-from dtensor_ulysses.mesh import MESH_AXES, flatten_dp_sp
+from dtensor_ulysses.mesh import MESH_AXES, RING_MESH_AXES, flatten_dp_sp
 from dtensor_ulysses.model import Attention, Transformer
 from dtensor_ulysses.offload import fsdp_offload_policy
 from dtensor_ulysses.plan import check_sp_for_heads
 from dtensor_ulysses.recompute import checkpoint_module, offload_checkpoints
+from dtensor_ulysses.ring import RingAttention
 from dtensor_ulysses.ulysses import UlyssesAttention, check_head_chunks
 
-__all__ = ["default_mixed_precision", "parallelize"]
+__all__ = ["checkpoint_blocks", "default_mixed_precision", "parallelize", "shard_blocks"]
 
 
 def default_mixed_precision(device_type: str) -> MixedPrecisionPolicy | None:
@@ -74,7 +79,8 @@ def parallelize(
     Args:
         model: a :class:`~dtensor_ulysses.model.Transformer`, ideally still on ``meta``, not yet
             parallelized.
-        mesh: the ``("dp", "sp")`` mesh from :func:`~dtensor_ulysses.mesh.init_mesh`.
+        mesh: the ``("dp", "sp")`` mesh from :func:`~dtensor_ulysses.mesh.init_mesh`, or its
+            ``("dp", "ring", "sp")`` mesh (``init_mesh(dp, sp, ring=R)``) for Ulysses x Ring.
         activation_checkpointing: recompute each block's activations in backward.
         offload_activations: with checkpointing, keep each block's input in host memory until
             its recompute (:mod:`dtensor_ulysses.offload`).
@@ -86,7 +92,8 @@ def parallelize(
             backend name, e.g. ``"aot_eager"``).
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy``, ``None`` for full precision, or
             ``"auto"`` (bf16 compute + fp32 reduce on CUDA, fp32 on CPU).
-        attention_backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``.
+        attention_backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"`` (with a ring, ``"sdpa"``
+            selects the ring's blockwise torch kernel: SDPA returns no log-sum-exp).
         allow_uneven_heads: accept q heads not divisible by sp (ranks attend with ceil or floor
             of ``N / sp`` heads; a warning reports the imbalance).
 
@@ -94,20 +101,21 @@ def parallelize(
         The same model, modified in place.
 
     Raises:
-        ValueError: the mesh is not ``("dp", "sp")``; the q heads are not divisible by sp
-            (without ``allow_uneven_heads``) or fewer than sp; ``head_chunks`` does not divide
-            the heads per rank; ``offload_activations`` without checkpointing; the model was
-            parallelized before.
+        ValueError: the mesh is not ``("dp", "sp")`` or ``("dp", "ring", "sp")``; the q heads
+            are not divisible by sp (without ``allow_uneven_heads``) or fewer than sp;
+            ``head_chunks`` does not divide the heads per rank; ``offload_activations`` without
+            checkpointing; the model was parallelized before.
     """
-    if mesh.mesh_dim_names != MESH_AXES:
+    if mesh.mesh_dim_names not in (MESH_AXES, RING_MESH_AXES):
         raise ValueError(
-            f"parallelize needs the {MESH_AXES} mesh from du.init_mesh, got axes "
-            f"{mesh.mesh_dim_names}"
+            f"parallelize needs the {MESH_AXES} mesh from du.init_mesh (or {RING_MESH_AXES} "
+            f"from du.init_mesh(dp, sp, ring=R)), got axes {mesh.mesh_dim_names}"
         )
     if isinstance(model, FSDPModule):
         raise ValueError("the model is already parallelized; build a new one (on meta)")
     shape = model.shape
     sp = mesh["sp"].size()
+    ring = mesh["ring"].size() if mesh.mesh_dim_names == RING_MESH_AXES else 1
     check_sp_for_heads(
         shape.n_heads, sp, what=f"heads of model {shape.name!r}", allow_uneven=allow_uneven_heads
     )
@@ -119,11 +127,16 @@ def parallelize(
             "activation_checkpointing=True (--activation-checkpointing)"
         )
 
-    # 1. Ulysses: attention sees head-sharded, full-length q/k/v (the kernel keeps its choice).
+    # 1. Ulysses: attention sees head-sharded, full-length q/k/v (the kernel keeps its choice);
+    #    with a ring axis the kernel is ring attention over it (Ulysses x Ring).
     for block in model.layers:
         attention: Attention = block.attention  # type: ignore[assignment]
         kernel = attention.inner_attention
-        if isinstance(kernel, LocalAttention):
+        if ring > 1:
+            causal = getattr(kernel, "causal", True)
+            kernel = RingAttention(mesh, causal=causal, backend=attention_backend)
+            attention.inner_attention = kernel
+        elif isinstance(kernel, LocalAttention):
             kernel.backend = attention_backend
         if sp > 1 or head_chunks > 1:
             attention.inner_attention = UlyssesAttention(
@@ -132,10 +145,7 @@ def parallelize(
 
     # 2. Activation checkpointing, per block (parameter names are unchanged).
     if activation_checkpointing:
-        for block in model.layers:
-            checkpoint_module(block)
-        if offload_activations:  # one offloader: block i's backward prefetches block i-1's input
-            offload_checkpoints(model.layers)
+        checkpoint_blocks(model.layers, offload=offload_activations)
 
     # 3. torch.compile per block (torchtitan's granularity: one graph per block).
     if compile:
@@ -145,6 +155,36 @@ def parallelize(
 
     # 4. FSDP2 over the flattened dp x sp ranks: blocks first, then the root (embedding, final
     #    norm, output head; a tied output head stays with the embedding in the root group).
+    shard_blocks(
+        model, model.layers, mesh, mixed_precision=mixed_precision, offload_params=offload_params
+    )
+    return model
+
+
+def checkpoint_blocks(blocks, *, offload: bool = False) -> None:
+    """Step 2: activation checkpointing on every block; with ``offload``, one offloader shared
+    by the blocks (block ``i``'s backward prefetches block ``i-1``'s input)."""
+    for block in blocks:
+        checkpoint_module(block)
+    if offload:
+        offload_checkpoints(blocks)
+
+
+def shard_blocks(
+    model: torch.nn.Module,
+    blocks,
+    mesh: DeviceMesh,
+    *,
+    mixed_precision: MixedPrecisionPolicy | None | str = "auto",
+    offload_params: bool = False,
+) -> None:
+    """Step 4: ``fully_shard`` each block, then the root, over the flattened ``dp x sp`` ranks
+    (``dp x ring x sp`` on a ring mesh),
+    with gradients *summed* (the loss is already normalized by the global token count).
+
+    Divide factor 1 with sum-only collectives is a plain SUM reduce-scatter (gloo has no
+    PREMUL_SUM, and on NCCL a pre-multiply by 1 is wasted work).
+    """
     if mixed_precision == "auto":
         mixed_precision = default_mixed_precision(mesh.device_type)
     fsdp_kwargs: dict = {"mesh": flatten_dp_sp(mesh)}
@@ -152,14 +192,10 @@ def parallelize(
         fsdp_kwargs["mp_policy"] = mixed_precision
     if offload_params:
         fsdp_kwargs["offload_policy"] = fsdp_offload_policy(mesh)
-    for block in model.layers:
+    for block in blocks:
         fully_shard(block, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
-    # The loss is normalized by the global token count: gradients must be summed, not averaged.
-    # Divide factor 1 with sum-only collectives is a plain SUM reduce-scatter (gloo has no
-    # PREMUL_SUM, and on NCCL a pre-multiply by 1 is wasted work).
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return model

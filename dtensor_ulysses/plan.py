@@ -136,25 +136,44 @@ class SeqLayout:
 
     Attributes:
         seq_sizes: tokens held by each sp rank, in rank order (DTensor's ``Shard(1)`` pieces,
-            :func:`seq_split`); ``sum(seq_sizes)`` is the full length ``S``.
+            :func:`seq_split`). With ``ring == 1`` ``sum(seq_sizes)`` is the full length ``S``;
+            with a ring, they are the pieces of *this ring rank's* ``S / ring`` tokens
+            (:func:`ring_seq_sizes`), which the Ulysses all-to-all gathers.
         doc_starts: packed documents: per batch row, the token indices in ``[0, S)`` where a
-            document starts (always including 0), for the *full* window; ``None`` when attention
-            runs over the whole sequence.
+            document starts (always including 0), for the *full* window (global positions,
+            also with a ring); ``None`` when attention runs over the whole sequence.
+        ring: the ring degree (Ulysses x Ring); ``1`` without ring attention. The full length
+            is then ``S = ring * sum(seq_sizes)`` (:attr:`seq_len`).
     """
 
     seq_sizes: tuple[int, ...]
     doc_starts: tuple[tuple[int, ...], ...] | None = None
+    ring: int = 1
 
     @classmethod
     def split(
-        cls, seq_len: int, sp: int, doc_starts: tuple[tuple[int, ...], ...] | None = None
+        cls,
+        seq_len: int,
+        sp: int,
+        doc_starts: tuple[tuple[int, ...], ...] | None = None,
+        *,
+        ring: int = 1,
     ) -> SeqLayout:
-        """``seq_len`` tokens cut over ``sp`` ranks as DTensor's ``Shard(1)`` does."""
-        return cls(tuple(seq_split(seq_len, sp)), doc_starts)
+        """``seq_len`` tokens cut over ``sp`` ranks as DTensor's ``Shard(1)`` does.
+
+        With ``ring > 1``: ``seq_len`` is the full length ``S`` (a multiple of ``2 * ring``,
+        :func:`check_ring_seq`), and each ring rank's ``S / ring`` tokens are cut over ``sp``.
+        """
+        if ring == 1:
+            return cls(tuple(seq_split(seq_len, sp)), doc_starts)
+        check_ring_seq(seq_len, ring)
+        return cls(tuple(ring_seq_sizes(seq_len, ring, sp)), doc_starts, ring)
 
     def __post_init__(self) -> None:
         if not self.seq_sizes or any(n < 0 for n in self.seq_sizes):
             raise ValueError(f"seq_sizes {self.seq_sizes} must be non-negative, one per sp rank")
+        if isinstance(self.ring, bool) or not isinstance(self.ring, int) or self.ring < 1:
+            raise ValueError(f"ring={self.ring!r} must be an int >= 1 (1: no ring attention)")
         if self.doc_starts is not None:
             for row, starts in enumerate(self.doc_starts):
                 if not starts or starts[0] != 0 or list(starts) != sorted(set(starts)):
@@ -165,11 +184,22 @@ class SeqLayout:
                     raise ValueError(
                         f"doc_starts row {row} has a start at {starts[-1]}, past the sequence "
                         f"length {self.seq_len}"
+                        + (
+                            f" (ring={self.ring} x {self.ring_len} tokens per ring rank; "
+                            f"doc_starts are global positions)"
+                            if self.ring > 1
+                            else ""
+                        )
                     )
 
     @property
     def seq_len(self) -> int:
-        """The full sequence length ``S``."""
+        """The full sequence length ``S`` (over all ring ranks: ``ring * sum(seq_sizes)``)."""
+        return self.ring * sum(self.seq_sizes)
+
+    @property
+    def ring_len(self) -> int:
+        """Tokens one ring rank holds, ``sum(seq_sizes)`` (``S`` when ``ring == 1``)."""
         return sum(self.seq_sizes)
 
     @property
@@ -178,7 +208,8 @@ class SeqLayout:
         return len(self.seq_sizes)
 
     def offset(self, rank: int) -> int:
-        """Index of sp rank ``rank``'s first token in the full sequence."""
+        """Index of sp rank ``rank``'s first token in the full sequence (with a ring: in this
+        ring rank's tokens, in their local zigzag order)."""
         return sum(self.seq_sizes[:rank])
 
 
@@ -262,3 +293,129 @@ def ulysses_bytes_by_rank(
         }
         for t, n, m in zip(per_rank, plan.q_heads, plan.kv_heads)
     ]
+
+
+# ----------------------------------------------------------------------------------------------
+# ring attention (Ulysses x Ring): who holds which tokens, checks, closed-form p2p bytes. Here,
+# torch-free, so the data loader, the trainer's checks and the simulator share one copy;
+# dtensor_ulysses.ring re-exports them.
+# ----------------------------------------------------------------------------------------------
+__all__ += [
+    "RING_ORDERS",
+    "check_ring_mesh",
+    "check_ring_seq",
+    "ring_chunks",
+    "ring_closed_form",
+    "ring_seq_sizes",
+    "zigzag_permutation",
+    "zigzag_positions",
+]
+
+RING_ORDERS = ("zigzag", "contiguous")
+
+
+def check_ring_seq(S: int, ring: int, order: str = "zigzag") -> None:
+    """``S`` tokens must cut into ``2 * ring`` (zigzag) or ``ring`` equal chunks.
+
+    Raises:
+        ValueError: the numbers and the nearest lengths that work.
+    """
+    if order not in RING_ORDERS:
+        raise ValueError(f"order={order!r}; use one of {RING_ORDERS}")
+    if ring < 1:
+        raise ValueError(f"ring={ring} must be >= 1")
+    parts = 2 * ring if order == "zigzag" else ring
+    if parts > S or S % parts:
+        lo, hi = S // parts * parts, -(-S // parts) * parts
+        why = f"2 x ring = {parts} zigzag chunks" if order == "zigzag" else f"ring = {parts} blocks"
+        raise ValueError(
+            f"ring attention over ring={ring} needs the sequence to divide into {why}; "
+            f"S={S} tokens {'is shorter than that' if parts > S else 'does not'}: use a multiple "
+            f"of {parts} (e.g. {max(lo, parts)} or {hi})"
+        )
+
+
+def ring_chunks(S: int, ring: int, ring_rank: int, order: str = "zigzag") -> list[tuple[int, int]]:
+    """Global ``[lo, hi)`` token ranges ring rank ``ring_rank`` holds, in its local order.
+
+    Zigzag: chunks ``ring_rank`` and ``2*ring-1-ring_rank`` of ``S / (2*ring)`` tokens;
+    contiguous: ``[r*S/ring, (r+1)*S/ring)``.
+    """
+    check_ring_seq(S, ring, order)
+    if not 0 <= ring_rank < ring:
+        raise ValueError(f"ring_rank={ring_rank} is not in 0..{ring - 1}")
+    if order == "contiguous":
+        L = S // ring
+        return [(ring_rank * L, (ring_rank + 1) * L)]
+    c = S // (2 * ring)
+    head, tail = ring_rank, 2 * ring - 1 - ring_rank
+    return [(head * c, (head + 1) * c), (tail * c, (tail + 1) * c)]
+
+
+def ring_seq_sizes(S: int, ring: int, sp: int) -> list[int]:
+    """Tokens of each sp rank within a ring rank's ``S / ring`` (the engine's ``seq_sizes``)."""
+    check_ring_seq(S, ring, "contiguous")
+    return seq_split(S // ring, sp)
+
+
+def zigzag_positions(
+    S: int, ring: int, sp: int, ring_rank: int, sp_rank: int, order: str = "zigzag"
+) -> list[int]:
+    """The global token positions the rank at ``(ring_rank, sp_rank)`` holds, in local order.
+
+    A ring rank's tokens (:func:`ring_chunks`, concatenated) are cut over ``sp`` like DTensor's
+    ``Shard(1)`` (:func:`ring_seq_sizes`); the Ulysses all-to-all gathers them back in sp order.
+    The data loader slices ``tokens[:, zigzag_positions(...)]`` (and labels, position ids alike).
+    """
+    if not 0 <= sp_rank < sp:
+        raise ValueError(f"sp_rank={sp_rank} is not in 0..{sp - 1}")
+    local = [t for lo, hi in ring_chunks(S, ring, ring_rank, order) for t in range(lo, hi)]
+    sizes = seq_split(len(local), sp)
+    start = sum(sizes[:sp_rank])
+    return local[start : start + sizes[sp_rank]]
+
+
+def zigzag_permutation(S: int, ring: int, sp: int, order: str = "zigzag") -> list[int]:
+    """All ranks' :func:`zigzag_positions`, ring-major then sp: ``x[:, perm]`` reorders a global
+    sequence so that DTensor's ``Shard(1)`` on a ``("ring", "sp")`` mesh (ring cuts first) gives
+    every rank its zigzag tokens; ``argsort(perm)`` undoes it."""
+    return [
+        t
+        for r in range(ring)
+        for p in range(sp)
+        for t in zigzag_positions(S, ring, sp, r, p, order)
+    ]
+
+
+def check_ring_mesh(dp: int, ring: int, sp: int, world_size: int) -> None:
+    """``dp * ring * sp`` must equal the world size (for ``init_mesh(dp, sp, ring=...)``)."""
+    for name, n in (("dp", dp), ("ring", ring), ("sp", sp)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}={n!r} must be an int >= 1")
+    if dp * ring * sp != world_size:
+        raise ValueError(
+            f"dp x ring x sp = {dp} x {ring} x {sp} = {dp * ring * sp}, but the world has "
+            f"{world_size} ranks; choose degrees whose product is {world_size}"
+        )
+
+
+def ring_closed_form(
+    B: int, L: int, n_kv: int, H: int, ring: int, elem_bytes: int = 4, grad_bytes: int = 4
+) -> dict[str, dict[str, int]]:
+    """p2p sends of one ring-attention call on one rank (receives: the same count and bytes).
+
+    ``L`` tokens per ring rank, ``n_kv`` kv heads the kernel sees (after Ulysses: this sp rank's),
+    ``grad_bytes`` the dk/dv accumulators' element size (4; 8 for float64 inputs). With
+    ``kv = B*L*2*n_kv*H``: forward ``ring-1`` sends of ``kv*elem_bytes``; backward ``ring-1``
+    of ``kv*elem_bytes`` and ``ring`` of ``kv*grad_bytes``. Nothing when ``ring == 1``.
+    """
+    if ring == 1:
+        return {"forward": {"count": 0, "bytes": 0}, "backward": {"count": 0, "bytes": 0}}
+    kv = B * L * 2 * n_kv * H
+    return {
+        "forward": {"count": ring - 1, "bytes": (ring - 1) * kv * elem_bytes},
+        "backward": {
+            "count": 2 * ring - 1,
+            "bytes": (ring - 1) * kv * elem_bytes + ring * kv * grad_bytes,
+        },
+    }

@@ -33,6 +33,11 @@ accumulators (``B*L*2K*H*4``); every send has a matching receive of the same siz
 Ulysses x Ring (USP): ``UlyssesAttention(RingAttention(mesh), mesh)`` on a ``("dp", "ring", "sp")``
 mesh: all-to-all over ``sp``, ring over ``ring``, all-to-all back. Data: the rank at
 ``(ring r, sp p)`` holds the global tokens :func:`zigzag_positions` ``(S, R, sp, r, p)``.
+Training: ``du.init_mesh(dp, sp, ring=R)`` builds that mesh, ``du.parallelize(model, mesh)``
+installs this composition in every block (FSDP2 over ``dp x ring x sp``), and
+``data.get_batch(..., ring=R, ring_rank=r)`` slices the tokens and builds the layout (global
+document starts). The torch-free helpers live in :mod:`dtensor_ulysses.plan` and are re-exported
+here.
 """
 
 from __future__ import annotations
@@ -47,7 +52,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses._ring_kernel import RingAttentionFn, RingPlan
-from dtensor_ulysses.plan import seq_split
+from dtensor_ulysses.plan import (  # torch-free: shared with the data loader and the simulator
+    RING_ORDERS,
+    check_ring_mesh,
+    check_ring_seq,
+    ring_chunks,
+    ring_closed_form,
+    ring_seq_sizes,
+    zigzag_permutation,
+    zigzag_positions,
+)
 
 __all__ = [
     "RING_AXIS",
@@ -64,117 +78,7 @@ __all__ = [
 ]
 
 RING_AXIS = "ring"
-ORDERS = ("zigzag", "contiguous")
-
-
-# ----------------------------------------------------------------------------------------------
-# torch-free: who holds which tokens, checks, closed-form bytes
-# ----------------------------------------------------------------------------------------------
-def check_ring_seq(S: int, ring: int, order: str = "zigzag") -> None:
-    """``S`` tokens must cut into ``2 * ring`` (zigzag) or ``ring`` equal chunks.
-
-    Raises:
-        ValueError: the numbers and the nearest lengths that work.
-    """
-    if order not in ORDERS:
-        raise ValueError(f"order={order!r}; use one of {ORDERS}")
-    if ring < 1:
-        raise ValueError(f"ring={ring} must be >= 1")
-    parts = 2 * ring if order == "zigzag" else ring
-    if parts > S or S % parts:
-        lo, hi = S // parts * parts, -(-S // parts) * parts
-        why = f"2 x ring = {parts} zigzag chunks" if order == "zigzag" else f"ring = {parts} blocks"
-        raise ValueError(
-            f"ring attention over ring={ring} needs the sequence to divide into {why}; "
-            f"S={S} tokens {'is shorter than that' if parts > S else 'does not'}: use a multiple "
-            f"of {parts} (e.g. {max(lo, parts)} or {hi})"
-        )
-
-
-def ring_chunks(S: int, ring: int, ring_rank: int, order: str = "zigzag") -> list[tuple[int, int]]:
-    """Global ``[lo, hi)`` token ranges ring rank ``ring_rank`` holds, in its local order.
-
-    Zigzag: chunks ``ring_rank`` and ``2*ring-1-ring_rank`` of ``S / (2*ring)`` tokens;
-    contiguous: ``[r*S/ring, (r+1)*S/ring)``.
-    """
-    check_ring_seq(S, ring, order)
-    if not 0 <= ring_rank < ring:
-        raise ValueError(f"ring_rank={ring_rank} is not in 0..{ring - 1}")
-    if order == "contiguous":
-        L = S // ring
-        return [(ring_rank * L, (ring_rank + 1) * L)]
-    c = S // (2 * ring)
-    head, tail = ring_rank, 2 * ring - 1 - ring_rank
-    return [(head * c, (head + 1) * c), (tail * c, (tail + 1) * c)]
-
-
-def ring_seq_sizes(S: int, ring: int, sp: int) -> list[int]:
-    """Tokens of each sp rank within a ring rank's ``S / ring`` (the engine's ``seq_sizes``)."""
-    check_ring_seq(S, ring, "contiguous")
-    return seq_split(S // ring, sp)
-
-
-def zigzag_positions(
-    S: int, ring: int, sp: int, ring_rank: int, sp_rank: int, order: str = "zigzag"
-) -> list[int]:
-    """The global token positions the rank at ``(ring_rank, sp_rank)`` holds, in local order.
-
-    A ring rank's tokens (:func:`ring_chunks`, concatenated) are cut over ``sp`` like DTensor's
-    ``Shard(1)`` (:func:`ring_seq_sizes`); the Ulysses all-to-all gathers them back in sp order.
-    The data loader slices ``tokens[:, zigzag_positions(...)]`` (and labels, position ids alike).
-    """
-    if not 0 <= sp_rank < sp:
-        raise ValueError(f"sp_rank={sp_rank} is not in 0..{sp - 1}")
-    local = [t for lo, hi in ring_chunks(S, ring, ring_rank, order) for t in range(lo, hi)]
-    sizes = seq_split(len(local), sp)
-    start = sum(sizes[:sp_rank])
-    return local[start : start + sizes[sp_rank]]
-
-
-def zigzag_permutation(S: int, ring: int, sp: int, order: str = "zigzag") -> list[int]:
-    """All ranks' :func:`zigzag_positions`, ring-major then sp: ``x[:, perm]`` reorders a global
-    sequence so that DTensor's ``Shard(1)`` on a ``("ring", "sp")`` mesh (ring cuts first) gives
-    every rank its zigzag tokens; ``argsort(perm)`` undoes it."""
-    return [
-        t
-        for r in range(ring)
-        for p in range(sp)
-        for t in zigzag_positions(S, ring, sp, r, p, order)
-    ]
-
-
-def check_ring_mesh(dp: int, ring: int, sp: int, world_size: int) -> None:
-    """``dp * ring * sp`` must equal the world size (for ``init_mesh(dp, sp, ring=...)``)."""
-    for name, n in (("dp", dp), ("ring", ring), ("sp", sp)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name}={n!r} must be an int >= 1")
-    if dp * ring * sp != world_size:
-        raise ValueError(
-            f"dp x ring x sp = {dp} x {ring} x {sp} = {dp * ring * sp}, but the world has "
-            f"{world_size} ranks; choose degrees whose product is {world_size}"
-        )
-
-
-def ring_closed_form(
-    B: int, L: int, n_kv: int, H: int, ring: int, elem_bytes: int = 4, grad_bytes: int = 4
-) -> dict[str, dict[str, int]]:
-    """p2p sends of one ring-attention call on one rank (receives: the same count and bytes).
-
-    ``L`` tokens per ring rank, ``n_kv`` kv heads the kernel sees (after Ulysses: this sp rank's),
-    ``grad_bytes`` the dk/dv accumulators' element size (4; 8 for float64 inputs). With
-    ``kv = B*L*2*n_kv*H``: forward ``ring-1`` sends of ``kv*elem_bytes``; backward ``ring-1``
-    of ``kv*elem_bytes`` and ``ring`` of ``kv*grad_bytes``. Nothing when ``ring == 1``.
-    """
-    if ring == 1:
-        return {"forward": {"count": 0, "bytes": 0}, "backward": {"count": 0, "bytes": 0}}
-    kv = B * L * 2 * n_kv * H
-    return {
-        "forward": {"count": ring - 1, "bytes": (ring - 1) * kv * elem_bytes},
-        "backward": {
-            "count": 2 * ring - 1,
-            "bytes": (ring - 1) * kv * elem_bytes + ring * kv * grad_bytes,
-        },
-    }
+ORDERS = RING_ORDERS
 
 
 # ----------------------------------------------------------------------------------------------

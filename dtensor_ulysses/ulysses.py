@@ -278,6 +278,14 @@ class UlyssesAttention(nn.Module):
             _warn_imbalance(N, P)
         seq_sizes = self._seq_sizes(q.shape[SEQ_DIM], layout, seq_len)
         if position_ids is not None:
+            if getattr(self.attn_fn, "global_doc_starts", False):
+                raise ValueError(
+                    f"{type(self.attn_fn).__name__} (ring attention) needs the documents' "
+                    f"global starts over the full sequence; position_ids= only gives starts "
+                    f"within this ring rank's tokens. Pass the step's layout instead "
+                    f"(layout=SeqLayout.split(S, sp, doc_starts, ring=R), as data.get_batch "
+                    f"builds it)"
+                )
             if layout is not None and layout.doc_starts is not None:
                 raise ValueError(
                     "pass the documents once: a layout with doc_starts, or position_ids"

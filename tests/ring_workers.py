@@ -144,3 +144,94 @@ def world_worker(rank: int, world_size: int, cases: list[dict]) -> dict:
         "cases": ring_worker(rank, world_size, cases),
         "bad": bad_input_worker(rank, world_size),
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# training: the tiny model through init_mesh(ring=) -> parallelize -> get_batch(ring=)
+# ----------------------------------------------------------------------------------------------
+def ring_training(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
+    """Each run: ``dp, ring, sp, steps`` and the config (``model, seq_len, batch_size, seed,
+    lr, data, pack_docs``). Returns the first step's loss and full gradients and every step's
+    loss (AdamW at a constant learning rate, clipping at 1.0; the trainer's step by hand)."""
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_ulysses import train as du_train
+    from dtensor_ulysses.data import PackedCorpus, get_batch
+    from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh, mesh_ring
+    from dtensor_ulysses.model import build_model
+    from dtensor_ulysses.parallel import parallelize
+    from dtensor_ulysses.weights import init_weights
+
+    out = []
+    for run in runs:
+        dp, R, sp = run["dp"], run["ring"], run["sp"]
+        mesh = init_mesh(dp, sp, ring=R, device_type="cpu")
+        assert mesh_ring(mesh) == R
+        model = build_model(run["model"], device="meta")
+        parallelize(
+            model, mesh, attention_backend=run.get("backend", "auto"),
+            activation_checkpointing=run.get("activation_checkpointing", False),
+            head_chunks=run.get("head_chunks", 1),
+        )  # fmt: skip
+        model.to_empty(device="cpu")
+        init_weights(model, seed=run["seed"])
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=run["lr"], betas=(0.9, 0.95), eps=1e-8,
+        )  # fmt: skip
+        dp_rank, sp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
+        ring_rank = mesh.get_local_rank("ring") if R > 1 else 0
+        group = flatten_dp_sp(mesh).get_group()
+        assert dist.get_world_size(group) == world_size
+        corpus = PackedCorpus.from_paths(run.get("data"), seq_len=run["seq_len"])
+        losses, first = [], None
+        for step in range(run["steps"]):
+            batch = get_batch(
+                corpus, step, global_batch_size=run["batch_size"], dp_rank=dp_rank, dp=dp,
+                sp_rank=sp_rank, sp=sp, seed=run["seed"], pack_docs=run.get("pack_docs", False),
+                ring=R, ring_rank=ring_rank,
+            )  # fmt: skip
+            local_sum, n_valid = du_train.forward_backward(model, batch, group)
+            total = local_sum.reshape(1)
+            dist.all_reduce(total, group=group)
+            losses.append(total.item() / n_valid)
+            if first is None:
+                first = {
+                    name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                    for name, p in model.named_parameters()
+                }
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out.append({"layout": (dp, R, sp), "losses": losses, "grads": first})
+    return out
+
+
+def ring_bad_input(rank: int, world_size: int) -> dict:
+    """The messages of bad degrees, a too-short sequence and ``position_ids`` with a ring."""
+    from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
+
+    msgs: dict = {}
+    for key, kw in (("product", dict(dp=1, sp=3, ring=2)), ("sp_none", dict(dp=3, ring=2))):
+        try:
+            init_mesh(device_type="cpu", **kw)
+        except ValueError as e:
+            msgs[key] = str(e)
+    mesh = init_mesh(1, 2, ring=2, device_type="cpu")
+    flat = flatten_dp_sp(mesh)
+    msgs["flatten"], msgs["world"] = list(flat.mesh_dim_names), flat.size()
+    q = torch.randn(1, 1, 4, 8)
+    try:  # S = 2 tokens over ring = 2: fewer than the 4 zigzag chunks
+        ring_attention(q, q, q, mesh)
+    except ValueError as e:
+        msgs["short"] = str(e)
+    q = torch.randn(1, 4, 4, 8)
+    try:
+        UlyssesAttention(RingAttention(mesh), mesh)(
+            q, q, q, position_ids=torch.zeros(1, 4, dtype=torch.int64)
+        )
+    except ValueError as e:
+        msgs["position_ids"] = str(e)
+    return msgs

@@ -29,16 +29,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
 from dtensor_ulysses.loss import cross_entropy_sum, tiled_cross_entropy_sum
-from dtensor_ulysses.mesh import MESH_AXES, flatten_dp_sp
-from dtensor_ulysses.offload import fsdp_offload_policy
-from dtensor_ulysses.parallel import default_mixed_precision
-from dtensor_ulysses.recompute import checkpoint_module, offload_checkpoints
+from dtensor_ulysses.mesh import MESH_AXES
+from dtensor_ulysses.parallel import checkpoint_blocks, shard_blocks
 from dtensor_ulysses.weights import bare_name, copy_full_
 
 __all__ = [
@@ -155,25 +153,12 @@ def parallelize(
     _, layers = decoder_layers(hf)
     # 2. activation checkpointing, per decoder layer (names unchanged)
     if activation_checkpointing:
-        for layer in layers:
-            checkpoint_module(layer)
-        if offload_activations:
-            offload_checkpoints(layers)
-    # 3. FSDP2 over dp x sp: layers, then the root (embeddings, final norm, output head)
-    if mixed_precision == "auto":
-        mixed_precision = default_mixed_precision(mesh.device_type)
-    kw: dict = {"mesh": flatten_dp_sp(mesh)}
-    if mixed_precision is not None:
-        kw["mp_policy"] = mixed_precision
-    if offload_params:
-        kw["offload_policy"] = fsdp_offload_policy(mesh)
-    for layer in layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+        checkpoint_blocks(layers, offload=offload_activations)
+    # 3. FSDP2 over dp x sp: layers, then the root (embeddings, final norm, output head),
+    #    gradients summed (the built-in model's step, shared)
+    shard_blocks(
+        model, layers, mesh, mixed_precision=mixed_precision, offload_params=offload_params
+    )
     return model
 
 
