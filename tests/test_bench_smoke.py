@@ -50,3 +50,21 @@ def test_bench_ulysses_toy(tmp_path):
         assert f["bytes_per_rank_fwd"] == u["bytes_per_rank_fwd"]
         assert (f["a2a_count_fwd"], u["a2a_count_fwd"]) == (2, 4)
     assert data["all_equivalent"] and data["all_bytes_equal_across_ranks"]
+
+
+@pytest.mark.timeout(180)
+def test_bench_vs_deepspeed_toy(tmp_path):
+    """The side-by-side benchmark at a toy size: our row is timed; DeepSpeed's is timed and equal
+    to ours where it imports, and recorded as skipped (with the reason) where it does not."""
+    from benchmarks import bench_vs_deepspeed
+
+    out = tmp_path / "ds.json"
+    argv = ["--world-sizes", "2", "--seq-lens", "64", "--heads", "4", "--head-dim", "8",
+            "--iters", "1", "--json", str(out)]  # fmt: skip
+    bench_vs_deepspeed.main(argv)
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["ms"]["dtensor_ulysses"] > 0
+    if "deepspeed" in row["ms"]:
+        assert row["max_abs_diff"] <= 1e-5 and row["ratio"] > 0
+    else:
+        assert row["deepspeed_problem"], row
