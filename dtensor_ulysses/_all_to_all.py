@@ -69,6 +69,7 @@ def _exchange(
     scatter_sizes: Sequence[Sizes],
     gather_sizes: Sequence[Sizes],
     group: dist.ProcessGroup,
+    dim_order: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """The collective: per destination, the pieces of every tensor, in one 1-D buffer.
 
@@ -96,14 +97,24 @@ def _exchange(
     send = xs[0].new_empty(sum(in_splits))
     recv = send.new_empty(sum(out_splits))
     outs = [
-        send.new_empty(_piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim,
-                                    sum(gather_sizes[i])))
+        _empty_in_order(send, _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me],
+                                           gather_dim, sum(gather_sizes[i])), dim_order)
         for i, x in enumerate(xs)
     ]  # fmt: skip
     _move(xs, send, send_shapes, in_splits, scatter_dim, packing=True)
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
     _move(outs, recv, recv_shapes, out_splits, gather_dim, packing=False)
     return outs
+
+
+def _empty_in_order(like: torch.Tensor, shape: list[int], order: Sequence[int] | None):
+    """An empty tensor of ``shape`` whose memory is laid out with dims in ``order`` (outermost
+    first; ``None``: row-major), e.g. ``(0, 2, 1, 3)``: a ``[B, S, N, H]`` tensor stored as
+    ``[B, N, S, H]``, whose ``transpose(1, 2)`` is contiguous."""
+    if order is None:
+        return like.new_empty(shape)
+    inverse = sorted(range(len(order)), key=lambda d: order[d])
+    return like.new_empty([shape[d] for d in order]).permute(inverse)
 
 
 def _move(
@@ -178,16 +189,18 @@ def _exchange_functional(
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, *xs):
+    def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, order, *xs):
         ctx.args = (scatter_dim, gather_dim, scatter_sizes, gather_sizes, group)
-        return tuple(_exchange(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group))
+        return tuple(
+            _exchange(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, order)
+        )
 
     @staticmethod
     def backward(ctx, *grads):
         scatter_dim, gather_dim, scatter_sizes, gather_sizes, group = ctx.args
         # reverse: scatter along the old gather dim by the senders' sizes, gather back ours
         back = _exchange(grads, gather_dim, scatter_dim, gather_sizes, scatter_sizes, group)
-        return (None, None, None, None, None, *back)
+        return (None, None, None, None, None, None, *back)
 
 
 def all_to_all(
@@ -198,6 +211,7 @@ def all_to_all(
     group: dist.ProcessGroup,
     scatter_sizes: Sizes | Sequence[Sizes] | None = None,
     gather_sizes: Sizes | Sequence[Sizes] | None = None,
+    dim_order: Sequence[int] | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """All-to-all of one tensor or several tensors in a single collective, differentiable.
 
@@ -210,6 +224,10 @@ def all_to_all(
             one list per tensor). Default: equal parts.
         gather_sizes: per source rank, the size of the gather dim it holds (one list, or one
             per tensor). Default: equal, this rank's own size.
+        dim_order: the memory layout of the results, dims outermost first (``None``:
+            row-major), e.g. ``(0, 2, 1, 3)`` to receive ``[B, S, N, H]`` stored as
+            ``[B, N, S, H]``, the layout SDPA consumes: the received pieces are written there
+            directly, no further copy. Ignored under ``torch.compile``.
 
     Returns:
         The exchanged tensor (or a list, if ``xs`` was a sequence). Forward issues exactly one
@@ -260,7 +278,8 @@ def all_to_all(
         return out[0] if single else out
     sc_t = tuple(tuple(s) for s in sc)
     ga_t = tuple(tuple(g) for g in ga)
-    out = _AllToAll.apply(scatter_dim, gather_dim, sc_t, ga_t, group, *tensors)
+    order = None if dim_order is None else tuple(dim_order)
+    out = _AllToAll.apply(scatter_dim, gather_dim, sc_t, ga_t, group, order, *tensors)
     return out[0] if single else list(out)
 
 

@@ -206,6 +206,12 @@ class LocalAttention(nn.Module):
             q, k, v, causal=self.causal, backend=self.backend, doc_starts=doc_starts
         )
 
+    def input_dim_order(self, q: torch.Tensor) -> tuple[int, ...] | None:
+        """The memory layout this kernel reads without a copy, for ``q``-like inputs: SDPA
+        works on ``[B, N, S, H]`` (``(0, 2, 1, 3)`` of ``[B, S, N, H]``), flash-attn on
+        ``[B, S, N, H]`` as it is (``None``). The Ulysses engine unpacks into it directly."""
+        return (0, 2, 1, 3) if resolve_backend(self.backend, q) == "sdpa" else None
+
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, causal={self.causal}"
 

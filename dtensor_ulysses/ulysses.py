@@ -108,11 +108,13 @@ def to_heads(
     group: dist.ProcessGroup,
     seq_sizes: Sequence[int],
     head_sizes: Sequence[Sequence[int]],
+    dim_order: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """``x[B, S_sp, N, H] -> x[B, S, N_sp, H]`` for every tensor of ``xs``, in one all-to-all.
 
     ``seq_sizes[r]``: tokens sp rank ``r`` holds; ``head_sizes[i][r]``: heads of tensor ``i``
-    that rank ``r`` receives.
+    that rank ``r`` receives; ``dim_order``: the memory layout the kernel wants (e.g.
+    ``(0, 2, 1, 3)``: stored as ``[B, N, S, H]``), written directly by the exchange.
     """
     out = all_to_all(
         list(xs),
@@ -121,6 +123,7 @@ def to_heads(
         group=group,
         scatter_sizes=[list(h) for h in head_sizes],
         gather_sizes=list(seq_sizes),
+        dim_order=dim_order,
     )
     return list(out)
 
@@ -299,8 +302,10 @@ class UlyssesAttention(nn.Module):
         elif layout is not None and layout.doc_starts is not None:
             attn_kwargs["doc_starts"] = layout.doc_starts
 
+        order_of = getattr(self.attn_fn, "input_dim_order", None)  # the kernel's memory layout
+        order = order_of(q) if callable(order_of) else None
         if self.head_chunks > 1:
-            return self._chunked(q, k, v, plan, seq_sizes, attn_kwargs)
+            return self._chunked(q, k, v, plan, seq_sizes, attn_kwargs, order)
         if not plan.is_plain_shard:  # GQA with sp not dividing K: replicate kv heads as needed
             idx = torch.tensor([h for hs in plan.kv_index for h in hs], device=k.device)
             k, v = k.index_select(HEAD_DIM, idx), v.index_select(HEAD_DIM, idx)
@@ -308,11 +313,11 @@ class UlyssesAttention(nn.Module):
         # q[B, S_sp, N, H] -> q[B, S, N_sp, H]   (Shard(1) -> Shard(2) on sp), same for k and v
         if self.fuse_qkv:
             q_BSnH, k_BSmH, v_BSmH = to_heads(
-                [q, k, v], self.group, seq_sizes, [q_sizes, kv_sizes, kv_sizes]
+                [q, k, v], self.group, seq_sizes, [q_sizes, kv_sizes, kv_sizes], order
             )
         else:
             (q_BSnH,), (k_BSmH,), (v_BSmH,) = (
-                to_heads([t], self.group, seq_sizes, [sizes])
+                to_heads([t], self.group, seq_sizes, [sizes], order)
                 for t, sizes in ((q, q_sizes), (k, kv_sizes), (v, kv_sizes))
             )
         o_BSnH = self.attn_fn(q_BSnH, k_BSmH, v_BSmH, **attn_kwargs)
@@ -327,6 +332,7 @@ class UlyssesAttention(nn.Module):
         plan,
         seq_sizes: list[int],
         attn_kwargs: dict,
+        order: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Head-chunked attention: kv once, then ``C = head_chunks`` stages of q heads.
 
@@ -344,7 +350,9 @@ class UlyssesAttention(nn.Module):
             idx = torch.tensor([h for hs in plan.kv_index for h in hs], device=k_BsKH.device)
             k_BsKH, v_BsKH = k_BsKH.index_select(HEAD_DIM, idx), v_BsKH.index_select(HEAD_DIM, idx)
         kv_sizes = plan.kv_heads
-        k_BSmH, v_BSmH = to_heads([k_BsKH, v_BsKH], self.group, seq_sizes, [kv_sizes, kv_sizes])
+        k_BSmH, v_BSmH = to_heads(
+            [k_BsKH, v_BsKH], self.group, seq_sizes, [kv_sizes, kv_sizes], order
+        )
         group_r = n // kv_sizes[me]  # local q heads per local kv head (rank me)
         if m % group_r and group_r % m:
             raise ValueError(
@@ -358,7 +366,11 @@ class UlyssesAttention(nn.Module):
             lo = c * m // group_r  # the local kv heads that local q heads c*m .. (c+1)*m use
             hi = max(lo + 1, (c + 1) * m // group_r)
             stage = functools.partial(
-                self._stage, seq_sizes=seq_sizes, kv=(lo, hi), attn_kwargs=attn_kwargs
+                self._stage,
+                seq_sizes=seq_sizes,
+                kv=(lo, hi),
+                attn_kwargs=attn_kwargs,
+                order=order,
             )
             q_c = q_BsPCmH[:, :, :, c].reshape(B, s, P * m, H)
             if torch.is_grad_enabled():
@@ -368,11 +380,11 @@ class UlyssesAttention(nn.Module):
             o_BsPCmH[:, :, :, c] = o_c.view(B, s, P, m, H)
         return o_BsPCmH.view(B, s, N, H)
 
-    def _stage(self, q_c, k_BSmH, v_BSmH, *, seq_sizes, kv, attn_kwargs) -> torch.Tensor:
+    def _stage(self, q_c, k_BSmH, v_BSmH, *, seq_sizes, kv, attn_kwargs, order) -> torch.Tensor:
         """One stage: ``q_c[B, S_sp, P*m, H] -> [B, S, m, H]``, attend, and back."""
         P = dist.get_world_size(self.group)
         m = q_c.shape[HEAD_DIM] // P
-        (q_BSmH,) = to_heads([q_c], self.group, seq_sizes, [[m] * P])
+        (q_BSmH,) = to_heads([q_c], self.group, seq_sizes, [[m] * P], order)
         lo, hi = kv
         o_BSmH = self.attn_fn(q_BSmH, k_BSmH[:, :, lo:hi], v_BSmH[:, :, lo:hi], **attn_kwargs)
         return to_seq(o_BSmH, self.group, seq_sizes, [m] * P)

@@ -192,3 +192,23 @@ def compiled_model_worker(rank: int, world_size: int, backend: str) -> dict:
         out[name] = (total.item(), grads)
     (le, ge), (lc, gc) = out["eager"], out["compiled"]
     return {"loss": (le, lc), "grad_err": max((ge[n] - gc[n]).abs().max().item() for n in ge)}
+
+
+def kernel_layout_worker(rank: int, world_size: int, head_chunks: int) -> dict:
+    """What memory layout the SDPA kernel receives through the engine."""
+
+    class Recording(du.LocalAttention):
+        seen: list = []
+
+        def forward(self, q, k, v, **kw):
+            self.seen.append(all(t.transpose(1, 2).is_contiguous() for t in (q, k, v)))
+            return super().forward(q, k, v, **kw)
+
+    mesh = get_mesh(1, world_size)
+    kernel = Recording("sdpa")
+    engine = du.UlyssesAttention(kernel, mesh["sp"], head_chunks=head_chunks)
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(2, 4, 8, 4, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 4, 2, 4, generator=g, requires_grad=True) for _ in range(2))
+    engine(q, k, v).sum().backward()
+    return {"bnsh": kernel.seen}

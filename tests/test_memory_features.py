@@ -225,3 +225,12 @@ def test_rmsnorm_keeps_its_input_in_bf16_and_is_exact():
     torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(gx, rgx, rtol=0, atol=1e-12)
     torch.testing.assert_close(gw, rgw, rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_sdpa_receives_its_layout_from_the_exchange():
+    """The exchange writes q, k, v straight into the [B, N, S, H] memory SDPA reads, so the
+    kernel gets contiguous inputs without copying them itself (plain and head-chunked)."""
+    for chunks in (1, 2):
+        for r in run_local_world(feature_workers.kernel_layout_worker, 2, chunks):
+            assert r["bnsh"] and all(r["bnsh"]), (chunks, r)
