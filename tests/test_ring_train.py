@@ -168,3 +168,26 @@ def test_mesh_bad_degrees_and_short_sequence_name_the_numbers():
     assert "needs the documents' global starts" in msgs["position_ids"]
     assert msgs["flatten"] == ["dp_ring_sp"]
     assert msgs["world"] == 4
+
+
+@pytest.mark.timeout(300)
+def test_trainer_ring_2_x_sp_2_gives_the_single_device_losses():
+    """The trainer itself (``--ring 2 --sp 2``): three steps of losses equal the plain
+    single-process run, as ``--sp 4`` does."""
+    from tests import train_workers
+    from tests.test_train import CFG, _reference
+
+    _, _, ref = _reference(3)
+    runs = [dict(CFG, dp=1, ring=2, sp=2, steps=3), dict(CFG, dp=1, sp=4, steps=3)]
+    for run, losses in zip(runs, run_local_world(train_workers.run_training, 4, runs)[0]):
+        for (step, got), want in zip(losses, ref):
+            assert abs(got - want) < 1e-4, f"{run} step {step}: {got} vs {want}"
+
+
+def test_trainer_refuses_bad_ring_layouts():
+    from dtensor_ulysses.train import TrainConfig, UsageError, validate
+
+    with pytest.raises(UsageError, match=r"--dp 1 x --ring 2 x --sp 4 = 8 but torchrun started 4"):
+        validate(TrainConfig(dp=1, ring=2, sp=4, seq_len=64), 4)
+    with pytest.raises(UsageError, match=r"--seq-len: .*62"):
+        validate(TrainConfig(dp=1, ring=2, sp=2, seq_len=62), 4)
