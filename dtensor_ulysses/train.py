@@ -121,6 +121,7 @@ class TrainConfig:
     tiled_mlp: bool = False
     mlp_chunk_tokens: int | None = None  # None: the model dim (ALST's choice), capped
     head_chunks: int = 1
+    compile: str | None = None  # a torch.compile backend, per block (None: eager)
     offload_activations: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -266,6 +267,15 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         type=int,
         default=None,
         help="tokens per MLP chunk (default: the model dim)",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile each block (fullgraph; BACKEND: inductor when omitted, or e.g. "
+        "aot_eager)",
     )
     mem.add_argument(
         "--head-chunks",
@@ -787,6 +797,7 @@ def build(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, *, init: boo
         offload_activations=cfg.offload_activations,
         offload_params=cfg.offload_params,
         head_chunks=cfg.head_chunks,
+        compile=cfg.compile or False,
         attention_backend=cfg.attention_backend,
         allow_uneven_heads=cfg.allow_uneven_heads,
     )

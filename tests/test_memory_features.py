@@ -234,3 +234,17 @@ def test_sdpa_receives_its_layout_from_the_exchange():
     for chunks in (1, 2):
         for r in run_local_world(feature_workers.kernel_layout_worker, 2, chunks):
             assert r["bnsh"] and all(r["bnsh"]), (chunks, r)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_trainer_compile_gives_the_single_device_losses(reference):
+    """``--compile aot_eager`` (each block compiled, fullgraph): three steps of losses equal the
+    plain single-process run at (dp, sp) = (1, 2)."""
+    from tests import train_workers
+    from tests.test_train import CFG
+
+    _, _, ref = reference
+    runs = [dict(CFG, dp=1, sp=2, steps=3, compile="aot_eager", activation_checkpointing=True)]
+    for (step, got), want in zip(run_local_world(train_workers.run_training, 2, runs)[0][0], ref):
+        assert abs(got - want) < 1e-4, f"step {step}: {got} vs {want}"
