@@ -51,6 +51,17 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _recv_shapes(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, P: int, me: int):
+    """From rank ``j``, tensor ``i`` arrives with scatter dim = my share, gather dim = ``j``'s."""
+    return [
+        [
+            _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim, gather_sizes[i][j])
+            for i, x in enumerate(xs)
+        ]
+        for j in range(P)
+    ]
+
+
 def _strided_blocks(
     buf: torch.Tensor, P: int, block: int, offset: int, piece: Sequence[int]
 ) -> torch.Tensor:
@@ -85,13 +96,7 @@ def _exchange(
         for j in range(P)
     ]  # fmt: skip
     # recv: from rank j, tensor i arrives with scatter dim = my share, gather dim = j's size
-    recv_shapes = [
-        [
-            _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim, gather_sizes[i][j])
-            for i, x in enumerate(xs)
-        ]
-        for j in range(P)
-    ]
+    recv_shapes = _recv_shapes(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, P, me)
     in_splits = [sum(_numel(s) for s in shapes) for shapes in send_shapes]
     out_splits = [sum(_numel(s) for s in shapes) for shapes in recv_shapes]
     send = xs[0].new_empty(sum(in_splits))
@@ -171,13 +176,7 @@ def _exchange_functional(
             pieces.append(x.narrow(scatter_dim, offsets[i], scatter_sizes[i][j]).reshape(-1))
             offsets[i] += scatter_sizes[i][j]
         in_splits.append(sum(p.numel() for p in pieces[-len(xs) :]))
-    recv_shapes = [
-        [
-            _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim, gather_sizes[i][j])
-            for i, x in enumerate(xs)
-        ]
-        for j in range(P)
-    ]
+    recv_shapes = _recv_shapes(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, P, me)
     out_splits = [sum(_numel(s) for s in shapes) for shapes in recv_shapes]
     recv = functional_all_to_all(torch.cat(pieces), out_splits, in_splits, group)
     parts: list[list[torch.Tensor]] = [[] for _ in xs]

@@ -805,16 +805,21 @@ def build(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, *, init: boo
     model.to_empty(device="cpu" if cfg.offload_params else device)
     if init:
         init_weights(model, seed=cfg.seed)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return (model, *make_optimizer(cfg, model))
+
+
+def make_optimizer(cfg: TrainConfig, model: torch.nn.Module):
+    """AdamW (on the host with ``--offload-optimizer``) with weight decay on matrices only, and
+    its warmup + cosine schedule; for the built-in model and transformers models alike."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     optimizer_cls = HostOffloadAdamW if cfg.offload_optimizer else torch.optim.AdamW
     optimizer = optimizer_cls(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    return model, optimizer, scheduler
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
 
 def _checkpoint_meta(cfg: TrainConfig) -> dict:

@@ -392,8 +392,7 @@ def build(cfg: Any, mesh: DeviceMesh, device: torch.device):
     Reads ``cfg.hf_model`` and the trainer's options (checkpointing, offloading, head chunks,
     tiled loss, attention backend, uneven heads, learning-rate schedule).
     """
-    from dtensor_ulysses.offload import HostOffloadAdamW
-    from dtensor_ulysses.train import _local_tokens, lr_lambda
+    from dtensor_ulysses.train import _local_tokens, make_optimizer
 
     if getattr(cfg, "tiled_mlp", False):
         raise ValueError("--tiled-mlp applies to the built-in model only, not to --hf-model")
@@ -407,16 +406,7 @@ def build(cfg: Any, mesh: DeviceMesh, device: torch.device):
         head_chunks=cfg.head_chunks, attention_backend=cfg.attention_backend,
         allow_uneven_heads=cfg.allow_uneven_heads,
     )  # fmt: skip
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    optimizer_cls = HostOffloadAdamW if cfg.offload_optimizer else torch.optim.AdamW
-    optimizer = optimizer_cls(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    return model, optimizer, scheduler
+    return (model, *make_optimizer(cfg, model))
 
 
 def validate_config(cfg: Any) -> Any:
