@@ -138,9 +138,9 @@ show(sim_figures.plot_activation_check(measured, model="tiny"))
 # At a fixed sequence length the measured bytes per rank fall almost as `1/sp`: a little less,
 # because with `sp > 1` the output of the second all-to-all is one more saved tensor (the o
 # projection's input), and at `sp=4` the 2 kv heads are replicated (`K' = 4`). The simulator
-# counts both and tracks the measurement within a few percent at every point; most of the
-# remaining gap is the RMSNorms, whose outputs the simulator's profile counts at 2 bytes (bf16
-# training) while this fp32 run keeps 4.
+# counts both and tracks the measurement within a few percent at every point (its RMSNorm keeps
+# its input and output in the activation dtype, as the model's norm does; the small remainder is
+# tensors it does not list, such as the norms' per-token scales).
 
 # %%
 by = {(r["sp"], r["seq_len"]): r["blocks_bytes"] for r in measured}

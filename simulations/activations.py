@@ -164,7 +164,7 @@ def block_saved_bytes(w: Workload, g: RankGeometry) -> dict[str, float]:
     prof = IMPL_PROFILES[w.impl]
     e = w.e
     D, N, K, H, F = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_dim
-    nb = prof.norm_saved
+    nb = 2 * e if prof.norm_saved is None else prof.norm_saved  # None: input + output, e each
     t, at, q, kv = g.tokens, g.att_tokens, g.q_heads, g.kv_heads
     return {
         "attention_norm": nb * D * t,

@@ -26,6 +26,7 @@ class ImplProfile:
             saved input) included: eager with an fp32 upcast (HF ``LlamaRMSNorm``, PyTorch's
             composite ``rms_norm``) keeps the fp32 input (4), the normalized bf16 tensor for the
             weight gradient (2) and the output (2) = 8; a fused kernel keeps input and output = 4.
+            ``None``: input and output in the activation dtype, ``2 e`` (this project's norm).
         mlp_saved: F-sized tensors the SwiGLU keeps: eager gate, up, silu(gate), product = 4; a
             fused SwiGLU keeps gate and up, the down projection its input = 3.
         mlp_bwd: F-sized gradients alive at once in the SwiGLU backward.
@@ -45,7 +46,7 @@ class ImplProfile:
     """
 
     name: str
-    norm_saved: int
+    norm_saved: int | None
     mlp_saved: int
     mlp_bwd: int
     loss_kept: int
@@ -73,13 +74,14 @@ _ZERO3_GPU = {"none": (2, 4, 12), "optimizer": (2, 2, 0), "params": (0, 0, 0)}
 _ZERO3_CPU = {"none": (0, 0, 0), "optimizer": (0, 4, 12), "params": (2, 4, 12)}
 
 IMPL_PROFILES: dict[str, ImplProfile] = {
-    # This project: FSDP2 + dtensor_ulysses/model.py. RMSNorm upcasts to fp32 and calls
-    # F.rms_norm with an fp32 weight: it keeps the fp32 input (4) and the fp32 normalized tensor
-    # for the weight gradient (4); the bf16 output is the next matmul's input (2) = 10. Eager
-    # SwiGLU (4). The loss is computed inside the model's forward and returns a scalar: the caller
-    # keeps no logits (loss_kept 0; traced). loss.py's tiled loss materializes chunks of tokens.
+    # This project: FSDP2 + dtensor_ulysses/model.py. RMSNorm is a small autograd function that
+    # keeps its input in its own dtype (e) and one fp32 scale per row (4/D per element, left
+    # out), recomputing the rest in backward; its output is the next matmul's input (e): 2e, 4 at
+    # bf16 as a fused kernel (traced; it was 10 with F.rms_norm on an fp32 upcast). Eager SwiGLU
+    # (4). The loss is computed inside the model's forward and returns a scalar: the caller keeps
+    # no logits (loss_kept 0; traced). loss.py's tiled loss materializes chunks of tokens.
     "dtensor-ulysses": ImplProfile(
-        name="dtensor-ulysses", norm_saved=10, mlp_saved=4, mlp_bwd=3, loss_kept=0,
+        name="dtensor-ulysses", norm_saved=None, mlp_saved=4, mlp_bwd=3, loss_kept=0,
         gpu_state_bytes=_FSDP2_GPU, cpu_state_bytes=_FSDP2_CPU,
         loss_tile_bytes=GiB, fixed_bytes=256 * 2**20, loss_tile_tokens=2048,
     ),
