@@ -57,6 +57,7 @@ from dtensor_ulysses.presets import ModelShape
 __all__ = [
     "CAPACITY_ENV",
     "FEATURE_FLAGS",
+    "MEMORY_FEATURES",
     "MemoryEstimate",
     "Preflight",
     "check_fits",
@@ -81,6 +82,19 @@ TOLERANCE = 0.05
 
 # The trainer's memory flags, in the order suggestions list them; the second item says whether
 # the flag moves memory to the host (no help on CPU, where the host is the device).
+# The trainer's memory features: TrainConfig fields, also the trace's options (one list).
+MEMORY_FEATURES = (
+    "activation_checkpointing",
+    "tiled_loss",
+    "loss_chunk_tokens",
+    "tiled_mlp",
+    "mlp_chunk_tokens",
+    "head_chunks",
+    "offload_activations",
+    "offload_optimizer",
+    "offload_params",
+)
+
 FEATURE_FLAGS: tuple[tuple[str, bool], ...] = (
     ("activation_checkpointing", False),
     ("tiled_loss", False),

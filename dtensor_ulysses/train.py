@@ -64,7 +64,7 @@ from dtensor_ulysses.model import build_model, model_flops_per_token, set_tiling
 from dtensor_ulysses.offload import HostOffloadAdamW
 from dtensor_ulysses.parallel import parallelize
 from dtensor_ulysses.plan import check_ring_seq, check_sp_for_heads, nearby_multiples
-from dtensor_ulysses.preflight import check_fits
+from dtensor_ulysses.preflight import MEMORY_FEATURES, check_fits
 from dtensor_ulysses.presets import ModelShape, get_shape
 from dtensor_ulysses.ulysses import check_head_chunks
 from dtensor_ulysses.weights import init_weights
@@ -659,7 +659,7 @@ def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
 def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
     """Refuse a run whose estimated per-rank memory exceeds this machine's (``preflight.py``)."""
     assert cfg.sp is not None
-    features = {name: getattr(cfg, name) for name in _MEMORY_FEATURES}
+    features = {name: getattr(cfg, name) for name in MEMORY_FEATURES}
     try:
         result = check_fits(
             shape, device_type=device_type, features=features,
@@ -707,19 +707,6 @@ def lr_lambda(cfg: TrainConfig):
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
     return f
-
-
-_MEMORY_FEATURES = (
-    "activation_checkpointing",
-    "tiled_loss",
-    "loss_chunk_tokens",
-    "tiled_mlp",
-    "mlp_chunk_tokens",
-    "head_chunks",
-    "offload_activations",
-    "offload_optimizer",
-    "offload_params",
-)
 
 
 def _local_tokens(cfg: TrainConfig) -> int:

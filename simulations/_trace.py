@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtensor_ulysses.preflight import MEMORY_FEATURES
 from simulations import memory
 from simulations.config import Workload
 from simulations.hardware import get_gpu
@@ -43,18 +44,8 @@ __all__ = [
 
 GiB = 2**30
 TOLERANCE = 0.10
-# TrainConfig field -> Workload field (same meaning; the chunk sizes only exist in the trainer
-# and in Workload as options)
-FEATURE_FLAGS = (
-    "tiled_loss",
-    "loss_chunk_tokens",
-    "tiled_mlp",
-    "mlp_chunk_tokens",
-    "head_chunks",
-    "offload_activations",
-    "offload_optimizer",
-    "offload_params",
-)
+# TrainConfig field -> Workload field (same meaning; checkpointing is Workload's ``ac``)
+FEATURE_FLAGS = tuple(f for f in MEMORY_FEATURES if f != "activation_checkpointing")
 
 
 class TraceUnavailable(RuntimeError):
