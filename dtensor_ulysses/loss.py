@@ -11,7 +11,9 @@ which FSDP2 sums (``du.parallelize`` sets its gradient divide factor to 1). What
 loss and gradients equal the single-device run.
 
 :func:`tiled_cross_entropy_sum` computes the same sum without materializing ``[B, s, V]`` logits:
-chunks of the sequence are projected, scored and discarded, and recomputed in backward.
+chunks of the sequence are projected, scored and discarded, and recomputed in backward, where
+the hidden states' gradient is written chunk by chunk into one tensor
+(:mod:`dtensor_ulysses._tiling`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from dtensor_ulysses._tiling import tiled
 
 __all__ = [
     "IGNORE_INDEX",
@@ -61,13 +64,7 @@ def tiled_cross_entropy_sum(
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     h_TD, labels_T = h_BsD.flatten(0, 1), labels_Bs.flatten()
-    total = h_TD.new_zeros((), dtype=torch.float32)
-    for start in range(0, h_TD.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + checkpoint(
-            _chunk_ce_sum, h_TD[start:end], weight_VD, labels_T[start:end], use_reentrant=False
-        )
-    return total
+    return tiled(_chunk_ce_sum, h_TD, [weight_VD], chunk_tokens, extras=[labels_T], reduce="sum")
 
 
 def global_valid_tokens(labels_Bs: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:

@@ -31,8 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from dtensor_ulysses._tiling import tiled
 from dtensor_ulysses.attention import LocalAttention
 from dtensor_ulysses.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.plan import SeqLayout
@@ -41,6 +41,7 @@ from dtensor_ulysses.presets import PRESETS, ModelShape, get_shape
 __all__ = [
     "Attention",
     "FeedForward",
+    "OutputHead",
     "RMSNorm",
     "Transformer",
     "TransformerBlock",
@@ -63,29 +64,55 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # ----------------------------------------------------------------------------------------------
 # building blocks
 # ----------------------------------------------------------------------------------------------
+NORM_CHUNK_ELEMENTS = 1 << 25
+"""Elements (rows x D) of one RMSNorm chunk: its float32 temporaries are ~128 MiB each, not
+``[s, D]`` float32 (7.5 GiB per tensor at ``s = 488K``, ``D = 4096``: five of them were the peak
+of a million-token backward)."""
+
+
+def _row_chunks(rows: int, dim: int) -> list[tuple[int, int]]:
+    step = max(1, NORM_CHUNK_ELEMENTS // max(dim, 1))
+    return [(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
 class _RMSNormFunction(torch.autograd.Function):
-    """``y = x * rsqrt(mean(x^2) + eps) * w``, computed in (at least) float32, that keeps only
-    ``x`` in its own dtype and one float32 scale per row for backward (a float32 copy of ``x``
-    would be 2-3x the bytes at bf16: the largest saved tensor of a block at long context)."""
+    """``y = x * rsqrt(mean(x^2) + eps) * w``, computed in (at least) float32 over row chunks
+    (:data:`NORM_CHUNK_ELEMENTS`), that keeps only ``x`` in its own dtype and one float32 scale
+    per row for backward (a float32 copy of ``x`` would be 2-3x the bytes at bf16: the largest
+    saved tensor of a block at long context). Rows are independent, so chunking changes nothing
+    but the order in which the weight's gradient is summed (in float32)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         dtype = _compute_dtype(x.dtype)
-        xf = x.to(dtype)
-        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, w, rstd)
-        return (xf * rstd * w.to(dtype)).to(x.dtype)
+        x_RD = x.reshape(-1, x.shape[-1])
+        y_RD = torch.empty_like(x_RD)
+        rstd_R1 = x_RD.new_empty((x_RD.shape[0], 1), dtype=dtype)
+        wf = w.to(dtype)
+        for a, b in _row_chunks(*x_RD.shape):
+            xf = x_RD[a:b].to(dtype)
+            rstd_R1[a:b] = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+            y_RD[a:b] = xf * rstd_R1[a:b] * wf
+        ctx.save_for_backward(x, w, rstd_R1)
+        return y_RD.view(x.shape)
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
-        x, w, rstd = ctx.saved_tensors
-        dtype = rstd.dtype
-        xhat = x.to(dtype) * rstd
-        gyf = gy.to(dtype)
-        gw = (gyf * xhat).reshape(-1, xhat.shape[-1]).sum(0)
-        g_xhat = gyf * w.to(dtype)
-        gx = rstd * (g_xhat - xhat * (g_xhat * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), gw.to(w.dtype), None
+        x, w, rstd_R1 = ctx.saved_tensors
+        dtype = rstd_R1.dtype
+        x_RD = x.reshape(-1, x.shape[-1])
+        gy_RD = gy.reshape(-1, x.shape[-1])
+        gx_RD = torch.empty_like(x_RD)
+        gw = torch.zeros(x.shape[-1], dtype=dtype, device=x.device)
+        wf = w.to(dtype)
+        for a, b in _row_chunks(*x_RD.shape):
+            rstd = rstd_R1[a:b]
+            xhat = x_RD[a:b].to(dtype) * rstd
+            gyf = gy_RD[a:b].to(dtype)
+            gw += (gyf * xhat).sum(0)
+            g_xhat = gyf * wf
+            gx_RD[a:b] = rstd * (g_xhat - xhat * (g_xhat * xhat).mean(-1, keepdim=True))
+        return gx_RD.view(x.shape), gw.to(w.dtype), None
 
 
 class RMSNorm(nn.Module):
@@ -219,13 +246,19 @@ class Attention(nn.Module):
         return self.wo(o_BsNH.reshape(B, s, N * H))
 
 
+def _swiglu(x_TD: torch.Tensor, w1_FD: torch.Tensor, w2_DF: torch.Tensor, w3_FD: torch.Tensor):
+    return F.linear(F.silu(F.linear(x_TD, w1_FD)) * F.linear(x_TD, w3_FD), w2_DF)
+
+
 class FeedForward(nn.Module):
     """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``, no biases.
 
     Attributes:
         chunk_tokens: tiled MLP (ALST): when set, the MLP runs over chunks of at most this many
             tokens, each recomputed in backward, so its ``[tokens, F]`` intermediates exist for
-            one chunk at a time (forward and backward). Token-wise, so exact.
+            one chunk at a time (forward and backward), and the input's gradient is written
+            chunk by chunk into one tensor (:mod:`dtensor_ulysses._tiling`). Token-wise, so
+            exact.
     """
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
@@ -236,21 +269,15 @@ class FeedForward(nn.Module):
         self.chunk_tokens: int | None = None
 
     def _mlp(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
+        return _swiglu(x_TD, self.w1.weight, self.w2.weight, self.w3.weight)
 
     def forward(self, x_BsD: torch.Tensor) -> torch.Tensor:
         B, s, D = x_BsD.shape
         c = self.chunk_tokens
         if c is None or B * s <= c:
             return self._mlp(x_BsD)
-        x_TD = x_BsD.reshape(B * s, D)
-        y_TD = x_TD.new_empty(B * s, D)  # filled chunk by chunk: no list of pieces to concatenate
-        for lo in range(0, B * s, c):
-            if torch.is_grad_enabled():
-                y_TD[lo : lo + c] = checkpoint(self._mlp, x_TD[lo : lo + c], use_reentrant=False)
-            else:
-                y_TD[lo : lo + c] = self._mlp(x_TD[lo : lo + c])
-        return y_TD.view(B, s, D)
+        ws = (self.w1.weight, self.w2.weight, self.w3.weight)
+        return tiled(_swiglu, x_BsD.reshape(B * s, D), ws, c).view(B, s, D)
 
 
 class TransformerBlock(nn.Module):
@@ -274,6 +301,33 @@ class TransformerBlock(nn.Module):
         return h_BsD + self.feed_forward(self.ffn_norm(h_BsD))
 
 
+class OutputHead(nn.Linear):
+    """The output projection ``[V, D]`` (no bias); given labels, its forward returns the loss.
+
+    Computing the loss in this module's forward (not from ``weight`` elsewhere) lets FSDP2 wrap
+    it on its own (``du.parallelize`` does): its weight is gathered for the loss and its
+    backward, and freed, with its gradient reduced, as soon as that backward is done, instead
+    of staying unsharded with the root's parameters until the end of the backward.
+    """
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+
+    def forward(
+        self,
+        h_BsD: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        chunk_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, s, V]``; with ``labels``, the float32 loss *sum* (tiled over
+        ``chunk_tokens`` rows when given)."""
+        if labels is None:
+            return super().forward(h_BsD)
+        if chunk_tokens is not None:
+            return tiled_cross_entropy_sum(h_BsD, self.weight, labels, chunk_tokens)
+        return cross_entropy_sum(super().forward(h_BsD), labels)
+
+
 class Transformer(nn.Module):
     """Decoder-only language model.
 
@@ -291,8 +345,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
         self.layers = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
         self.norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.output: nn.Linear | None = (
-            None if shape.tie_embeddings else nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        self.output: OutputHead | None = (
+            None if shape.tie_embeddings else OutputHead(shape.dim, shape.vocab_size)
         )
         self.loss_chunk_tokens: int | None = None
 
@@ -349,14 +403,12 @@ class Transformer(nn.Module):
         backward: no ``[B, s, V]`` tensor ever exists.
         """
         h_BsD = self.forward_hidden(input_ids_Bs, position_ids_Bs, layout=layout)
-        if labels is not None and self.loss_chunk_tokens is not None:
-            return tiled_cross_entropy_sum(
-                h_BsD, self.output_weight(), labels, chunk_tokens=self.loss_chunk_tokens
-            )
-        if self.output is None:
-            logits_BsV = F.linear(h_BsD, self.tok_embeddings.weight)
-        else:
-            logits_BsV = self.output(h_BsD)  # through the module, so FSDP2 hooks (if any) run
+        chunk = self.loss_chunk_tokens if labels is not None else None
+        if self.output is not None:  # through the module, so its FSDP2 hooks run
+            return self.output(h_BsD, labels, chunk)
+        if labels is not None and chunk is not None:
+            return tiled_cross_entropy_sum(h_BsD, self.tok_embeddings.weight, labels, chunk)
+        logits_BsV = F.linear(h_BsD, self.tok_embeddings.weight)
         return logits_BsV if labels is None else cross_entropy_sum(logits_BsV, labels)
 
 

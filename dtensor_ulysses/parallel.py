@@ -153,11 +153,15 @@ def parallelize(
         for block in model.layers:
             block.compile(backend=backend, fullgraph=True)
 
-    # 4. FSDP2 over the flattened dp x sp ranks: blocks first, then the root (embedding, final
-    #    norm, output head; a tied output head stays with the embedding in the root group).
+    # 4. FSDP2 over the flattened dp x sp ranks: blocks, the embedding and the output head
+    #    each on their own (freed as soon as they are done), then the root (the final norm).
+    #    A tied output head is the embedding: it stays in the root's group, unsharded from
+    #    the embedding's forward to the loss's backward.
+    untied = model.output is not None
     shard_blocks(
-        model, model.layers, mesh, mixed_precision=mixed_precision, offload_params=offload_params
-    )
+        model, model.layers, mesh, mixed_precision=mixed_precision, offload_params=offload_params,
+        embedding=model.tok_embeddings if untied else None, head=model.output,
+    )  # fmt: skip
     return model
 
 
@@ -177,10 +181,19 @@ def shard_blocks(
     *,
     mixed_precision: MixedPrecisionPolicy | None | str = "auto",
     offload_params: bool = False,
+    embedding: torch.nn.Module | None = None,
+    head: torch.nn.Module | None = None,
 ) -> None:
     """Step 4: ``fully_shard`` each block, then the root, over the flattened ``dp x sp`` ranks
     (``dp x ring x sp`` on a ring mesh),
     with gradients *summed* (the loss is already normalized by the global token count).
+
+    ``embedding`` and ``head`` (untied only), when given, are units of their own: the
+    embedding is freed after its forward and gathered again for its backward (the last of the
+    step); the head, whose backward follows its forward at once, stays gathered until its
+    backward is done (``reshard_after_forward=False``), then frees its weight and reduces its
+    gradient. In the root's group both would stay gathered, with the head's gradient, through
+    the whole backward: ``2 V D`` bf16 bytes plus the gradient (3 GiB for llama3-8b).
 
     Divide factor 1 with sum-only collectives is a plain SUM reduce-scatter (gloo has no
     PREMUL_SUM, and on NCCL a pre-multiply by 1 is wasted work).
@@ -194,6 +207,10 @@ def shard_blocks(
         fsdp_kwargs["offload_policy"] = fsdp_offload_policy(mesh)
     for block in blocks:
         fully_shard(block, **fsdp_kwargs)
+    if embedding is not None:
+        fully_shard(embedding, **fsdp_kwargs)
+    if head is not None:
+        fully_shard(head, reshard_after_forward=False, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from dtensor_ulysses._all_to_all import all_to_all
+from dtensor_ulysses._head_stages import run_head_stages
 from dtensor_ulysses.attention import document_starts
 from dtensor_ulysses.plan import SeqLayout, divisors, head_plan, head_split, seq_split
 
@@ -192,9 +192,9 @@ class UlyssesAttention(nn.Module):
             are exchanged once; then per stage, ``heads_r / head_chunks`` q heads of every rank
             go out, attend and come back into the output. Each stage is recomputed in backward
             (its full-length tensors are never kept), so only one stage's ``[B, S, heads, H]``
-            working set exists at a time. Forward and backward bytes are the closed form of
-            one exchange; the recompute replays each stage's q all-to-all (torch's checkpoint
-            stops early once attention's saved tensors are rebuilt, so o's is not replayed).
+            working set exists at a time, and ``d q`` is written stage by stage into one tensor
+            (:mod:`dtensor_ulysses._head_stages`). Forward and backward bytes are the closed
+            form of one exchange, plus each stage's q all-to-all replayed by the recompute.
             Needs sp to divide the q heads and ``head_chunks`` to divide the heads each rank
             holds.
     """
@@ -360,34 +360,21 @@ class UlyssesAttention(nn.Module):
                 f"{group_r} q heads per kv head on sp rank {me}; choose head_chunks so that "
                 f"{m} and {group_r} divide one another"
             )
-        o_BsPCmH = q_BsNH.new_empty(B, s, P, C, m, H)
-        q_BsPCmH = q_BsNH.view(B, s, P, C, m, H)
+        ranges = []
         for c in range(C):
             lo = c * m // group_r  # the local kv heads that local q heads c*m .. (c+1)*m use
-            hi = max(lo + 1, (c + 1) * m // group_r)
-            stage = functools.partial(
-                self._stage,
-                seq_sizes=seq_sizes,
-                kv=(lo, hi),
-                attn_kwargs=attn_kwargs,
-                order=order,
-            )
-            q_c = q_BsPCmH[:, :, :, c].reshape(B, s, P * m, H)
-            if torch.is_grad_enabled():
-                o_c = checkpoint(stage, q_c, k_BSmH, v_BSmH, use_reentrant=False)
-            else:
-                o_c = stage(q_c, k_BSmH, v_BSmH)
-            o_BsPCmH[:, :, :, c] = o_c.view(B, s, P, m, H)
+            ranges.append((lo, max(lo + 1, (c + 1) * m // group_r)))
+        heads = [m] * P
+        o_BsPCmH = run_head_stages(
+            q_BsNH.view(B, s, P, C, m, H),
+            k_BSmH,
+            v_BSmH,
+            ranges,
+            to_heads=lambda x: to_heads([x], self.group, seq_sizes, [heads], order)[0],
+            attend=functools.partial(self.attn_fn, **attn_kwargs),
+            to_seq=lambda o: to_seq(o, self.group, seq_sizes, heads),
+        )
         return o_BsPCmH.view(B, s, N, H)
-
-    def _stage(self, q_c, k_BSmH, v_BSmH, *, seq_sizes, kv, attn_kwargs, order) -> torch.Tensor:
-        """One stage: ``q_c[B, S_sp, P*m, H] -> [B, S, m, H]``, attend, and back."""
-        P = dist.get_world_size(self.group)
-        m = q_c.shape[HEAD_DIM] // P
-        (q_BSmH,) = to_heads([q_c], self.group, seq_sizes, [[m] * P], order)
-        lo, hi = kv
-        o_BSmH = self.attn_fn(q_BSmH, k_BSmH[:, :, lo:hi], v_BSmH[:, :, lo:hi], **attn_kwargs)
-        return to_seq(o_BSmH, self.group, seq_sizes, [m] * P)
 
 
 def check_head_chunks(n_heads: int, sp: int, head_chunks: int) -> None:

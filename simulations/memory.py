@@ -159,15 +159,21 @@ def _estimate_rank(w: Workload, g: RankGeometry) -> MemoryBreakdown:
     (pb, gb, ob), cpu_pb = model_state_bytes_per_param(w)
     owned = m.n_params / w.shard_degree
     states = {"parameters": pb * owned, "gradients": gb * owned, "optimizer_states": ob * owned}
-    # gathered parameters (param dtype): FSDP2 keeps the root module (embedding, head) gathered
-    # from forward to backward; blocks are gathered one at a time (+ one prefetched) and
-    # resharded after use. In backward a block also holds its unsharded gradient (e) and the
-    # reduce-scatter input (reduce dtype), and the root's gradient waits for the end of backward.
+    # gathered parameters (param dtype): blocks are gathered one at a time, and FSDP2 keeps each
+    # all-gather's output buffer until the next all-gather (2 per block); in backward a block also
+    # holds its unsharded gradient (e) and the reduce-scatter input (reduce dtype). The root unit
+    # (embedding, head) is gathered from forward to the end of backward, where its gradient waits.
+    # With ``head_unit`` (untied), the head is gathered for the loss only (its weight and buffer,
+    # 2e), and its reduce-scatter input stays until the last block's reduce-scatter (re).
     blk, root = _unit_numel(m, w.tp)
+    head = m.vocab_size * m.dim // w.tp if prof.head_unit and not m.tie_embeddings else 0
     re_ = DTYPE_BYTES[w.reduce_dtype]
     gathered_fwd: float
     gathered_bwd: float
-    if w.sharding == "fsdp" and w.shard_degree // w.tp > 1:
+    if w.sharding == "fsdp" and w.shard_degree // w.tp > 1 and head:
+        gathered_fwd = 2 * head * e
+        gathered_bwd = 2 * blk * e + blk * (e + re_) + head * re_
+    elif w.sharding == "fsdp" and w.shard_degree // w.tp > 1:
         gathered_fwd = root * e
         gathered_bwd = root * e + 2 * blk * e + blk * (e + re_) + root * e
     else:  # replicated parameters are cast per use; gradients accumulate in place

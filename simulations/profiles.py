@@ -43,6 +43,11 @@ class ImplProfile:
             ``foreach``: one fp32 gradient-sized buffer, assumption; DeepSpeed's fused Adam: 0).
         fixed_bytes: allocator-visible buffers that scale with neither the model nor the sequence
             (communication buckets, workspaces).
+        head_unit: an untied embedding and output head are FSDP2 units of their own (this
+            project's ``parallelize``): the head is gathered for the loss and freed with its
+            backward, the embedding gathered only around its own forward and backward; else
+            both sit in the root's unit, gathered from the start of forward to the end of
+            backward.
     """
 
     name: str
@@ -57,6 +62,7 @@ class ImplProfile:
     loss_tile_tokens: int | None = None
     persistent_grads: bool = False
     optimizer_temp: int = 4
+    head_unit: bool = False
 
 
 # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and AdamW: sharded fp32
@@ -83,7 +89,7 @@ IMPL_PROFILES: dict[str, ImplProfile] = {
     "dtensor-ulysses": ImplProfile(
         name="dtensor-ulysses", norm_saved=None, mlp_saved=4, mlp_bwd=3, loss_kept=0,
         gpu_state_bytes=_FSDP2_GPU, cpu_state_bytes=_FSDP2_CPU,
-        loss_tile_bytes=GiB, fixed_bytes=256 * 2**20, loss_tile_tokens=2048,
+        loss_tile_bytes=GiB, fixed_bytes=256 * 2**20, loss_tile_tokens=2048, head_unit=True,
     ),
     # Hugging Face Transformers eager modules + DeepSpeed ZeRO-3 (the Hugging Face blog, row M4);
     # the loss upcasts inside the loss function, the caller keeps no logits. DeepSpeed's buckets

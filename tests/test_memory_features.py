@@ -10,8 +10,12 @@ all-to-all (the stage is recomputed there).
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dtensor_ulysses.launch import run_local_world
 from tests import feature_workers
@@ -248,3 +252,67 @@ def test_trainer_compile_gives_the_single_device_losses(reference):
     runs = [dict(CFG, dp=1, sp=2, steps=3, compile="aot_eager", activation_checkpointing=True)]
     for (step, got), want in zip(run_local_world(train_workers.run_training, 2, runs)[0][0], ref):
         assert abs(got - want) < 1e-4, f"step {step}: {got} vs {want}"
+
+
+# ----------------------------------------------------------------------------------------------
+# backward memory of the tiled pieces, measured (a dispatch mode sums the live storages)
+# ----------------------------------------------------------------------------------------------
+class _LiveBytes(TorchDispatchMode):
+    """The largest total of bytes, allocated inside the mode, that were alive at once (an op's
+    output that shares an input's storage, a view or an in-place result, allocates nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.peak = 0
+        self._live: set[int] = set()
+
+    def _free(self, key: int, n: int) -> None:
+        self._live.discard(key)
+        self.now -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_in = tree_flatten((args, kwargs))[0]
+        inputs = {id(a.untyped_storage()) for a in flat_in if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or id(st := t.untyped_storage()) in inputs:
+                continue
+            if id(st) not in self._live:
+                self._live.add(id(st))
+                self.now += st.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(st, self._free, id(st), st.nbytes())
+        return out
+
+
+def _backward_peak(y: torch.Tensor, inputs: list[torch.Tensor]) -> int:
+    gy = torch.ones_like(y)
+    with _LiveBytes() as live:
+        torch.autograd.grad(y, inputs, gy)
+    return live.peak
+
+
+def test_tiled_backward_holds_one_input_gradient(monkeypatch):
+    """Tiled MLP, tiled loss and RMSNorm: the backward's extra memory is the input's gradient
+    plus one chunk's work, not the several full-size zero-padded gradients of checkpointed
+    slices (nor float32 copies of the whole input for the norm)."""
+    import dtensor_ulysses.model as model_mod
+    from dtensor_ulysses.loss import tiled_cross_entropy_sum
+
+    T, D, F, V, c = 4096, 32, 64, 48, 128
+    x = torch.randn(1, T, D, requires_grad=True)
+    ffn = model_mod.FeedForward(D, F)
+    ffn.chunk_tokens = c
+    weights = sum(p.numel() * 4 for p in ffn.parameters())
+    chunk_work = 8 * c * F * 4  # SwiGLU intermediates and their gradients, one chunk
+    assert _backward_peak(ffn(x), [x, *ffn.parameters()]) <= T * D * 4 + weights + chunk_work
+
+    w = torch.randn(V, D, requires_grad=True)
+    labels = torch.randint(0, V, (1, T))
+    loss = tiled_cross_entropy_sum(x, w, labels, chunk_tokens=c)
+    assert _backward_peak(loss, [x, w]) <= T * D * 4 + 2 * V * D * 4 + 8 * c * V * 4
+
+    monkeypatch.setattr(model_mod, "NORM_CHUNK_ELEMENTS", c * D)
+    xb = torch.randn(1, T, D, dtype=torch.bfloat16, requires_grad=True)
+    norm = model_mod.RMSNorm(D).to(torch.bfloat16)
+    assert _backward_peak(norm(xb), [xb, norm.weight]) <= T * D * 2 + 8 * c * D * 4 + 8 * D

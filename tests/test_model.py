@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dtensor_ulysses.model as model_mod
 from dtensor_ulysses.attention import LocalAttention
 from dtensor_ulysses.model import (
     Transformer,
@@ -19,6 +20,7 @@ from dtensor_ulysses.model import (
     build_model,
     model_flops_per_token,
     rope_cos_sin,
+    set_tiling,
 )
 from dtensor_ulysses.presets import PRESETS, get_shape
 from dtensor_ulysses.recompute import checkpoint_module
@@ -98,17 +100,21 @@ def _loss(logits, input_ids):
 
 @pytest.mark.parametrize(
     "variant",
-    ["tiny", "qk_norm", "tied", "mha"],
+    ["tiny", "qk_norm", "tied", "mha", "tiled"],
 )
-def test_matches_float64_reference(variant):
+def test_matches_float64_reference(variant, monkeypatch):
     changes = {
         "tiny": {},
         "qk_norm": {"qk_norm": True},
         "tied": {"tie_embeddings": True},
         "mha": {"n_kv_heads": 8, "rope_theta": 500000.0},
+        "tiled": {},
     }[variant]
     shape = TINY.with_(**changes)
     model = _model64(shape)
+    if variant == "tiled":  # RMSNorm over 3-row chunks, the MLP over 5-token chunks
+        monkeypatch.setattr(model_mod, "NORM_CHUNK_ELEMENTS", 3 * shape.dim)
+        set_tiling(model, mlp_chunk_tokens=5)
     input_ids, position_ids = _batch(shape)
     # non-trivial positions (a slice from the middle of a long sequence), varied per row
     position_ids = position_ids + torch.tensor([[37], [1000]])
