@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from dtensor_ulysses._torch_private import functional_all_to_all
 
-__all__ = ["all_to_all", "even_sizes"]
+__all__ = ["PendingExchange", "all_to_all", "even_sizes", "start_exchange"]
 
 Sizes = Sequence[int]
 
@@ -73,7 +73,26 @@ def _strided_blocks(
     return buf.as_strided([P, *piece], [block, *reversed(stride)], buf.storage_offset() + offset)
 
 
-def _exchange(
+class PendingExchange:
+    """An all-to-all in flight (``async_op=True``); :meth:`wait` unpacks and returns the results.
+
+    Not differentiable: for code that computes its own gradients (the head-chunked stages).
+    """
+
+    def __init__(self, work, send, recv, outs, recv_shapes, out_splits, gather_dim) -> None:
+        self._work, self._send, self._recv, self._outs = work, send, recv, outs
+        self._unpack = (recv_shapes, out_splits, gather_dim)
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._work is not None:
+            self._work.wait()
+        recv_shapes, out_splits, gather_dim = self._unpack
+        _move(self._outs, self._recv, recv_shapes, out_splits, gather_dim, packing=False)
+        self._work = self._send = self._recv = None  # the buffers are free once received
+        return self._outs
+
+
+def start_exchange(
     xs: Sequence[torch.Tensor],
     scatter_dim: int,
     gather_dim: int,
@@ -81,12 +100,15 @@ def _exchange(
     gather_sizes: Sequence[Sizes],
     group: dist.ProcessGroup,
     dim_order: Sequence[int] | None = None,
-) -> list[torch.Tensor]:
+    *,
+    async_op: bool = True,
+) -> PendingExchange:
     """The collective: per destination, the pieces of every tensor, in one 1-D buffer.
 
     Each byte is copied once on the way in (into the preallocated send buffer) and once on the
     way out (into the preallocated results): one strided copy per tensor when its pieces are
     equal for every rank (and the blocks of the other tensors too), else one copy per piece.
+    With ``async_op`` the all-to-all runs in the background until :meth:`PendingExchange.wait`.
     """
     P, me = dist.get_world_size(group), dist.get_rank(group)
     # send: destination j's block holds, in tensor order, the piece of every tensor for j
@@ -107,9 +129,15 @@ def _exchange(
         for i, x in enumerate(xs)
     ]  # fmt: skip
     _move(xs, send, send_shapes, in_splits, scatter_dim, packing=True)
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
-    _move(outs, recv, recv_shapes, out_splits, gather_dim, packing=False)
-    return outs
+    work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=async_op)
+    return PendingExchange(work, send, recv, outs, recv_shapes, out_splits, gather_dim)
+
+
+def _exchange(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, dim_order=None):
+    """:func:`start_exchange`, waited for at once."""
+    return start_exchange(
+        xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, dim_order, async_op=False
+    ).wait()
 
 
 def _empty_in_order(like: torch.Tensor, shape: list[int], order: Sequence[int] | None):

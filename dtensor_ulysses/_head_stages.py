@@ -9,14 +9,20 @@ those q heads use (exchanged once, before the stages), ``o[B, S, m, H] -> o_c[B,
 (all-to-all), written into the preallocated output. Nothing of a stage is kept: the function
 saves only its inputs (``q`` and the exchanged ``k``, ``v``).
 
-Per stage, backward: the q all-to-all again (the recompute), the all-to-all of ``d o`` (the
-adjoint of o's: the same exchange as q's), attention forward and backward, and the all-to-all of
-``d q``, written into one preallocated ``[B, s, N, H]`` gradient; ``d k``, ``d v`` are summed
+Per stage, backward: q (the recompute) and ``d o`` (the adjoint of o's exchange is q's) go to
+heads in one all-to-all, attention runs forward and backward, and ``d q`` comes back by the
+inverse all-to-all into one preallocated ``[B, s, N, H]`` gradient; ``d k``, ``d v`` are summed
 over the stages that use them. Checkpointing each stage instead gives the same values and bytes,
 but the gradient of each ``q[:, :, :, c]`` slice becomes a full-size zero-padded tensor that
 autograd sums: three or four ``[B, s, N, H]`` tensors at once, the peak of a million-token
 backward. That checkpointed form is kept for ``torch.compile`` (dynamo does not trace a backward
 that calls ``torch.autograd.grad``).
+
+Overlap: the all-to-alls are asynchronous (``async_op=True``). While stage ``c`` attends, stage
+``c + 1``'s inputs are already moving to heads and stage ``c - 1``'s output (forward) or ``d q``
+(backward) is moving back; each is waited for just before it is used. The values, the bytes and
+the order of every floating-point operation are those of the synchronous schedule; at most one
+more stage's tensors are alive.
 """
 
 from __future__ import annotations
@@ -24,52 +30,132 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["run_head_stages"]
+from dtensor_ulysses._all_to_all import PendingExchange, all_to_all, start_exchange
 
-Exchange = Callable[[torch.Tensor], torch.Tensor]
+__all__ = ["StageExchange", "run_head_stages"]
+
+SEQ_DIM, HEAD_DIM = 1, 2
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _stage_q(q_BsPCmH: torch.Tensor, c: int) -> torch.Tensor:
-    B, s, P, _, m, H = q_BsPCmH.shape
-    return q_BsPCmH[:, :, :, c].reshape(B, s, P * m, H)
+class _Ready:
+    """A finished "exchange" (one rank: nothing moves)."""
+
+    def __init__(self, xs: list[torch.Tensor]) -> None:
+        self._xs = xs
+
+    def wait(self) -> list[torch.Tensor]:
+        return self._xs
+
+
+class StageExchange:
+    """The two all-to-alls of a stage, started asynchronously.
+
+    Args:
+        group: the sp group (``P`` ranks).
+        seq_sizes: tokens each rank holds.
+        m: q heads per rank per stage.
+        order: the kernel's memory layout for the received q (and ``d o``).
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup, seq_sizes: Sequence[int], m: int, order=None
+    ) -> None:
+        self.group, self.seq_sizes, self.order = group, list(seq_sizes), order
+        self.heads_each = [m] * dist.get_world_size(group)
+
+    def heads(self, xs: list[torch.Tensor]) -> PendingExchange | _Ready:
+        """``x[B, s, P*m, H] -> x[B, S, m, H]`` for every tensor of ``xs``, one collective."""
+        if len(self.heads_each) == 1:
+            return _Ready(xs)
+        n = len(xs)
+        return start_exchange(xs, HEAD_DIM, SEQ_DIM, [self.heads_each] * n,
+                              [self.seq_sizes] * n, self.group, self.order)  # fmt: skip
+
+    def seq(self, o_BSmH: torch.Tensor) -> PendingExchange | _Ready:
+        """``o[B, S, m, H] -> o[B, s, P*m, H]``."""
+        if len(self.heads_each) == 1:
+            return _Ready([o_BSmH])
+        return start_exchange([o_BSmH], SEQ_DIM, HEAD_DIM, [self.seq_sizes],
+                              [self.heads_each], self.group)  # fmt: skip
+
+    def heads_differentiable(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_to_all(x, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, group=self.group,
+                         scatter_sizes=self.heads_each, gather_sizes=self.seq_sizes)  # fmt: skip
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def seq_differentiable(self, o: torch.Tensor) -> torch.Tensor:
+        out = all_to_all(o, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM, group=self.group,
+                         scatter_sizes=self.seq_sizes, gather_sizes=self.heads_each)  # fmt: skip
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+def _stage(x_BsPCmH: torch.Tensor, c: int) -> torch.Tensor:
+    B, s, P, _, m, H = x_BsPCmH.shape
+    return x_BsPCmH[:, :, :, c].reshape(B, s, P * m, H)
+
+
+def _store(x_BsPCmH: torch.Tensor, c: int, pending) -> None:
+    B, s, P, _, m, H = x_BsPCmH.shape
+    (x_c,) = pending.wait()
+    x_BsPCmH[:, :, :, c] = x_c.view(B, s, P, m, H)
 
 
 class _HeadStages(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BsPCmH, k_BSkH, v_BSkH, kv_ranges, to_heads, attend, to_seq):
-        B, s, P, C, m, H = q_BsPCmH.shape
-        o_BsPCmH = q_BsPCmH.new_empty(B, s, P, C, m, H)
+    def forward(ctx, q_BsPCmH, k_BSkH, v_BSkH, kv_ranges, ex: StageExchange, attend: Attend):
+        C = q_BsPCmH.shape[3]
+        o_BsPCmH = torch.empty_like(q_BsPCmH)
+        incoming, outgoing = ex.heads([_stage(q_BsPCmH, 0)]), None
         for c, (lo, hi) in enumerate(kv_ranges):
-            q_BSmH = to_heads(_stage_q(q_BsPCmH, c))
+            (q_BSmH,) = incoming.wait()
+            if c + 1 < C:  # stage c + 1's q moves while stage c attends
+                incoming = ex.heads([_stage(q_BsPCmH, c + 1)])
             o_BSmH = attend(q_BSmH, k_BSkH[:, :, lo:hi], v_BSkH[:, :, lo:hi])
-            o_BsPCmH[:, :, :, c] = to_seq(o_BSmH).view(B, s, P, m, H)
+            if outgoing is not None:
+                _store(o_BsPCmH, c - 1, outgoing)
+            outgoing = ex.seq(o_BSmH)  # stage c's o moves back while stage c + 1 attends
+            del q_BSmH, o_BSmH
+        _store(o_BsPCmH, C - 1, outgoing)
         ctx.save_for_backward(q_BsPCmH, k_BSkH, v_BSkH)
-        ctx.fns = (kv_ranges, to_heads, attend)
+        ctx.fns = (kv_ranges, ex, attend)
         return o_BsPCmH
 
     @staticmethod
     def backward(ctx, do_BsPCmH):
         q_BsPCmH, k_BSkH, v_BSkH = ctx.saved_tensors
-        kv_ranges, to_heads, attend = ctx.fns
-        B, s, P, C, m, H = q_BsPCmH.shape
+        kv_ranges, ex, attend = ctx.fns
+        C = q_BsPCmH.shape[3]
         dq_BsPCmH = torch.empty_like(q_BsPCmH)
         dk_BSkH, dv_BSkH = torch.zeros_like(k_BSkH), torch.zeros_like(v_BSkH)
+
+        def to_heads(c: int):  # the recompute's q and d o (the adjoint of o's exchange), fused
+            return ex.heads([_stage(q_BsPCmH, c), _stage(do_BsPCmH, c)])
+
+        incoming, outgoing = to_heads(0), None
         for c, (lo, hi) in enumerate(kv_ranges):
-            q_c = _stage_q(q_BsPCmH, c).requires_grad_()
+            q_BSmH, do_BSmH = incoming.wait()
+            if c + 1 < C:
+                incoming = to_heads(c + 1)
+            q_BSmH = q_BSmH.detach().requires_grad_()
             k_c = k_BSkH[:, :, lo:hi].detach().requires_grad_()
             v_c = v_BSkH[:, :, lo:hi].detach().requires_grad_()
             with torch.enable_grad():
-                o_BSmH = attend(to_heads(q_c), k_c, v_c)  # recompute: q's all-to-all again
-            do_BSmH = to_heads(_stage_q(do_BsPCmH, c))  # d o to heads: adjoint of o's exchange
-            dq_c, dk_c, dv_c = torch.autograd.grad(o_BSmH, (q_c, k_c, v_c), do_BSmH)
-            dq_BsPCmH[:, :, :, c] = dq_c.view(B, s, P, m, H)  # d q came back by all-to-all
+                o_BSmH = attend(q_BSmH, k_c, v_c)
+            dq_BSmH, dk_c, dv_c = torch.autograd.grad(o_BSmH, (q_BSmH, k_c, v_c), do_BSmH)
             dk_BSkH[:, :, lo:hi] += dk_c
             dv_BSkH[:, :, lo:hi] += dv_c
-            del q_c, k_c, v_c, o_BSmH, do_BSmH, dq_c, dk_c, dv_c  # one stage alive at a time
-        return dq_BsPCmH, dk_BSkH, dv_BSkH, None, None, None, None
+            if outgoing is not None:
+                _store(dq_BsPCmH, c - 1, outgoing)
+            outgoing = ex.seq(dq_BSmH)  # d q moves back while stage c + 1 computes
+            del q_BSmH, do_BSmH, k_c, v_c, o_BSmH, dq_BSmH, dk_c, dv_c  # one stage at a time
+        _store(dq_BsPCmH, C - 1, outgoing)
+        return dq_BsPCmH, dk_BSkH, dv_BSkH, None, None, None
 
 
 def run_head_stages(
@@ -78,31 +164,29 @@ def run_head_stages(
     v_BSkH: torch.Tensor,
     kv_ranges: Sequence[tuple[int, int]],
     *,
-    to_heads: Exchange,
+    exchange: StageExchange,
     attend: Attend,
-    to_seq: Exchange,
 ) -> torch.Tensor:
     """``o[B, s, P, C, m, H]`` from ``q[B, s, P, C, m, H]`` and the exchanged ``k, v[B, S, k, H]``.
 
     Args:
         kv_ranges: per stage, the local kv heads ``[lo, hi)`` its q heads use.
-        to_heads: ``x[B, s, P*m, H] -> x[B, S, m, H]`` (one all-to-all).
+        exchange: the stage's all-to-alls.
         attend: the kernel on ``q[B, S, m, H]`` and that stage's ``k, v``.
-        to_seq: ``o[B, S, m, H] -> o[B, s, P*m, H]`` (the inverse all-to-all).
     """
     if len(kv_ranges) != q_BsPCmH.shape[3]:
         raise ValueError(f"{len(kv_ranges)} kv ranges for {q_BsPCmH.shape[3]} stages")
     if not torch.compiler.is_compiling():
-        fns = (tuple(kv_ranges), to_heads, attend, to_seq)
-        return _HeadStages.apply(q_BsPCmH, k_BSkH, v_BSkH, *fns)
+        return _HeadStages.apply(q_BsPCmH, k_BSkH, v_BSkH, tuple(kv_ranges), exchange, attend)
 
     def stage(q_c, k, v, lo, hi):
-        return to_seq(attend(to_heads(q_c), k[:, :, lo:hi], v[:, :, lo:hi]))
+        q_h = exchange.heads_differentiable(q_c)
+        return exchange.seq_differentiable(attend(q_h, k[:, :, lo:hi], v[:, :, lo:hi]))
 
     B, s, P, _, m, H = q_BsPCmH.shape
     o_BsPCmH = q_BsPCmH.new_empty(q_BsPCmH.shape)
     for c, (lo, hi) in enumerate(kv_ranges):
-        q_c = _stage_q(q_BsPCmH, c)
+        q_c = _stage(q_BsPCmH, c)
         if torch.is_grad_enabled():
             o_c = checkpoint(stage, q_c, k_BSkH, v_BSkH, lo, hi, use_reentrant=False)
         else:

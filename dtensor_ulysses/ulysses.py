@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dtensor_ulysses._all_to_all import all_to_all
-from dtensor_ulysses._head_stages import run_head_stages
+from dtensor_ulysses._head_stages import StageExchange, run_head_stages
 from dtensor_ulysses.attention import document_starts
 from dtensor_ulysses.plan import SeqLayout, divisors, head_plan, head_split, seq_split
 
@@ -364,15 +364,13 @@ class UlyssesAttention(nn.Module):
         for c in range(C):
             lo = c * m // group_r  # the local kv heads that local q heads c*m .. (c+1)*m use
             ranges.append((lo, max(lo + 1, (c + 1) * m // group_r)))
-        heads = [m] * P
         o_BsPCmH = run_head_stages(
             q_BsNH.view(B, s, P, C, m, H),
             k_BSmH,
             v_BSmH,
             ranges,
-            to_heads=lambda x: to_heads([x], self.group, seq_sizes, [heads], order)[0],
+            exchange=StageExchange(self.group, seq_sizes, m, order),
             attend=functools.partial(self.attn_fn, **attn_kwargs),
-            to_seq=lambda o: to_seq(o, self.group, seq_sizes, heads),
         )
         return o_BsPCmH.view(B, s, N, H)
 

@@ -212,3 +212,44 @@ def kernel_layout_worker(rank: int, world_size: int, head_chunks: int) -> dict:
     k, v = (torch.randn(2, 4, 2, 4, generator=g, requires_grad=True) for _ in range(2))
     engine(q, k, v).sum().backward()
     return {"bnsh": kernel.seen}
+
+
+def overlap_worker(rank: int, world_size: int, case: dict) -> dict:
+    """Head-chunked attention with asynchronous all-to-alls (the default) and with every
+    exchange waited for at once: outputs and gradients, and the order of starts and kernels."""
+    from dtensor_ulysses import _head_stages
+
+    mesh = get_mesh(1, world_size)
+    q, k, v, go = make_inputs(case, torch.float32)
+    s = case["S"] // world_size
+    cut = slice(rank * s, (rank + 1) * s)
+    events: list[str] = []
+    kernel = du.LocalAttention("sdpa")
+
+    def attend(q_, k_, v_, **kw):
+        events.append("attend")
+        return kernel(q_, k_, v_, **kw)
+
+    real_start = _head_stages.start_exchange
+    results = {}
+    for mode in ("async", "sync"):
+        events.clear()
+
+        def start(*args, mode=mode, **kw):
+            events.append(f"start {'heads' if args[1] == 2 else 'seq'}")
+            return real_start(*args, **kw, **({"async_op": False} if mode == "sync" else {}))
+
+        _head_stages.start_exchange = start
+        try:
+            engine = du.UlyssesAttention(attend, mesh["sp"], head_chunks=case["C"])
+            ql, kl, vl = (t[:, cut].detach().clone().requires_grad_() for t in (q, k, v))
+            o = engine(ql, kl, vl)
+            o.backward(go[:, cut])
+        finally:
+            _head_stages.start_exchange = real_start
+        results[mode] = dict(o=o.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad, events=list(events))
+    a, b = results["async"], results["sync"]
+    return {
+        "equal": {n: bool(torch.equal(a[n], b[n])) for n in ("o", "dq", "dk", "dv")},
+        "events": a["events"],
+    }

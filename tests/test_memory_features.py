@@ -4,8 +4,8 @@ trainer against the plain single-process run.
 
 Closed forms are written out here (independent of ``dtensor_ulysses.plan``): with head chunks,
 k and v travel once and each stage moves its share of q and o, so forward and backward move
-exactly the bytes of one unchunked exchange; the backward also replays each stage's q
-all-to-all (the stage is recomputed there).
+exactly the bytes of one unchunked exchange; the backward also moves each stage's q again (the
+stage is recomputed there), in the same all-to-all as its ``d o``.
 """
 
 from __future__ import annotations
@@ -52,11 +52,10 @@ def test_head_chunked_attention_is_exact_with_closed_form_bytes():
             o = b * S * n * H * E  # o leaves from the full length, this rank's heads
             # forward: kv once + C q stages + C o stages: the bytes of one unchunked exchange
             assert r["fwd"] == (1 + 2 * C, q + kv + o), label
-            # backward: per stage d o (from s tokens) and d q (from S); d k, d v once; and each
-            # stage's q all-to-all replayed by its recompute (torch's checkpoint stops early,
-            # once attention's saved tensors are rebuilt, so o's all-to-all is not replayed)
+            # backward: per stage, the recompute's q and d o (both from s tokens) in one
+            # all-to-all and d q (from S) in another; d k, d v once
             d_o, d_q, d_kv = b * s * N * H * E, b * S * n * H * E, b * S * 2 * kv_mine * H * E
-            assert r["bwd"] == (1 + 3 * C, d_o + d_q + d_kv + q), label
+            assert r["bwd"] == (1 + 2 * C, d_o + d_q + d_kv + q), label
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,3 +315,20 @@ def test_tiled_backward_holds_one_input_gradient(monkeypatch):
     xb = torch.randn(1, T, D, dtype=torch.bfloat16, requires_grad=True)
     norm = model_mod.RMSNorm(D).to(torch.bfloat16)
     assert _backward_peak(norm(xb), [xb, norm.weight]) <= T * D * 2 + 8 * c * D * 4 + 8 * D
+
+
+@pytest.mark.timeout(120)
+def test_head_stages_overlap_communication_with_attention():
+    """Asynchronous all-to-alls: stage c + 1's q (forward) or q and d o (backward) start before
+    stage c's kernel runs, and stage c's o or d q is sent back while stage c + 1 runs; the
+    outputs and gradients equal, bit for bit, the run that waits for every exchange at once."""
+    C = 4
+    case = dict(B=1, S=16, N=8, K=2, H=4, C=C, seed=5)
+    for r in run_local_world(feature_workers.overlap_worker, 2, case):
+        assert r["equal"] == dict(o=True, dq=True, dk=True, dv=True), r["equal"]
+        # per direction: stage 0's inputs; then for each stage c, stage c + 1's inputs start
+        # before stage c's kernel, whose result starts back right after it (k and v move
+        # before, through the differentiable exchange, not counted here)
+        one_way = ["start heads"] + ["start heads", "attend", "start seq"] * (C - 1)
+        one_way += ["attend", "start seq"]
+        assert r["events"] == one_way + one_way, r["events"]
