@@ -68,3 +68,21 @@ def test_bench_vs_deepspeed_toy(tmp_path):
         assert row["max_abs_diff"] <= 1e-5 and row["ratio"] > 0
     else:
         assert row["deepspeed_problem"], row
+
+
+@pytest.mark.timeout(240)
+def test_bench_trainer_overhead_toy(tmp_path):
+    """sp = 1 vs sp = 2 at equal tokens per rank: both timed, the FLOPs ratio from the model's
+    formula (attention at twice the length), the JSON as printed."""
+    from benchmarks import bench_trainer_overhead
+    from dtensor_ulysses.model import model_flops_per_token
+
+    out = tmp_path / "overhead.json"
+    ret = bench_trainer_overhead.main(["--tokens", "64", "--steps", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["P"] for r in rows] == [1, 2] and [r["seq_len"] for r in rows] == [64, 128]
+    assert all(r["ms_per_step"] > 0 for r in rows)
+    flops = model_flops_per_token("tiny", 128) / model_flops_per_token("tiny", 64)
+    assert rows[1]["flops_ratio"] == pytest.approx(flops) and flops > 1
+    assert rows[1]["ratio"] == pytest.approx(rows[1]["ms_per_step"] / rows[0]["ms_per_step"])
+    assert ret["rows"] == rows
