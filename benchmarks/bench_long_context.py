@@ -12,6 +12,11 @@ GPU run (one H100/H200; the command used when a GPU is lent, see benchmarks/READ
         --seq-lens 131072 --steps 3 --json benchmarks/results/bench_long_context_gpu.json
 
 ``--seq-lens max`` takes, per model, the trace's longest fitting sequence (``--find-max``).
+``--features all`` adds ``--head-chunks N`` (one q head per stage, UPipe's choice on one GPU).
+The MFU sweep (issue #14's >= 50% target for llama3-1b at 32K)::
+
+    python -m benchmarks.bench_long_context --models llama3-1b --features ac \
+        --seq-lens 8192 16384 32768 --steps 5 --json benchmarks/results/bench_mfu_gpu.json
 A CPU smoke run: ``--models tiny --seq-lens 256 --device cpu --steps 2``.
 """
 
@@ -47,14 +52,21 @@ TRAIN_FLAGS = {  # trainer flag -> the simulator's trace flag
 }
 
 
-def _trace(model: str, seq_len: int | None, gpu: str, flags: list[str]) -> dict:
+def _head_chunks(model: str, features: str) -> list[str]:
+    """With every feature, UPipe's choice on one GPU: one q head per stage."""
+    from dtensor_ulysses.presets import get_shape
+
+    return ["--head-chunks", str(get_shape(model).n_heads)] if features == "all" else []
+
+
+def _trace(model: str, seq_len: int | None, gpu: str, flags: list[str], chunks: list[str]) -> dict:
     """``python -m simulations trace ... --json`` (``--find-max`` when ``seq_len`` is None)."""
-    sim_flags = [x for f in flags for x in TRAIN_FLAGS[f]]
+    sim_flags = [x for f in flags for x in TRAIN_FLAGS[f]] + chunks
     if "--ac" not in sim_flags:
         sim_flags += ["--ac", "none"]
     length = ["--find-max"] if seq_len is None else ["--seq-len", str(seq_len)]
     cmd = [sys.executable, "-m", "simulations", "trace", "--model", model, *length, "--dp", "1",
-           "--sp", "1", "--gpu", gpu, "--layers", "2", *sim_flags, "--json"]  # fmt: skip
+           "--sp", "1", "--gpu", gpu, "--layers", "5", *sim_flags, "--json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
@@ -96,14 +108,16 @@ def main(argv: list[str] | None = None) -> dict:
     for model in args.models:
         for length in args.seq_lens:
             seq_len = None if length == "max" else int(length)
-            predicted = _trace(model, seq_len, args.gpu, flags)
+            chunks = _head_chunks(model, args.features)
+            predicted = _trace(model, seq_len, args.gpu, flags, chunks)
             if seq_len is None:
                 seq_len = predicted.get("max_seq_len")
             row: dict = {"model": model, "seq_len": seq_len, "features": args.features,
                          "predicted": predicted}  # fmt: skip
             if seq_len:
                 try:
-                    row["measured"] = _run(model, seq_len, flags, args.steps, args.device)
+                    run_flags = flags + chunks
+                    row["measured"] = _run(model, seq_len, run_flags, args.steps, args.device)
                 except Exception as e:  # an out-of-memory is a result to report, not a crash
                     row["measured"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             rows.append(row)

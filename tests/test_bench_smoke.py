@@ -86,3 +86,16 @@ def test_bench_trainer_overhead_toy(tmp_path):
     assert rows[1]["flops_ratio"] == pytest.approx(flops) and flops > 1
     assert rows[1]["ratio"] == pytest.approx(rows[1]["ms_per_step"] / rows[0]["ms_per_step"])
     assert ret["rows"] == rows
+
+
+@pytest.mark.timeout(240)
+def test_bench_a2a_toy():
+    """The exchange vs the backend's all-to-all on 2 gloo ranks: both timed, bytes as asked."""
+    from benchmarks import bench_a2a
+
+    rows = bench_a2a.main(
+        ["--cpu-world", "2", "--sizes-mib", "0.25", "--iters", "1", "--warmup", "0"]
+    )
+    (r,) = rows
+    assert r["P"] == 2 and r["ms_ulysses"] > 0 and r["ms_raw"] > 0
+    assert r["tokens_per_rank"] * bench_a2a.HEADS * bench_a2a.HEAD_DIM * 4 == r["mib"] * 2**20
