@@ -116,12 +116,59 @@ live(
 )
 
 # %% [markdown]
+# ## When Ulysses x Ring wins
+#
+# Pure Ulysses over `P` GPUs hits two ceilings:
+#
+# * **heads**: past the `K` kv heads every rank still needs one, so kv heads are replicated
+#   (Llama-3-8B has 8: at `P = 16` and `32` the all-to-all carries `K' = P` of them); past the `N`
+#   q heads a rank would hold none (`P = 64` cannot run);
+# * **nodes**: an sp group wider than a node (8 GPUs) sends its all-to-all through the NICs,
+#   about 48 GB/s per GPU on H100 instead of NVLink's 370, on the critical path.
+#
+# Ulysses x Ring (the library's `("dp", "ring", "sp")` mesh, `docs/concepts/ring.md`) keeps the
+# all-to-all inside a node over `sp` ranks and runs a ring of `P / sp` across nodes. The ring's
+# p2p bytes are the library's `ring_closed_form`; they grow with `S`, but each hop hides behind
+# that step's attention. Here, at 32K tokens per GPU (`dp = 1`), pure Ulysses against the split
+# the planner proposes (`simulations.planner.hybrid_split`: the largest `sp` that divides the q
+# heads, replicates no kv head and fits in a node); per rank per step, `comm s` is the attention
+# traffic's time if nothing overlapped, `exposed s` what the step waits for (FSDP included):
+
+# %%
+rows = sim_figures.hybrid_rows("llama3-8b", tokens_per_gpu=32768, gpu="h100")
+print(sim_figures.hybrid_table(rows))
+by = {(r["gpus"], r["method"]): r for r in rows}
+assert (64, "ulysses") not in by  # past the 32 q heads only the hybrid runs
+assert by[32, "ulysses x ring"]["exposed_s"] < by[32, "ulysses"]["exposed_s"] / 5
+
+# %%
+live(
+    sim_figures.plot_hybrid,
+    model=[m for m in PRESETS if m != "tiny"],
+    tokens_per_gpu=[8192, 32768, 131072],
+    gpu=list(sim.GPUS),
+)
+
+# %% [markdown]
+# The planner makes the same comparison: where pure Ulysses hits a ceiling it adds a
+# `(dp, ring, sp)` row (`ring > 1`) next to the `(dp, sp)` rows, costed by the same functions.
+# `python -m simulations plan --model llama3-8b --gpus 32 --gpu h100` prints it with a `ring`
+# column; the first rows:
+
+# %%
+pl = sim.plan("llama3-8b", gpus=32, gpu="h100")
+for x in pl.layouts[:4]:
+    print(f"dp={x.dp} sp={x.sp} ring={x.ring}: {x.tokens_per_s:,.0f} tokens/s; {x.why}\n")
+assert (pl.best.sp, pl.best.ring) == (8, 4)
+
+# %% [markdown]
 # ## What to take away
 #
 # * Ulysses moves `O(S/P)` bytes per rank, constant as `P` grows at a fixed `S/P`; ring moves
 #   `O(S)` per rank but hides it behind attention when blocks are large; Megatron-SP moves
 #   `O(S*D)` and sits on the critical path.
-# * Ulysses' degree is capped by the heads (`P` must divide `N`), and beyond the kv heads it pays
-#   for replicated k, v.
-# * Keep an all-to-all inside a node; to go past a node, USP puts the ring across nodes.
+# * Ulysses' degree is capped by the heads (`P <= N`; uneven splits cost an imbalance), and beyond
+#   the kv heads it pays for replicated k, v.
+# * Keep an all-to-all inside a node; to go past a node or past the heads, Ulysses x Ring puts
+#   the ring across nodes, and the planner proposes it where pure Ulysses hits a ceiling.
 # * Next, notebook 5: train with FSDP2 + Ulysses from the notebook.

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from dtensor_ulysses.presets import PRESETS
@@ -260,11 +261,11 @@ def _format_plan(pl) -> str:
         max_s = f"{x.max_seq_len:,}" if x.valid else "-"
         at_s = f"{x.eval_seq_len:,}" if x.eval_seq_len else "-"
         imb = f"{x.attention_imbalance:.3f}" if x.valid else "-"
-        rows.append((x.dp, x.sp, max_s, at_s, tps, mfu, imb, x.why))
+        rows.append((x.dp, x.sp, x.ring, max_s, at_s, tps, mfu, imb, x.why))
     head = f"{pl.model} on {pl.gpus}x {pl.gpu}" + (
         f", target S={pl.seq_len:,}" if pl.seq_len else ""
-    )
-    header = ("dp", "sp", "max S", "at S", "tokens/s", "MFU", "imbalance", "why")
+    )  # ring > 1: Ulysses x Ring over dp x ring x sp GPUs (the library's mesh)
+    header = ("dp", "sp", "ring", "max S", "at S", "tokens/s", "MFU", "imbalance", "why")
     return head + "\n" + _table(rows, header)
 
 
@@ -327,7 +328,9 @@ def _cmd_plan(a) -> int:
     if a.plot:
         from simulations.plots import plot_plan
 
-        plot_plan(pl, a.plot, **{k: v for k, v in _options(a).items() if k != "gpu"})
+        # plots.plot_plan draws (dp, sp) layouts only; Ulysses x Ring rows stay in the table
+        pure = replace(pl, layouts=[x for x in pl.layouts if x.ring == 1])
+        plot_plan(pure, a.plot, **{k: v for k, v in _options(a).items() if k != "gpu"})
     return 0
 
 

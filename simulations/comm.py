@@ -28,9 +28,11 @@ replication, see :func:`kv_heads_after_replication`):
   step's layout carries the document starts to every layer (only the DTensor API's
   ``position_ids=`` adds an all-gather of ``B*ceil(S/P)*8`` bytes per call; the trainer does not
   use it).
-* Ring attention (ring-flash-attn / torch context parallel): ``P-1`` sends of the local k,v block
-  ``B*s*2K*H*e`` forward; backward ``P-1`` k,v sends plus ``P`` sends of the dK,dV accumulators
-  (kept in fp32 by those implementations).
+* Ring attention (``dtensor_ulysses/ring.py``, as ring-flash-attn / torch context parallel):
+  ``P-1`` sends of the local k,v block ``B*s*2K*H*e`` forward; backward ``P-1`` k,v sends plus
+  ``P`` sends of the dK,dV accumulators (float32: ``promote_types(dtype, float32)`` in
+  ``_ring_kernel.py``). The counts and bytes are the library's closed form,
+  :func:`dtensor_ulysses.plan.ring_closed_form` (one formula for the code and the simulator).
 * Megatron-LM sequence parallelism (Korthikanti et al., TP size ``t = P``): forward two
   all-gathers of ``B*s*D*e`` (before attention and MLP) and two reduce-scatters of ``B*S*D*e``
   (after them); backward the conjugates (two reduce-scatters, two all-gathers) plus two all-gathers
@@ -49,7 +51,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from dtensor_ulysses.plan import head_plan, ulysses_bytes_by_rank
+from dtensor_ulysses.plan import head_plan, ring_closed_form, ulysses_bytes_by_rank
 from dtensor_ulysses.presets import ModelShape
 from simulations.config import DTYPE_BYTES, Workload
 
@@ -253,25 +255,44 @@ def _ulysses(w: Workload, P: int, group: str, span: int) -> list[Collective]:
     return out
 
 
+def _ring_grad_bytes(e: int) -> int:
+    """Element size of the dK,dV accumulators: the ring kernel accumulates in
+    ``promote_types(dtype, float32)`` (``dtensor_ulysses/_ring_kernel.py``), 4 bytes for bf16,
+    fp16 and fp32 alike."""
+    return max(e, DTYPE_BYTES["fp32"])
+
+
 def _ring(w: Workload, r: int, kv_heads: int, tokens: int, group: str, span: int):
-    """Ring attention over ``r`` ranks, each holding ``tokens`` tokens of ``kv_heads`` kv heads."""
+    """Ring attention over ``r`` ranks, each holding ``tokens`` tokens of ``kv_heads`` kv heads.
+
+    Counts and bytes are :func:`dtensor_ulysses.plan.ring_closed_form` (``L = tokens``,
+    ``n_kv = kv_heads``). Its backward (``2r - 1`` sends) is listed as two records: the k,v blocks
+    going round again (``r - 1`` sends of ``kv * e``, the closed form with ``grad_bytes=0``) and
+    the dK,dV accumulators travelling with them, one more hop home (``r`` sends of ``kv * 4``, the
+    closed form with ``elem_bytes=0``).
+    """
     if r == 1:
         return []
-    m = w.shape
-    kv = w.micro_batch * tokens * 2 * kv_heads * m.head_dim  # elements of one k,v block
-    grad_e = DTYPE_BYTES["fp32"]  # dK,dV accumulators travel in fp32 (ring-flash-attn, torch CP)
+    B, H, e, g = w.micro_batch, w.shape.head_dim, w.e, _ring_grad_bytes(w.e)
+    whole = ring_closed_form(B, tokens, kv_heads, H, r, elem_bytes=e, grad_bytes=g)
+    kv = ring_closed_form(B, tokens, kv_heads, H, r, elem_bytes=e, grad_bytes=0)["backward"]
+    dkv = ring_closed_form(B, tokens, kv_heads, H, r, elem_bytes=0, grad_bytes=g)["backward"]
+    fwd, bwd = whole["forward"], whole["backward"]
+    kv_calls = fwd["count"]  # backward replays the forward's k,v hops
+    assert kv["bytes"] + dkv["bytes"] == bwd["bytes"], "the split must add up to the closed form"
     return [
         # forward: each of the r-1 steps passes the k,v block on
         Collective(
-            "ring k,v", "p2p", group, r, span, "forward", "layer", r - 1, (r - 1) * kv * w.e
+            "ring k,v", "p2p", group, r, span, "forward", "layer", fwd["count"], fwd["bytes"]
         ),
-        # backward: k,v go round again (r-1 sends), and the dK,dV accumulators travel with them,
-        # one more hop to return home (r sends)
+        # backward: k,v go round again, and the dK,dV accumulators travel with them, one more
+        # hop to return home
+        Collective("ring k,v", "p2p", group, r, span, "backward", "layer", kv_calls, kv["bytes"]),
         Collective(
-            "ring k,v", "p2p", group, r, span, "backward", "layer", r - 1, (r - 1) * kv * w.e
+            "ring dk,dv", "p2p", group, r, span, "backward", "layer", bwd["count"] - kv_calls,
+            dkv["bytes"],
         ),
-        Collective("ring dk,dv", "p2p", group, r, span, "backward", "layer", r, r * kv * grad_e),
-    ]
+    ]  # fmt: skip
 
 
 def _megatron(w: Workload) -> list[Collective]:
@@ -308,9 +329,9 @@ def per_layer_attention(w: Workload) -> list[Collective]:
     else:  # usp: ulysses inside, ring across
         u, r = w.a2a_degree, w.ring_degree
         items = _ulysses(w, u, "ulysses", u)
-        Kp = kv_heads_after_replication(m.n_heads, m.n_kv_heads, u)
-        # after the all-to-all a rank holds S/r tokens of K'/u kv heads
-        items += _ring(w, r, Kp // u, w.local_seq * u, "ring", u * r)
+        # after the all-to-all a rank holds S/r tokens of its m_r kv heads (K'/u when they split
+        # evenly); the ring's kernel sees those, the busiest rank the most
+        items += _ring(w, r, max(w.heads.kv_heads), w.local_seq * u, "ring", u * r)
     return _phases(w, items)
 
 

@@ -1,8 +1,21 @@
-"""Planner: for a model, a GPU count and a GPU type, rank the (dp, sp) layouts.
+"""Planner: for a model, a GPU count and a GPU type, rank the (dp, sp) and (dp, ring, sp) layouts.
 
 For every ``sp`` dividing the GPU count (``dp = gpus / sp``) the planner finds the longest sequence
 that fits in memory (binary search over multiples of ``sp * 256`` tokens; the peak grows with the
 sequence) and the throughput, and says why each layout loses to the best one.
+
+Ulysses x Ring (USP; the library's ``("dp", "ring", "sp")`` mesh). Pure Ulysses over ``P``
+sequence-parallel ranks hits a ceiling when ``P`` exceeds the q heads (invalid), when ``P``
+replicates kv heads (``K' > K``: more all-to-all bytes, :func:`~simulations.comm.
+kv_heads_after_replication`), or when its group spans nodes (the all-to-all runs at one NIC's
+rate, ``GpuProfile.inter_bw``, instead of NVLink's). For such a ``P`` the planner also evaluates
+the hybrid :func:`hybrid_split` proposes: ``sp`` (the Ulysses degree) the largest divisor of
+``P`` that divides the q heads, replicates no kv head and fits in a node, and ``ring = P / sp``.
+It is costed as ``attention="usp"`` with ``ulysses_degree=sp`` (:mod:`simulations.comm`: the
+ring's p2p bytes are the library's :func:`dtensor_ulysses.plan.ring_closed_form`;
+:mod:`simulations.timing`: the p2p hides behind the ring step's attention, the all-to-all does
+not). Its row reports ``sp`` and ``ring`` as the library's mesh does (``dp * ring * sp`` GPUs).
+No constant is added for it: bandwidths, latencies and efficiencies are the GPU profile's.
 
 Under Ulysses, ``sp`` need not divide the q heads (only ``sp > N`` is invalid): such a layout runs
 with an attention load imbalance (``max n_r * P / N``, :attr:`Workload.attention_imbalance`)
@@ -22,12 +35,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtensor_ulysses.plan import check_ring_seq
 from dtensor_ulysses.presets import ModelShape, get_shape
+from simulations.comm import kv_heads_after_replication
 from simulations.config import Workload, divisors
-from simulations.hardware import get_gpu
+from simulations.hardware import GpuProfile, get_gpu
 from simulations.predict import Prediction, predict
 
-__all__ = ["Layout", "Plan", "max_seq_len", "plan"]
+__all__ = ["Layout", "Plan", "hybrid_split", "max_seq_len", "plan"]
 
 GRANULE = 256  # the search moves in steps of sp * GRANULE tokens
 MAX_TOKENS = 2**28  # search ceiling (268M tokens)
@@ -57,9 +72,69 @@ def max_seq_len(w: Workload) -> int:
     return lo * step
 
 
+def hybrid_split(shape: ModelShape, degree: int, gpus_per_node: int) -> tuple[int, int] | None:
+    """The Ulysses x Ring split for ``degree`` sequence-parallel ranks: ``(sp, ring)`` with
+    ``sp * ring = degree``, or ``None`` when pure Ulysses over ``degree`` ranks hits no ceiling.
+
+    The ceilings of pure Ulysses: ``degree`` above the q heads (a rank would hold no head),
+    kv heads replicated (``K' > K``), an all-to-all group wider than a node. The hybrid's ``sp``
+    is the largest divisor of ``degree`` that divides the q heads, keeps ``K' = K`` and fits in a
+    node (``sp = 1``, a plain ring, always qualifies).
+
+    >>> from dtensor_ulysses.presets import get_shape
+    >>> hybrid_split(get_shape("llama3-8b"), 32, 8), hybrid_split(get_shape("llama3-8b"), 8, 8)
+    ((8, 4), None)
+    """
+    N, K = shape.n_heads, shape.n_kv_heads
+
+    def clean(d: int) -> bool:  # an all-to-all over d ranks without a ceiling
+        return d <= N and d <= gpus_per_node and kv_heads_after_replication(N, K, d) == K
+
+    if clean(degree):
+        return None
+    sp = max(d for d in divisors(degree) if N % d == 0 and clean(d))
+    return None if sp == degree else (sp, degree // sp)
+
+
+def _workload(probe: Workload, dp: int, sp: int, ring: int, seq_len: int) -> Workload:
+    """The workload of layout ``(dp, ring, sp)``: Ulysses x Ring is ``usp`` over ``sp * ring``."""
+    if ring == 1:
+        return probe.with_(dp=dp, sp=sp, seq_len=seq_len)
+    return probe.with_(dp=dp, sp=sp * ring, seq_len=seq_len, attention="usp", ulysses_degree=sp)
+
+
+def _layout_note(shape: ModelShape, gpu: GpuProfile, sp: int, ring: int) -> str:
+    """What the layout's sequence-parallel group costs: the hybrid's split, or pure Ulysses'
+    ceilings (replicated kv heads, an all-to-all across nodes)."""
+    node = gpu.gpus_per_node
+    if ring > 1:
+        where = "in a node" if sp <= node else f"across {-(-sp // node)} nodes"
+        hops = "across nodes" if sp * ring > node else "in a node"
+        a2a = f"all-to-all over sp={sp} {where}" if sp > 1 else "no all-to-all (sp=1)"
+        return f"Ulysses x Ring: {a2a}, ring of {ring} {hops} (its p2p overlaps attention)"
+    N, K = shape.n_heads, shape.n_kv_heads
+    notes = []
+    if 1 < sp <= N and (kp := kv_heads_after_replication(N, K, sp)) > K:
+        why = f"sp={sp} > {K} kv heads" if sp > K else "uneven kv groups"
+        notes.append(f"kv heads replicated ({why}): {kp} travel, not {K}")
+    if sp > node:
+        notes.append(
+            f"all-to-all across {-(-sp // node)} nodes at {gpu.inter_bw / 1e9:.1f} GB/s "
+            f"(NVLink: {gpu.intra_bw / 1e9:.0f})"
+        )
+    return "; ".join(notes)
+
+
 @dataclass
 class Layout:
-    """One (dp, sp) choice and what it costs."""
+    """One (dp, sp) choice, or (dp, ring, sp) for Ulysses x Ring, and what it costs.
+
+    ``ring > 1`` only on the hybrid rows the planner proposes (:func:`hybrid_split`): ``sp`` is
+    then the Ulysses degree and ``sp * ring`` the sequence-parallel degree, as in the library's
+    ``("dp", "ring", "sp")`` mesh. With ``attention="usp"`` or ``"ring"`` asked for, ``sp`` is
+    the whole sequence-parallel degree (as in :func:`~simulations.predict.predict`) and ``ring``
+    stays 1.
+    """
 
     dp: int
     sp: int
@@ -72,6 +147,18 @@ class Layout:
     binding: str = ""  # largest memory component at max_seq_len
     attention_imbalance: float = 1.0  # busiest rank's attention work / mean (uneven heads)
     heads_per_rank: tuple[int, ...] = ()  # q heads per rank of the all-to-all group
+    ring: int = 1  # ring degree of a Ulysses x Ring row (then dp * ring * sp GPUs)
+    note: str = ""  # what the sequence-parallel group costs (ceilings, the hybrid's split)
+
+    @property
+    def seq_degree(self) -> int:
+        """Ranks one sequence is split over, ``sp * ring``."""
+        return self.sp * self.ring
+
+    @property
+    def label(self) -> str:
+        """``"sp=8"``, or ``"sp=8 x ring=4"`` for Ulysses x Ring."""
+        return f"sp={self.sp}" + (f" x ring={self.ring}" if self.ring > 1 else "")
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,6 +168,7 @@ class Layout:
         d: dict[str, Any] = {
             "dp": self.dp,
             "sp": self.sp,
+            "ring": self.ring,
             "valid": self.valid,
             "max_seq_len": self.max_seq_len,
             "eval_seq_len": self.eval_seq_len,
@@ -138,15 +226,19 @@ def plan(
     gpu: str = "h100",
     *,
     seq_len: int | None = None,
+    hybrid: bool = True,
     **options: Any,
 ) -> Plan:
-    """Rank every (dp, sp) with ``dp * sp = gpus``.
+    """Rank every (dp, sp) with ``dp * sp = gpus``, and the Ulysses x Ring (dp, ring, sp) where
+    pure Ulysses hits a ceiling (:func:`hybrid_split`).
 
     Args:
         model: preset name or shape.
         gpus: total GPUs.
         gpu: GPU profile name.
         seq_len: target sequence length; ``None`` ranks by the longest trainable sequence.
+        hybrid: also evaluate Ulysses x Ring rows (only with ``attention="ulysses"``, the default;
+            a hybrid the simulator cannot cost with the other options is left out).
         **options: other :class:`~simulations.config.Workload` fields (``ac``, ``tiled_loss``,
             ``attention``, ``offload_optimizer``, ...). ``dp``/``sp`` are chosen here.
 
@@ -160,21 +252,32 @@ def plan(
             raise ValueError(f"plan chooses {k} itself; do not pass {k}=")
     shape = get_shape(model) if isinstance(model, str) else model
     probe = Workload(shape=shape, seq_len=gpus, gpu=get_gpu(gpu), **options)  # validates the rest
-    name = probe.shape.name
+    shape, name, node = probe.shape, probe.shape.name, probe.gpu.gpus_per_node
+    hybrid = hybrid and probe.attention == "ulysses"
+    candidates = [(gpus // sp, sp, 1) for sp in divisors(gpus)]
+    if hybrid:
+        for degree in divisors(gpus):
+            split = hybrid_split(shape, degree, node)
+            if split is not None:
+                candidates.append((gpus // degree, *split))
     layouts: list[Layout] = []
-    for sp in divisors(gpus):
-        dp = gpus // sp
+    for dp, sp, ring in candidates:
         try:
-            w = probe.with_(dp=dp, sp=sp, seq_len=sp * GRANULE)
+            w = _workload(probe, dp, sp, ring, sp * ring * GRANULE)
         except ValueError as e:
-            layouts.append(Layout(dp, sp, valid=False, why=str(e)))
-            continue
+            if ring == 1:
+                split = hybrid_split(shape, sp, node) if hybrid and sp > shape.n_heads else None
+                runs = f"; Ulysses x Ring runs it: sp={split[0]} x ring={split[1]}" if split else ""
+                layouts.append(Layout(dp, sp, valid=False, why=f"{e}{runs}"))
+            continue  # a hybrid these options do not allow (packed documents, head chunks)
         lay = Layout(
             dp,
             sp,
             valid=True,
             attention_imbalance=w.attention_imbalance,
             heads_per_rank=w.heads.q_heads,
+            ring=ring,
+            note=_layout_note(shape, probe.gpu, sp, ring) if probe.attention == "ulysses" else "",
         )
         lay.max_seq_len = max_seq_len(w)
         if lay.max_seq_len:
@@ -188,10 +291,9 @@ def plan(
         ref = (min(positive) // gpus) * gpus if positive else 0
     for lay in valid:
         target = ref if ref else lay.max_seq_len
-        # Ulysses runs any length (uneven slices); the other methods need sp | S
-        if target and (target % lay.sp == 0 or probe.attention == "ulysses"):
+        if target and _runs(lay, target, probe.attention):
             try:
-                lay.prediction = predict(probe.with_(dp=lay.dp, sp=lay.sp, seq_len=target))
+                lay.prediction = predict(_workload(probe, lay.dp, lay.sp, lay.ring, target))
                 lay.eval_seq_len = target
                 lay.fits = lay.prediction.fits
             except ValueError as e:
@@ -208,6 +310,19 @@ def plan(
     ordered = valid + [x for x in layouts if not x.valid]
     _explain(ordered, seq_len)
     return Plan(name, gpus, probe.gpu.name, seq_len, ordered)
+
+
+def _runs(lay: Layout, S: int, attention: str) -> bool:
+    """Whether the layout can run ``S`` tokens: Ulysses runs any length (uneven slices); the
+    other methods need ``sp | S``; Ulysses x Ring also ``2 * ring | S`` (the zigzag split,
+    :func:`dtensor_ulysses.plan.check_ring_seq`)."""
+    if lay.ring > 1:
+        try:
+            check_ring_seq(S, lay.ring)
+        except ValueError:
+            return False
+        return S % lay.seq_degree == 0
+    return S % lay.sp == 0 or attention == "ulysses"
 
 
 def _fmt_tokens(n: float) -> str:
@@ -243,12 +358,14 @@ def _explain(layouts: list[Layout], seq_len: int | None) -> None:
     if not best.why:
         best.why = (
             f"best: trains up to {_fmt_tokens(best.max_seq_len)} tokens "
-            f"({_fmt_tokens(best.max_seq_len / best.sp)} per rank)"
+            f"({_fmt_tokens(best.max_seq_len / best.seq_degree)} per rank)"
         )
         if best.fits and best.prediction:
             best.why += f"; {best.tokens_per_s:,.0f} tokens/s at {_fmt_tokens(best.eval_seq_len)}"
         if _imbalance_note(best):
             best.why += f"; it still pays an {_imbalance_note(best)}"
+        if best.note:
+            best.why += f"; {best.note}"
     for lay in layouts[1:]:
         if not lay.valid or lay.why:
             continue
@@ -261,14 +378,18 @@ def _explain(layouts: list[Layout], seq_len: int | None) -> None:
                     f"{p.memory.capacity / GiB:.1f} GiB (largest: {_largest_component(p)})"
                 )
             else:
-                reasons.append(f"cannot run {_fmt_tokens(seq_len)} tokens with sp={lay.sp}")
+                need = math.lcm(lay.seq_degree, 2 * lay.ring) if lay.ring > 1 else lay.sp
+                reasons.append(
+                    f"cannot run {_fmt_tokens(seq_len)} tokens with {lay.label} (S must be a "
+                    f"multiple of {need})"
+                )
         elif lay.max_seq_len < best.max_seq_len:
             if lay.max_seq_len == 0:
                 reasons.append("model states alone do not fit")
             else:
                 reasons.append(
                     f"max sequence {_fmt_tokens(lay.max_seq_len)} < "
-                    f"{_fmt_tokens(best.max_seq_len)}: each rank holds S/{lay.sp} tokens "
+                    f"{_fmt_tokens(best.max_seq_len)}: each rank holds S/{lay.seq_degree} tokens "
                     f"(limit set by {lay.binding})"
                 )
         if lay.fits and best.fits and lay.tokens_per_s < best.tokens_per_s:
@@ -282,4 +403,6 @@ def _explain(layouts: list[Layout], seq_len: int | None) -> None:
                 )
         if _imbalance_note(lay):
             reasons.append(_imbalance_note(lay))
+        if lay.note:
+            reasons.append(lay.note)
         lay.why = "; ".join(reasons) or "ties with the best"

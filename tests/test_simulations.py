@@ -340,14 +340,15 @@ def test_predict_json_reports_the_imbalance_and_every_rank(capsys):
 def test_plan_considers_sp_not_dividing_the_heads():
     # 12 GPUs, 32 heads: sp = 3, 6, 12 split the heads unevenly; they run, slower per rank
     pl = sim.plan("llama3-8b", 12, "h100", seq_len=65536)
-    by_sp = {x.sp: x for x in pl.layouts}
+    pure = [x for x in pl.layouts if x.ring == 1]  # the Ulysses x Ring rows have their own tests
+    by_sp = {x.sp: x for x in pure}
     assert all(x.valid for x in pl.layouts) and sorted(by_sp) == [1, 2, 3, 4, 6, 12]
     assert {sp: by_sp[sp].attention_imbalance for sp in (3, 6, 12)} == {
         3: 11 * 3 / 32, 6: 1.125, 12: 1.125}  # fmt: skip
     why6 = by_sp[6].why
     assert "attention load imbalance of 1.125x: ranks attend with 6 or 5 of 32 heads" in why6
     assert "s per step" in why6
-    order = [x.sp for x in pl.layouts]
+    order = [x.sp for x in pure]
     fitting_balanced = [sp for sp in (2, 4) if by_sp[sp].fits]
     assert fitting_balanced
     for sp in (3, 6, 12):  # every imbalanced layout ranks below the balanced ones that fit
@@ -633,3 +634,83 @@ def test_cli_trace_bad_input(capsys):
     assert main(["trace", "--model", "llama3-8b", "--seq-len", "8192", "--sp", "8",
                  "--head-chunks", "3"]) == 2  # fmt: skip
     assert "head_chunks=3" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Ulysses x Ring (USP): one closed form with the library, and the planner's hybrid rows
+# ----------------------------------------------------------------------------------------------
+def test_usp_ring_p2p_bytes_hand_worked_equal_the_library_closed_form():
+    # llama3-8b (K=8 kv heads, H=128), S=131072 over sp=8 (Ulysses) x ring=4, bf16, B=1. After the
+    # all-to-all a rank holds S/ring = 32768 tokens of K/sp = 1 kv head, so one k,v block is
+    # kv = 1 * 32768 * 2 * 1 * 128 = 8,388,608 elements. ring_closed_form, by hand:
+    #   forward  ring-1 = 3 sends of kv*2 bytes:             3 * 16,777,216 = 50,331,648
+    #   backward 3 k,v sends (kv*2) + 4 dk,dv sends (kv*4): 50,331,648 + 134,217,728 = 184,549,376
+    w = _w("llama3-8b", S=131072, sp=32, attention="usp", ulysses_degree=8, ac="none")
+    assert (w.a2a_degree, w.ring_degree) == (8, 4)
+    p2p = [c for c in comm.per_layer_attention(w) if c.kind == "p2p"]
+    by_phase = {ph: [c for c in p2p if c.phase == ph] for ph in ("forward", "backward")}
+    assert sum(c.calls for c in by_phase["forward"]) == 3
+    assert sum(c.bytes for c in by_phase["forward"]) == 50_331_648
+    assert sum(c.calls for c in by_phase["backward"]) == 7
+    assert sum(c.bytes for c in by_phase["backward"]) == 184_549_376
+    assert {c.group: c.span for c in p2p} == {"ring": 32}  # the ring spans 4 nodes of 8
+    # per step: 32 layers, no recompute (ac="none")
+    p = sim.predict("llama3-8b", 131072, sp=32, attention="usp", ulysses_degree=8, ac="none")
+    assert p.comm.bytes_by_kind["p2p"] == 32 * (50_331_648 + 184_549_376)
+    assert p.comm.calls_by_kind["p2p"] == 32 * (3 + 7)
+
+
+def test_usp_ring_sees_the_busiest_ranks_kv_heads():
+    # 6 q heads, 2 kv heads (groups of 3) over a Ulysses degree of 3: rank 1 holds q heads 2, 3,
+    # which use kv heads 0 and 1, so its kernel sees 2 kv heads (the others 1); K'/u would be 1.
+    # ring 2, S=1200: 600 tokens per ring rank, H=64, bf16: kv = 600 * 2 * 2 * 64 = 153,600.
+    shape = ModelShape("odd", 2, 384, 6, 2, 64, 1024, 1000)
+    w = Workload(shape, 1200, sp=6, attention="usp", ulysses_degree=3, ac="none")
+    assert list(w.heads.kv_heads) == [1, 2, 1]
+    fwd = [c for c in comm.per_layer_attention(w) if c.kind == "p2p" and c.phase == "forward"]
+    assert [(c.calls, c.bytes) for c in fwd] == [(1, 153_600 * 2)]
+
+
+def test_plan_proposes_ulysses_x_ring_for_llama3_8b_on_32_gpus():
+    pl = sim.plan("llama3-8b", 32, "h100")
+    by = {(x.dp, x.sp, x.ring): x for x in pl.layouts}
+    hybrid, pure = by[1, 8, 4], by[1, 32, 1]
+    assert hybrid.valid and hybrid.max_seq_len > 0
+    assert "Ulysses x Ring: all-to-all over sp=8 in a node, ring of 4 across nodes" in hybrid.why
+    # pure Ulysses at sp=32 > 8 kv heads replicates them (the simulator's K'), and spans 4 nodes
+    assert pure.valid and "kv heads replicated (sp=32 > 8 kv heads): 32 travel, not 8" in pure.why
+    assert "all-to-all across 4 nodes" in pure.why
+    assert pl.layouts.index(hybrid) < pl.layouts.index(pure)
+    assert hybrid.tokens_per_s > pure.tokens_per_s
+    # no hybrid where pure Ulysses is clean: sp <= 8 (in a node, K' = K)
+    assert {(x.dp, x.sp, x.ring) for x in pl.layouts if x.ring > 1} == {(1, 8, 4), (2, 8, 2)}
+    d = pl.to_dict()
+    assert {(x["dp"], x["sp"], x["ring"]) for x in d["layouts"]} >= {(1, 8, 4), (1, 32, 1)}
+    # past the q heads the hybrid is the only option: 64 GPUs, sp=64 > 32 q heads
+    pl64 = sim.plan("llama3-8b", 64, "h100")
+    (bad,) = [x for x in pl64.layouts if not x.valid]
+    assert (bad.sp, bad.ring) == (64, 1)
+    assert "Ulysses x Ring runs it: sp=8 x ring=8" in bad.why
+    assert any((x.dp, x.sp, x.ring) == (1, 8, 8) and x.valid for x in pl64.layouts)
+    assert sim.plan("llama3-8b", 32, "h100", hybrid=False).layouts[0].ring == 1
+
+
+def test_hybrid_wins_when_the_all_to_all_would_cross_nodes():
+    # gpt-7b is MHA (32 kv heads): pure Ulysses at sp=16 replicates nothing, but its all-to-all
+    # spans 2 nodes of 8 at one NIC's rate; sp=8 x ring=2 keeps it on NVLink and rings across.
+    def ratio(gpu):
+        pl = sim.plan("gpt-7b", 16, gpu)
+        by = {(x.dp, x.sp, x.ring): x for x in pl.layouts}
+        hybrid, pure = by[1, 8, 2], by[1, 16, 1]
+        assert hybrid.max_seq_len == pure.max_seq_len and hybrid.eval_seq_len == pure.eval_seq_len
+        return pl, hybrid, pure, hybrid.tokens_per_s / pure.tokens_per_s
+
+    pl, hybrid, pure, r = ratio("h100")
+    assert (pl.best.dp, pl.best.sp, pl.best.ring) == (1, 8, 2)
+    assert "kv heads replicated" not in pure.why and "all-to-all across 2 nodes" in pure.why
+    assert r > 1.05  # 13% in the model
+    assert pure.prediction.time.comm_exposed > 3 * hybrid.prediction.time.comm_exposed
+    # the win is the inter-node all-to-all: with NVLink-speed links across nodes it nearly vanishes
+    g = sim.get_gpu("h100")
+    *_, r_flat = ratio(g.with_(inter_bw=g.intra_bw, inter_latency_s=g.intra_latency_s))
+    assert 1.0 <= r_flat < 1.01

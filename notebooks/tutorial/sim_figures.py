@@ -1,7 +1,10 @@
-"""Figures from the simulator (notebooks 3 and 4): memory per rank, the OOM wall, traffic.
+"""Figures from the simulator (notebooks 3 and 4): memory per rank, the OOM wall, traffic,
+pure Ulysses against Ulysses x Ring.
 
-Rows come from :mod:`simulations.report` (torch-free); the plotting helpers are
-:mod:`tutorial.figures`'. Every function returns a ``matplotlib.figure.Figure``.
+Rows come from :mod:`simulations.report` and :mod:`simulations.planner` (torch-free); the plotting
+helpers are :mod:`tutorial.figures`'. Every ``plot_*`` function returns a
+``matplotlib.figure.Figure``. (About 400 lines: one function per figure, plus the rows and table
+of the Ulysses x Ring figure.)
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from typing import Any
 
 from matplotlib.ticker import FuncFormatter, MultipleLocator
 
+import simulations as sim
 from simulations import METHODS
+from simulations.planner import hybrid_split
 from simulations.report import (
     MEMORY_GROUPS,
     attention_comm,
@@ -25,7 +30,14 @@ from simulations.report import (
 )
 from tutorial.figures import log_axis, new_figure, rank_color
 
-__all__ = ["plot_activation_check", "plot_comm_methods", "plot_memory_scaling"]
+__all__ = [
+    "hybrid_rows",
+    "hybrid_table",
+    "plot_activation_check",
+    "plot_comm_methods",
+    "plot_hybrid",
+    "plot_memory_scaling",
+]
 
 GiB = 2**30
 
@@ -270,6 +282,121 @@ def plot_comm_methods(
     fig.suptitle(
         f"{shape.name}: N={shape.n_heads} q heads, K={shape.n_kv_heads} kv heads; {g.name}; "
         f"attention collectives only (FSDP excluded); simulator",
+        fontsize=10,
+    )
+    return fig
+
+
+def hybrid_rows(
+    model: str = "llama3-8b",
+    tokens_per_gpu: int = 32768,
+    gpu: str = "h100",
+    gpus: Sequence[int] = (4, 8, 16, 32, 64),
+) -> list[dict[str, Any]]:
+    """Pure Ulysses (``sp = P``) and the planner's Ulysses x Ring split of the same ``P`` GPUs
+    (:func:`simulations.planner.hybrid_split`), ``dp = 1``, at ``S = tokens_per_gpu * P``.
+
+    Returns:
+        one row per (P, method) that can run: ``{"gpus", "method", "sp", "ring", "a2a_bytes",
+        "p2p_bytes", "comm_s", "exposed_s", "tokens_per_s", "fits"}``; bytes per rank per step
+        (attention collectives), ``comm_s`` their time if nothing overlapped, ``exposed_s`` the
+        step's exposed communication (FSDP included). A method that cannot run a ``P`` (pure
+        Ulysses past the q heads) or is not proposed for it (no hybrid where pure Ulysses is
+        clean) has no row.
+    """
+    g = sim.get_gpu(gpu)
+    shape = sim.Workload(shape=model, seq_len=1).shape
+    rows = []
+    for P in gpus:
+        split = hybrid_split(shape, P, g.gpus_per_node)
+        layouts = [("ulysses", P, 1, {})]
+        if split:
+            layouts.append(
+                ("ulysses x ring", *split, {"attention": "usp", "ulysses_degree": split[0]})
+            )
+        for method, sp, ring, opts in layouts:
+            p = method_point(
+                shape,
+                tokens_per_gpu * P,
+                P,
+                g,
+                opts.get("attention", "ulysses"),
+                **{k: v for k, v in opts.items() if k != "attention"},
+            )
+            if p is None:
+                continue
+            rows.append({
+                "gpus": P, "method": method, "sp": sp, "ring": ring,
+                "a2a_bytes": p.comm.bytes_by_kind["all_to_all"],
+                "p2p_bytes": p.comm.bytes_by_kind["p2p"],
+                "comm_s": attention_comm(p)["time_s"], "exposed_s": p.time.comm_exposed,
+                "tokens_per_s": p.tokens_per_s, "fits": p.fits,
+            })  # fmt: skip
+    return rows
+
+
+def hybrid_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """:func:`hybrid_rows` as text, one line per (P, method)."""
+    lines = [
+        f"{'GPUs':>4} {'method':>15} {'sp x ring':>9} {'a2a GiB':>8} {'p2p GiB':>8} "
+        f"{'comm s':>7} {'exposed s':>9} {'tokens/s':>9}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['gpus']:>4} {r['method']:>15} {r['sp']:>4} x {r['ring']:<2} "
+            f"{r['a2a_bytes'] / GiB:>8.1f} {r['p2p_bytes'] / GiB:>8.1f} {r['comm_s']:>7.2f} "
+            f"{r['exposed_s']:>9.2f} {r['tokens_per_s']:>9,.0f}" + ("" if r["fits"] else "  OOM")
+        )
+    return "\n".join(lines)
+
+
+def plot_hybrid(model: str = "llama3-8b", tokens_per_gpu: int = 32768, gpu: str = "h100"):
+    """Pure Ulysses vs Ulysses x Ring as the GPU count grows at ``tokens_per_gpu`` per GPU.
+
+    Left: attention communication per step (dashed: its time if nothing overlapped; solid: the
+    step's exposed communication), with the region where an sp group of pure Ulysses spans nodes
+    shaded and the kv- and q-head ceilings marked. Right: bytes per rank per step, all-to-all and
+    ring p2p. All from the simulator (:func:`hybrid_rows`).
+    """
+    rows = hybrid_rows(model, tokens_per_gpu, gpu)
+    g = sim.get_gpu(gpu)
+    shape = sim.Workload(shape=model, seq_len=1).shape
+    colors = {"ulysses": "tab:blue", "ulysses x ring": "tab:purple"}
+    fig = new_figure(12, 4.2)
+    ax0, ax1 = fig.subplots(1, 2)
+    Ps = sorted({r["gpus"] for r in rows})
+    for method, color in colors.items():
+        mine = [r for r in rows if r["method"] == method]
+        if not mine:
+            continue
+        xs = [r["gpus"] for r in mine]
+        ax0.plot(xs, [r["comm_s"] for r in mine], "--", color=color, lw=1)
+        ax0.plot(xs, [r["exposed_s"] for r in mine], "o-", ms=4, color=color, label=method)
+        ax1.plot(xs, [r["a2a_bytes"] / GiB for r in mine], "o-", ms=4, color=color,
+                 label=f"{method}: all-to-all")  # fmt: skip
+        if any(r["p2p_bytes"] for r in mine):
+            ax1.plot(xs, [r["p2p_bytes"] / GiB for r in mine], "s:", ms=4, color=color,
+                     label=f"{method}: ring p2p")  # fmt: skip
+    for ax in (ax0, ax1):
+        ax.axvspan(g.gpus_per_node * 1.05, Ps[-1] * 1.3, color="0.93")
+        ax.text(g.gpus_per_node * 1.15, 0.02, "pure Ulysses' group spans nodes",
+                transform=ax.get_xaxis_transform(), fontsize=7)  # fmt: skip
+        for at, what in ((shape.n_kv_heads, "kv heads replicated"), (shape.n_heads, "no q head")):
+            ax.axvline(at, color="0.4", lw=0.8, ls=":")
+            ax.text(at * 1.04, 0.97, f"P > {at}:\n{what}", transform=ax.get_xaxis_transform(),
+                    fontsize=7, va="top")  # fmt: skip
+        log_axis(ax, "x", Ps)
+        ax.set_xlabel("GPUs (P = sp x ring, dp = 1)")
+        ax.legend(fontsize=7, loc="center left")
+    log_axis(ax0, "y", [0.1, 0.2, 0.5, 1, 2, 5])
+    ax0.set(ylabel="seconds per step")
+    ax0.set_title("exposed communication (solid) and if nothing overlapped (dashed)", fontsize=9)
+    ax1.set(ylabel="GiB per rank per step")
+    ax1.set_title("bytes per rank: all-to-all and ring p2p", fontsize=9)
+    fig.suptitle(
+        f"{shape.name} ({shape.n_heads} q, {shape.n_kv_heads} kv heads) on {gpu}, "
+        f"{fmt_tokens(tokens_per_gpu)} tokens per GPU; shaded: beyond a node of "
+        f"{g.gpus_per_node}; simulator",
         fontsize=10,
     )
     return fig
