@@ -76,20 +76,23 @@ def _strided_blocks(
 class PendingExchange:
     """An all-to-all in flight (``async_op=True``); :meth:`wait` unpacks and returns the results.
 
-    Not differentiable: for code that computes its own gradients (the head-chunked stages).
+    The results are allocated when waited for, after the send buffer is released: in flight,
+    an exchange holds its send and receive buffers only. Not differentiable: for code that
+    computes its own gradients (the head-chunked stages).
     """
 
-    def __init__(self, work, send, recv, outs, recv_shapes, out_splits, gather_dim) -> None:
-        self._work, self._send, self._recv, self._outs = work, send, recv, outs
-        self._unpack = (recv_shapes, out_splits, gather_dim)
+    def __init__(self, work, send, recv, out_shapes, recv_shapes, out_splits, gather_dim, order):
+        self._work, self._send, self._recv = work, send, recv
+        self._unpack = (out_shapes, recv_shapes, out_splits, gather_dim, order)
 
     def wait(self) -> list[torch.Tensor]:
         if self._work is not None:
             self._work.wait()
-        recv_shapes, out_splits, gather_dim = self._unpack
-        _move(self._outs, self._recv, recv_shapes, out_splits, gather_dim, packing=False)
-        self._work = self._send = self._recv = None  # the buffers are free once received
-        return self._outs
+        recv, (out_shapes, recv_shapes, out_splits, gather_dim, order) = self._recv, self._unpack
+        self._work = self._send = self._recv = None
+        outs = [_empty_in_order(recv, shape, order) for shape in out_shapes]
+        _move(outs, recv, recv_shapes, out_splits, gather_dim, packing=False)
+        return outs
 
 
 def start_exchange(
@@ -106,9 +109,9 @@ def start_exchange(
     """The collective: per destination, the pieces of every tensor, in one 1-D buffer.
 
     Each byte is copied once on the way in (into the preallocated send buffer) and once on the
-    way out (into the preallocated results): one strided copy per tensor when its pieces are
-    equal for every rank (and the blocks of the other tensors too), else one copy per piece.
-    With ``async_op`` the all-to-all runs in the background until :meth:`PendingExchange.wait`.
+    way out (into the results): one strided copy per tensor when its pieces are equal for every
+    rank (and the blocks of the other tensors too), else one copy per piece. With ``async_op``
+    the all-to-all runs in the background until :meth:`PendingExchange.wait`.
     """
     P, me = dist.get_world_size(group), dist.get_rank(group)
     # send: destination j's block holds, in tensor order, the piece of every tensor for j
@@ -123,14 +126,14 @@ def start_exchange(
     out_splits = [sum(_numel(s) for s in shapes) for shapes in recv_shapes]
     send = xs[0].new_empty(sum(in_splits))
     recv = send.new_empty(sum(out_splits))
-    outs = [
-        _empty_in_order(send, _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me],
-                                           gather_dim, sum(gather_sizes[i])), dim_order)
+    out_shapes = [
+        _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim, sum(gather_sizes[i]))
         for i, x in enumerate(xs)
-    ]  # fmt: skip
+    ]
     _move(xs, send, send_shapes, in_splits, scatter_dim, packing=True)
     work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=async_op)
-    return PendingExchange(work, send, recv, outs, recv_shapes, out_splits, gather_dim)
+    order = None if dim_order is None else tuple(dim_order)
+    return PendingExchange(work, send, recv, out_shapes, recv_shapes, out_splits, gather_dim, order)
 
 
 def _exchange(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, dim_order=None):
