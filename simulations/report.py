@@ -278,13 +278,18 @@ def format_plan(plan: Any) -> str:
     lines = [
         f"{plan.model} on {plan.gpus}x {plan.gpu}"
         + (f", target S={plan.seq_len:,}" if plan.seq_len else ""),
-        f"{'dp':>3} {'sp':>3} {'max seq':>10} {'tokens/s':>12}  why",
+        f"{'dp':>3} {'ring':>4} {'sp':>3} {'max seq':>10} {'tokens/s':>12}  why",
     ]
     for x in plan.layouts:
+        ring = getattr(x, "ring", 1)
         if not x.valid:
-            lines.append(f"{x.dp:>3} {x.sp:>3} {'-':>10} {'-':>12}  invalid: {x.why}")
+            lines.append(f"{x.dp:>3} {ring:>4} {x.sp:>3} {'-':>10} {'-':>12}  invalid: {x.why}")
             continue
-        lines.append(f"{x.dp:>3} {x.sp:>3} {x.max_seq_len:>10,} {x.tokens_per_s:>12,.0f}  {x.why}")
+        lines.append(
+            f"{x.dp:>3} {ring:>4} {x.sp:>3} {x.max_seq_len:>10,} {x.tokens_per_s:>12,.0f}  {x.why}"
+        )
     if plan.best is not None:
-        lines.append(f"recommendation: dp={plan.best.dp}, sp={plan.best.sp}")
+        ring = getattr(plan.best, "ring", 1)
+        layout = f"dp={plan.best.dp}" + (f", ring={ring}" if ring > 1 else "")
+        lines.append(f"recommendation: {layout}, sp={plan.best.sp}")
     return "\n".join(lines)
