@@ -20,22 +20,28 @@ tokens, ``L`` blocks, ``V`` vocabulary, ``D`` model dim, ``F`` MLP dim:
   ``--offload-optimizer`` moves the AdamW states and a master copy to the host (``16n`` there,
   ``8n`` left on the device); ``--offload-params`` moves all ``16n`` to the host.
 * **gathered weights**: two blocks unsharded in compute precision (the one running and FSDP2's
-  prefetch of the next), one block's unsharded fp32 gradients in backward, and the root group
-  (embedding, output head) unsharded for the whole step.
+  prefetch of the next), one block's unsharded fp32 gradients in backward, the final norm, and
+  (untied) the output head's fp32 reduce-scatter input, which waits for the next one; a tied
+  head stays gathered with the embedding for the whole step.
 * **activations**: what a block keeps for backward, per token, in compute precision:
-  ``4D + 2(q + 2kv) + 2q + 4F`` elements (norm inputs and outputs, q/k/v before and after RoPE,
-  the attention output and its all-to-all, the SwiGLU intermediates), ``q = Nq * H``,
-  ``kv = Nkv * H``. ``--tiled-mlp`` drops the ``4F`` (recomputed a chunk at a time),
-  ``--head-chunks K`` keeps ``1/K`` of the q-sized attention tensors, and
-  ``--activation-checkpointing`` keeps only each block's input ``D`` (``--offload-activations``
-  puts those on the host, two blocks excepted) and recomputes one block at a time.
+  ``4D + 4kv + 4q/K + 4F`` elements (norm inputs and outputs, q/k/v, the attention output and
+  its all-to-all, the SwiGLU intermediates), ``q = Nq * H``, ``kv = Nkv * H``, ``K`` the head
+  chunks; ``--tiled-mlp`` drops the ``4F``. ``--activation-checkpointing`` keeps only each
+  block's input ``D`` (``--offload-activations`` puts those on the host, two blocks excepted).
+* **the working set of one block's backward** (the peak of a checkpointed step):
+  ``3D + 3q`` (its input, the norm's output, q, the gradients of o, q and the residual stream)
+  ``+ 4kv'`` (the exchanged k, v and their gradients; ``kv'`` with kv heads replicated when sp
+  exceeds them) ``+ 7q/K`` (one head stage: q, d o, o, d q, d k, d v, and d q's all-to-all
+  buffers; nothing when nothing is exchanged), or the MLP's backward before it
+  (``5D + 2q + 2kv'``, ``+ 7F`` without ``--tiled-mlp``).
 * **logits**: ``t * V * (c + 8)`` bytes (the logits, their fp32 log-softmax and its gradient);
   ``--tiled-loss`` computes them a chunk of ``min(2048, t)`` tokens at a time.
-* **the peak**: gradients fill up in backward while activations are freed, so the step's peak
-  is the parameters and optimizer states plus the larger of (gathered weights + activations +
-  logits + a block's activation gradients) and (gradients + gathered weights + a block's
-  activation gradients). Against the fake-tensor trace of ``llama3-8b`` (sp 4, S 8K-32K, with
-  and without checkpointing and tiling) this is within about 6%.
+* **the peak**: the parameters and optimizer states plus the largest of the loss (kept
+  activations, logits, the final hidden states and their gradient), the last block's backward
+  (kept activations and the working set) and the end of backward (all gradients and the working
+  set). Against the fake-tensor trace of ``llama3-8b`` (sp 1, 4 and 8; 16K to 7.2M tokens;
+  with and without checkpointing, tiling, head chunks and offloading) this is within -4% to
+  +10%; ``tests/test_faults.py`` checks one case against the trace.
 * **runtime**: a fixed allowance for what a rank adds beyond importing torch (the data stream,
   allocator slack): :data:`RUNTIME_BYTES`.
 
@@ -199,15 +205,27 @@ def estimate_memory(
     else:
         base["parameters"] = 4 * n
         base["optimizer states"] = 8 * n
-    gathered = (2 * block_params + root_params) * c + block_params * 4
+    untied = not shape.tie_embeddings  # the head is its own FSDP2 unit (du.parallelize)
+    head_params = V * D if untied else 0
+    gathered = 2 * block_params * c + block_params * 4 + (root_params - head_params) * c
+    gathered += head_params * 4  # the head's fp32 reduce-scatter input, until the next one
 
-    attn_q = 4 * q // max(1, head_chunks)  # q before/after RoPE, the output, its all-to-all
-    block_act = 4 * D + 2 * (2 * kv) + attn_q + (0 if tiled_mlp else 4 * F)
+    K = max(1, head_chunks)
+    kv_recv = kv * max(1, sp // max(1, shape.n_kv_heads))  # kv heads replicated when sp > K_kv
+    saved = 4 * D + 2 * (2 * kv) + 4 * q // K + (0 if tiled_mlp else 4 * F)  # what a block keeps
+    # the backward of one block (the peak of a checkpointed step): its input, the attention
+    # norm's output, q, the gradients of o and q and of the residual stream (3D + 3q); the
+    # exchanged k, v and their gradient accumulators (4 kv'); one head stage's q, d o, o, d q,
+    # d k, d v and the send/receive buffers of d q's all-to-all (7 q / K; nothing more with no
+    # exchange at all: sp = 1, one stage); or, before it, the MLP's backward (without
+    # --tiled-mlp: its 4 saved and 3 gradient F-sized tensors)
+    stage = 4 * kv_recv + (7 * q // K if sp > 1 or K > 1 else 0)
+    attn_bwd = 3 * D + 3 * q + stage
+    mlp_bwd = 5 * D + 2 * q + 2 * kv_recv + (0 if tiled_mlp else 7 * F)
     act: dict[str, int] = {}
     if tiled_mlp:  # one chunk's SwiGLU intermediates, recomputed in backward
         chunk = min(t, mlp_chunk_tokens or min(D, t))
         act["mlp chunk"] = 4 * F * chunk * c
-    one_block = block_act * t * c
     if activation_checkpointing:
         kept = D * t * c
         if offload_activations:
@@ -215,17 +233,22 @@ def estimate_memory(
             host["activation checkpoints"] = max(0, L - 2) * kept
         else:
             act["checkpoints"] = L * kept
-        act["one block recomputed"] = one_block
+        work = max(attn_bwd, mlp_bwd) * t * c
     else:
-        act["activations"] = L * one_block
-    act_grads = one_block + 4 * D * t * c  # a block's activation gradients, and the residuals
+        act["activations"] = (L - 1) * saved * t * c
+        work = (saved + max(attn_bwd, mlp_bwd)) * t * c
     loss_tokens = min(t, loss_chunk_tokens or min(2048, t)) if tiled_loss else t
-    act["logits"] = loss_tokens * V * (c + 8)
+    logits = loss_tokens * V * (c + 8)
     # Gradients fill up in backward as activations are freed: the step's peak is the larger of
-    # the forward/loss end (all activations, no gradients) and the end of backward (all
-    # gradients, a block's workspace).
-    fwd = gathered + act_grads + sum(act.values())
-    bwd = grads + gathered + act_grads
+    # the loss (all kept activations, the logits, the final hidden states and their gradient),
+    # the backward of the last block (all kept activations, its working set) and the end of
+    # backward (all gradients, a block's working set).
+    at_loss = gathered + sum(act.values()) + logits + 2 * D * t * c
+    at_block = gathered + sum(act.values()) + work
+    at_end = grads + gathered + work
+    fwd = max(at_loss, at_block)
+    bwd = at_end
+    act["logits"] = logits
     device = dict(base)
     if fwd >= bwd:
         device["activations and workspace"] = fwd
