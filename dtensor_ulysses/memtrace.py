@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -94,6 +95,8 @@ class _Timeline:
         self.host_late: set[int] = set()  # on the device until the next mark, then host
         self.category: dict[int, str] = {}
         self.op: dict[int, str] = {}  # uid -> the op that created it (diagnostics)
+        self.where: dict[int, str] = {}  # uid -> the library line that allocated it
+        self.where_min_bytes: int | None = None  # record ``where`` from this size on (None: off)
 
     # -- recording --
     def uid(self, t: torch.Tensor) -> int | None:
@@ -115,6 +118,8 @@ class _Timeline:
             self.host.add(uid)
         self.events.append(("a", uid, st.nbytes()))
         self.op[uid] = op
+        if self.where_min_bytes is not None and st.nbytes() >= self.where_min_bytes:
+            self.where[uid] = _library_line()
         weakref.finalize(st, self._free, key, uid)
         return uid
 
@@ -151,6 +156,40 @@ class _Timeline:
             self.category.setdefault(u, cat)
 
     # -- analysis --
+    def live_at_peak(self, start_mark: str, top: int) -> list[dict[str, Any]]:
+        """The ``top`` largest device storages alive at the step's device peak (from the mark
+        ``start_mark`` on), each with its bytes, category, the op and the library line that
+        allocated it (``where`` is recorded for storages of at least ``where_min_bytes``)."""
+
+        def replay(stop: int) -> tuple[int, dict[int, int]]:
+            size: dict[int, int] = {}
+            now, best, at, started = 0, -1, -1, False
+            for i, (kind, uid, n) in enumerate(self.events[:stop]):
+                if kind == "m":
+                    started = started or self.marks[uid] == start_mark
+                    continue
+                if kind == "a":
+                    size[uid] = n
+                elif kind == "r":
+                    size[uid] += n
+                elif uid in size:
+                    n = -size.pop(uid)
+                else:
+                    continue
+                now += 0 if uid in self.host else n
+                if started and now > best:
+                    best, at = now, i
+            return at, size
+
+        at, _ = replay(len(self.events))  # where the device peak is
+        _, live = replay(at + 1)  # what is alive there
+        rows: list[dict[str, Any]] = [
+            dict(bytes=b, category=self.category.get(u, "activations_and_buffers"),
+                 op=self.op.get(u, ""), where=self.where.get(u, ""))
+            for u, b in live.items() if u not in self.host
+        ]  # fmt: skip
+        return sorted(rows, key=lambda r: -r["bytes"])[:top]
+
     def peaks(self, start_mark: str) -> tuple[dict[tuple[str, str], PhasePeak], int]:
         """Device peaks per segment (with the composition at the peak) and the host peak, from
         the mark ``start_mark`` on; the bytes alive before it are the baseline. Segments are
@@ -230,6 +269,18 @@ class _Timeline:
                     out[phase] = PhasePeak(total, dict(dev_now))
                 host_peak = max(host_peak, host_now)
         return out, host_peak
+
+
+def _library_line() -> str:
+    """``file:line (function)`` of the innermost ``dtensor_ulysses`` frame outside this module,
+    with its caller in the library, e.g. ``model.py:89 (forward) < _tiling.py:50 (backward)``."""
+    frames = [
+        f for f in traceback.extract_stack()
+        if "dtensor_ulysses" in f.filename and not f.filename.endswith("memtrace.py")
+    ]  # fmt: skip
+    return " < ".join(
+        f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} ({f.name})" for f in frames[::-1][:2]
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,6 +404,9 @@ class StepTrace:
             ``optimizer/-``), each with what was alive at that moment by category.
         host_bytes: largest host memory (offloaded copies) alive at once during the step.
         traced_layers: the depths actually traced (two when extrapolated).
+        breakdown: with ``trace_train_step(..., breakdown=n)``, the ``n`` largest device
+            storages alive at the step's device peak (bytes, category, op, the library line
+            that allocated them); after :func:`extrapolate`, those of the deeper trace.
     """
 
     layers: int
@@ -363,6 +417,7 @@ class StepTrace:
     host_bytes: int
     traced_layers: tuple[int, ...] = ()
     features: dict[str, Any] = field(default_factory=dict)
+    breakdown: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_segments(
@@ -406,6 +461,7 @@ class StepTrace:
             },
             "layers": self.layers,
             "traced_layers": list(self.traced_layers),
+            **({"breakdown": self.breakdown} if self.breakdown else {}),
         }
 
 
@@ -522,6 +578,7 @@ def trace_train_step(
     ac: bool = True,
     layers: int | None = None,
     warmup_seq_len: int | None = None,
+    breakdown: int = 0,
     **features: Any,
 ) -> StepTrace:
     """Trace one steady-state training step of rank 0 (see the module docstring).
@@ -534,6 +591,8 @@ def trace_train_step(
         layers: trace a model with this many blocks instead of the preset's.
         warmup_seq_len: the warm-up step's length (default: the smallest that every feature
             accepts, ``sp * 64``).
+        breakdown: list this many of the largest storages alive at the device peak (each
+            storage of at least 1 MiB records the library line that allocated it).
         **features: :class:`~dtensor_ulysses.train.TrainConfig` fields (``tiled_loss``,
             ``tiled_mlp``, ``head_chunks``, ``offload_*``, chunk sizes).
 
@@ -553,6 +612,7 @@ def trace_train_step(
         with fake_world(dp * sp) as (fake_mode, make_recorder):
             rec = make_recorder()
             tl = rec.timeline
+            tl.where_min_bytes = 2**20 if breakdown else None
             mesh = init_mesh(dp, sp, device_type="cpu")
             group = flatten_dp_sp(mesh).get_group()
             with fake_mode, rec:
@@ -572,10 +632,12 @@ def trace_train_step(
                 for h in hooks:
                     h.remove()
             segments, host_peak = tl.peaks("step")
+            top = tl.live_at_peak("step", breakdown) if breakdown else []
     used = {k: v for k, v in features.items() if v not in (None, False)}
     return StepTrace.from_segments(
-        n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used
-    )
+        n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used,
+        breakdown=top,
+    )  # fmt: skip
 
 
 def _n_layers(model: str) -> int:

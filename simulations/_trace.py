@@ -120,10 +120,13 @@ def _memtrace():
     return memtrace
 
 
-def trace(case: TraceCase) -> Any:
-    """The traced step of ``case`` (a :class:`dtensor_ulysses.memtrace.StepTrace`)."""
+def trace(case: TraceCase, *, breakdown: int = 0) -> Any:
+    """The traced step of ``case`` (a :class:`dtensor_ulysses.memtrace.StepTrace`); with
+    ``breakdown=n``, the ``n`` largest storages alive at its device peak as well."""
     mt = _memtrace()
     kw: dict[str, Any] = dict(dp=case.dp, sp=case.sp, ac=case.ac == "full", **case.feature_dict())
+    if breakdown:
+        kw["breakdown"] = breakdown
     try:
         L0 = case.extrapolate_from
         if L0 is not None and case.depth > L0 + 1:  # else: the whole model is traced
@@ -135,9 +138,9 @@ def trace(case: TraceCase) -> Any:
         raise TraceUnavailable(str(e)) from None
 
 
-def report(case: TraceCase, *, traced: Any = None) -> dict[str, Any]:
+def report(case: TraceCase, *, traced: Any = None, breakdown: int = 0) -> dict[str, Any]:
     """The ``simulations trace --json`` object of one case."""
-    t = traced if traced is not None else trace(case)
+    t = traced if traced is not None else trace(case, breakdown=breakdown)
     gpu = get_gpu(case.gpu)
     w = case.workload()
     pred = memory.estimate(w)

@@ -108,6 +108,10 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
         "--granularity", type=int, default=None,
         help="--find-max grid, tokens (default 1024 * sp)",
     )  # fmt: skip
+    p.add_argument(
+        "--breakdown", type=int, default=0, metavar="N",
+        help="list the N largest tensors alive at the device peak (with --seq-len)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -358,6 +362,12 @@ def _trace_case(a):
 
     if a.find_max == (a.seq_len is not None):
         raise ValueError("give --seq-len S, or --find-max (without --seq-len)")
+    if a.breakdown and a.find_max:
+        raise ValueError(
+            "--breakdown N lists one step's peak: use it with --seq-len, not --find-max"
+        )
+    if a.breakdown < 0:
+        raise ValueError(f"--breakdown={a.breakdown} must be >= 0 (a number of tensors)")
     feats = tuple(
         (k, getattr(a, k))
         for k in _trace.FEATURE_FLAGS
@@ -404,6 +414,11 @@ def _format_trace(obj: dict) -> str:
         out.append(
             f"longest fitting sequence: {obj['max_seq_len']:,} (grid {obj['granularity']:,})"
         )
+    if obj.get("breakdown"):
+        depth = obj["traced_layers"][-1]
+        out += ["", f"alive at the device peak, largest first (traced with {depth} blocks):"]
+        rows = [(_b(r["bytes"]), r["category"], r["op"], r["where"]) for r in obj["breakdown"]]
+        out.append(_table(rows, ("bytes", "category", "op", "allocated at")))
     return "\n".join(out)
 
 
@@ -424,7 +439,7 @@ def _cmd_trace(a) -> int:
             return 1
         obj = dict(rep, max_seq_len=best, granularity=g, probes=probes)
     else:
-        obj = _trace.report(case)
+        obj = _trace.report(case, breakdown=a.breakdown)
     print(json.dumps(obj, indent=2) if a.json else _format_trace(obj))
     return 0
 

@@ -332,3 +332,36 @@ def test_head_stages_overlap_communication_with_attention():
         one_way = ["start heads"] + ["start heads", "attend", "start seq"] * (C - 1)
         one_way += ["attend", "start seq"]
         assert r["events"] == one_way + one_way, r["events"]
+
+
+BREAKDOWN = """
+import json
+from dtensor_ulysses import memtrace as mt
+t = mt.trace_train_step("llama3-8b", 65536, sp=8, layers=2, breakdown=6, tiled_mlp=True,
+                        tiled_loss=True)
+print(json.dumps(dict(peak=t.device_peak_bytes, rows=t.breakdown)))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_trace_breakdown_names_what_is_alive_at_the_peak():
+    """``trace_train_step(..., breakdown=n)``: the n largest device storages alive at the
+    peak, largest first, within the peak, each with the op and the library line that
+    allocated it (llama3-8b, 2 blocks, 8K tokens per rank: the peak is in the tiled loss's
+    backward, one chunk's fp32 logits and their gradients, 2048 x 128256 x 4 bytes each)."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", BREAKDOWN], capture_output=True, text=True,
+                       timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = out["rows"]
+    assert len(rows) == 6 and [x["bytes"] for x in rows] == sorted(
+        (x["bytes"] for x in rows), reverse=True
+    )
+    assert sum(x["bytes"] for x in rows) <= out["peak"]
+    assert all(".py:" in x["where"] and x["op"] for x in rows), rows
+    chunk = [x for x in rows if x["bytes"] == 2048 * 128256 * 4]
+    assert any("_tiling.py" in x["where"] for x in chunk), rows
