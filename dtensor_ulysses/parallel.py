@@ -69,6 +69,7 @@ def parallelize(
     offload_activations: bool = False,
     offload_params: bool = False,
     head_chunks: int = 1,
+    overlap_comm: bool = False,
     compile: bool | str = False,
     mixed_precision: MixedPrecisionPolicy | None | str = "auto",
     attention_backend: str = "auto",
@@ -88,6 +89,9 @@ def parallelize(
             ``CPUOffloadPolicy``; the optimizer then steps on the CPU).
         head_chunks: attention in this many stages per block (head-chunked Ulysses, see
             :class:`~dtensor_ulysses.ulysses.UlyssesAttention`); must divide the heads per rank.
+        overlap_comm: with ``head_chunks > 1``, overlap each stage's all-to-alls with the
+            neighbouring stages' attention (``UlyssesAttention(overlap=True)``): same values,
+            more memory in flight.
         compile: ``torch.compile`` each block (``True``: the default backend, inductor; or a
             backend name, e.g. ``"aot_eager"``).
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy``, ``None`` for full precision, or
@@ -140,7 +144,7 @@ def parallelize(
             kernel.backend = attention_backend
         if sp > 1 or head_chunks > 1:
             attention.inner_attention = UlyssesAttention(
-                kernel, mesh["sp"], head_chunks=head_chunks
+                kernel, mesh["sp"], head_chunks=head_chunks, overlap=overlap_comm
             )
 
     # 2. Activation checkpointing, per block (parameter names are unchanged).

@@ -121,6 +121,7 @@ class TrainConfig:
     tiled_mlp: bool = False
     mlp_chunk_tokens: int | None = None  # None: the model dim (ALST's choice), capped
     head_chunks: int = 1
+    overlap_comm: bool = False  # head stages' all-to-alls asynchronous (speed for memory)
     compile: str | None = None  # a torch.compile backend, per block (None: eager)
     offload_activations: bool = False
     offload_optimizer: bool = False
@@ -282,6 +283,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         type=int,
         default=d.head_chunks,
         help="attention in K stages of heads (UPipe); K divides the heads per rank",
+    )
+    mem.add_argument(
+        "--overlap-comm",
+        action="store_true",
+        help="with --head-chunks: move stage c+1 while stage c attends (same values; costs "
+        "the in-flight buffers: ~8%% shorter longest sequence)",
     )
     mem.add_argument(
         "--offload-activations",
@@ -740,6 +747,13 @@ def _validate_memory_features(cfg: TrainConfig, shape: ModelShape | None) -> Non
                 check_head_chunks(shape.n_heads, cfg.sp, cfg.head_chunks)
         except ValueError as e:
             raise UsageError(str(e).replace("head_chunks=", "--head-chunks ")) from None
+    if cfg.overlap_comm and cfg.head_chunks == 1:
+        raise UsageError(
+            "--overlap-comm overlaps the all-to-alls of attention's head stages with each "
+            "other's attention; it needs --head-chunks K with K > 1 (e.g. the heads per rank)"
+        )
+    if cfg.overlap_comm and cfg.hf_model:
+        raise UsageError("--overlap-comm applies to the built-in model only, not to --hf-model")
     if cfg.offload_activations and not cfg.activation_checkpointing:
         raise UsageError(
             "--offload-activations moves the one input a checkpointed block keeps to the host; "
@@ -784,6 +798,7 @@ def build(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, *, init: boo
         offload_activations=cfg.offload_activations,
         offload_params=cfg.offload_params,
         head_chunks=cfg.head_chunks,
+        overlap_comm=cfg.overlap_comm,
         compile=cfg.compile or False,
         attention_backend=cfg.attention_backend,
         allow_uneven_heads=cfg.allow_uneven_heads,

@@ -197,6 +197,10 @@ class UlyssesAttention(nn.Module):
             form of one exchange, plus each stage's q all-to-all replayed by the recompute.
             Needs sp to divide the q heads and ``head_chunks`` to divide the heads each rank
             holds.
+        overlap: with ``head_chunks > 1``, run the stages' all-to-alls asynchronously, stage
+            ``c + 1``'s moving while stage ``c`` attends (the same values, bit for bit, and
+            bytes); costs the buffers of the exchanges in flight (memory), so it is off by
+            default.
     """
 
     def __init__(
@@ -206,6 +210,7 @@ class UlyssesAttention(nn.Module):
         *,
         fuse_qkv: bool = True,
         head_chunks: int = 1,
+        overlap: bool = False,
     ) -> None:
         super().__init__()
         if not callable(attn_fn):
@@ -216,11 +221,12 @@ class UlyssesAttention(nn.Module):
         if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks={head_chunks!r} must be an int >= 1 (1: no chunking)")
         self.head_chunks = head_chunks
+        self.overlap = bool(overlap)
 
     def extra_repr(self) -> str:
         return (
             f"sp={dist.get_world_size(self.group)}, fuse_qkv={self.fuse_qkv}, "
-            f"head_chunks={self.head_chunks}"
+            f"head_chunks={self.head_chunks}, overlap={self.overlap}"
         )
 
     def _seq_sizes(self, s: int, layout: SeqLayout | None, seq_len: int | None) -> list[int]:
@@ -369,7 +375,7 @@ class UlyssesAttention(nn.Module):
             k_BSmH,
             v_BSmH,
             ranges,
-            exchange=StageExchange(self.group, seq_sizes, m, order),
+            exchange=StageExchange(self.group, seq_sizes, m, order, async_op=self.overlap),
             attend=functools.partial(self.attn_fn, **attn_kwargs),
         )
         return o_BsPCmH.view(B, s, N, H)

@@ -215,8 +215,8 @@ def kernel_layout_worker(rank: int, world_size: int, head_chunks: int) -> dict:
 
 
 def overlap_worker(rank: int, world_size: int, case: dict) -> dict:
-    """Head-chunked attention with asynchronous all-to-alls (the default) and with every
-    exchange waited for at once: outputs and gradients, and the order of starts and kernels."""
+    """Head-chunked attention with ``overlap=True`` (asynchronous all-to-alls) and without (one
+    exchange at a time): outputs and gradients, and the order of starts and kernels."""
     from dtensor_ulysses import _head_stages
 
     mesh = get_mesh(1, world_size)
@@ -231,25 +231,28 @@ def overlap_worker(rank: int, world_size: int, case: dict) -> dict:
         return kernel(q_, k_, v_, **kw)
 
     real_start = _head_stages.start_exchange
+
+    def start(*args, **kw):
+        events.append(f"start {'heads' if args[1] == 2 else 'seq'}")
+        return real_start(*args, **kw)
+
     results = {}
-    for mode in ("async", "sync"):
-        events.clear()
-
-        def start(*args, mode=mode, **kw):
-            events.append(f"start {'heads' if args[1] == 2 else 'seq'}")
-            return real_start(*args, **kw, **({"async_op": False} if mode == "sync" else {}))
-
-        _head_stages.start_exchange = start
-        try:
-            engine = du.UlyssesAttention(attend, mesh["sp"], head_chunks=case["C"])
+    _head_stages.start_exchange = start
+    try:
+        for overlap in (True, False):
+            events.clear()
+            engine = du.UlyssesAttention(attend, mesh["sp"], head_chunks=case["C"],
+                                         overlap=overlap)  # fmt: skip
             ql, kl, vl = (t[:, cut].detach().clone().requires_grad_() for t in (q, k, v))
             o = engine(ql, kl, vl)
             o.backward(go[:, cut])
-        finally:
-            _head_stages.start_exchange = real_start
-        results[mode] = dict(o=o.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad, events=list(events))
-    a, b = results["async"], results["sync"]
+            results[overlap] = dict(o=o.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
+                                    events=list(events))  # fmt: skip
+    finally:
+        _head_stages.start_exchange = real_start
+    a, b = results[True], results[False]
     return {
         "equal": {n: bool(torch.equal(a[n], b[n])) for n in ("o", "dq", "dk", "dv")},
         "events": a["events"],
+        "events_sequential": b["events"],
     }

@@ -71,7 +71,8 @@ FEATURES = {
 }
 FEATURES["all"] = {
     k: v for name, kw in FEATURES.items() if name != "offload_params" for k, v in kw.items()
-}  # --offload-params replaces --offload-optimizer (both put the optimizer on the host)
+} | {"overlap_comm": True}  # --offload-params replaces --offload-optimizer (both: host AdamW);
+# the head stages' exchanges overlapped with attention (alone, head chunks run one at a time)
 FEATURES["all_params_on_host"] = {**FEATURES["all"], "offload_optimizer": False,
                                   "offload_params": True}  # fmt: skip
 WORLDS = {1: [(1, 1)], 2: [(1, 2)], 4: [(1, 4), (2, 2)]}
@@ -319,9 +320,9 @@ def test_tiled_backward_holds_one_input_gradient(monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_head_stages_overlap_communication_with_attention():
-    """Asynchronous all-to-alls: stage c + 1's q (forward) or q and d o (backward) start before
-    stage c's kernel runs, and stage c's o or d q is sent back while stage c + 1 runs; the
-    outputs and gradients equal, bit for bit, the run that waits for every exchange at once."""
+    """``overlap=True``: stage c + 1's q (forward) or q and d o (backward) start before stage
+    c's kernel runs, and stage c's o or d q is sent back while stage c + 1 runs; outputs and
+    gradients equal, bit for bit, the default one-exchange-at-a-time schedule's."""
     C = 4
     case = dict(B=1, S=16, N=8, K=2, H=4, C=C, seed=5)
     for r in run_local_world(feature_workers.overlap_worker, 2, case):
@@ -332,6 +333,8 @@ def test_head_stages_overlap_communication_with_attention():
         one_way = ["start heads"] + ["start heads", "attend", "start seq"] * (C - 1)
         one_way += ["attend", "start seq"]
         assert r["events"] == one_way + one_way, r["events"]
+        sequential = ["start heads", "attend", "start seq"] * C
+        assert r["events_sequential"] == sequential + sequential, r["events_sequential"]
 
 
 BREAKDOWN = """
