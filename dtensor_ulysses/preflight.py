@@ -27,21 +27,22 @@ tokens, ``L`` blocks, ``V`` vocabulary, ``D`` model dim, ``F`` MLP dim:
   ``4D + 4kv + 4q/K + 4F`` elements (norm inputs and outputs, q/k/v, the attention output and
   its all-to-all, the SwiGLU intermediates), ``q = Nq * H``, ``kv = Nkv * H``, ``K`` the head
   chunks; ``--tiled-mlp`` drops the ``4F``. ``--activation-checkpointing`` keeps only each
-  block's input ``D`` (``--offload-activations`` puts those on the host, two blocks excepted).
+  block's input ``D`` (``--offload-activations`` puts those on the host but the one being recomputed).
 * **the working set of one block's backward** (the peak of a checkpointed step):
   ``3D + 3q`` (its input, the norm's output, q, the gradients of o, q and the residual stream)
   ``+ 4kv'`` (the exchanged k, v and their gradients; ``kv'`` with kv heads replicated when sp
-  exceeds them) ``+ 7q/K`` (one head stage: q, d o, o, d q, d k, d v, and d q's all-to-all
-  buffers; nothing when nothing is exchanged), or the MLP's backward before it
-  (``5D + 2q + 2kv'``, ``+ 7F`` without ``--tiled-mlp``).
+  exceeds them) ``+ 5q/K`` (one head stage: q, d o, o, d q and the kernel's gradients; nothing
+  when nothing is exchanged; ``+ 6q/K`` with ``--overlap-comm``, the buffers in flight), or the
+  MLP's backward before it (``5D + 2q + 2kv'``, ``+ 7F`` without ``--tiled-mlp``). With
+  ``--offload-activations`` one checkpoint is on the device, the block being recomputed.
 * **logits**: ``t * V * (c + 8)`` bytes (the logits, their fp32 log-softmax and its gradient);
   ``--tiled-loss`` computes them a chunk of ``min(2048, t)`` tokens at a time.
 * **the peak**: the parameters and optimizer states plus the largest of the loss (kept
   activations, logits, the final hidden states and their gradient), the last block's backward
   (kept activations and the working set) and the end of backward (all gradients and the working
-  set). Against the fake-tensor trace of ``llama3-8b`` (sp 1, 4 and 8; 16K to 7.2M tokens;
-  with and without checkpointing, tiling, head chunks and offloading) this is within -4% to
-  +10%; ``tests/test_faults.py`` checks one case against the trace.
+  set). Against the fake-tensor trace of ``llama3-8b`` (sp 1, 4 and 8; 16K to 7.7M tokens;
+  with and without checkpointing, tiling, head chunks, overlap and offloading) this is within
+  -9% to +6%; ``tests/test_faults.py`` checks one case against the trace.
 * **runtime**: a fixed allowance for what a rank adds beyond importing torch (the data stream,
   allocator slack): :data:`RUNTIME_BYTES`.
 
@@ -172,6 +173,7 @@ def estimate_memory(
     offload_activations: bool = False,
     offload_optimizer: bool = False,
     offload_params: bool = False,
+    overlap_comm: bool = False,
 ) -> MemoryEstimate:
     """One rank's peak memory in a training step (the closed form of the module docstring).
 
@@ -216,10 +218,12 @@ def estimate_memory(
     # the backward of one block (the peak of a checkpointed step): its input, the attention
     # norm's output, q, the gradients of o and q and of the residual stream (3D + 3q); the
     # exchanged k, v and their gradient accumulators (4 kv'); one head stage's q, d o, o, d q,
-    # d k, d v and the send/receive buffers of d q's all-to-all (7 q / K; nothing more with no
-    # exchange at all: sp = 1, one stage); or, before it, the MLP's backward (without
+    # d k, d v (5 q / K; nothing more with no exchange at all: sp = 1, one stage), and with
+    # --overlap-comm the send and receive buffers of the next stage's q and d o and of the
+    # previous stage's d q, in flight (6 q / K); or, before it, the MLP's backward (without
     # --tiled-mlp: its 4 saved and 3 gradient F-sized tensors)
-    stage = 4 * kv_recv + (7 * q // K if sp > 1 or K > 1 else 0)
+    exchanged = sp > 1 or K > 1
+    stage = 4 * kv_recv + ((5 + (6 if overlap_comm else 0)) * q // K if exchanged else 0)
     attn_bwd = 3 * D + 3 * q + stage
     mlp_bwd = 5 * D + 2 * q + 2 * kv_recv + (0 if tiled_mlp else 7 * F)
     act: dict[str, int] = {}
@@ -228,9 +232,9 @@ def estimate_memory(
         act["mlp chunk"] = 4 * F * chunk * c
     if activation_checkpointing:
         kept = D * t * c
-        if offload_activations:
-            act["checkpoints"] = min(L, 2) * kept
-            host["activation checkpoints"] = max(0, L - 2) * kept
+        if offload_activations:  # on the device: the one being recomputed
+            act["checkpoints"] = min(L, 1) * kept
+            host["activation checkpoints"] = max(0, L - 1) * kept
         else:
             act["checkpoints"] = L * kept
         work = max(attn_bwd, mlp_bwd) * t * c

@@ -667,6 +667,7 @@ def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
     """Refuse a run whose estimated per-rank memory exceeds this machine's (``preflight.py``)."""
     assert cfg.sp is not None
     features = {name: getattr(cfg, name) for name in MEMORY_FEATURES}
+    features["overlap_comm"] = cfg.overlap_comm  # not a memory feature, but it costs memory
     try:
         result = check_fits(
             shape, device_type=device_type, features=features,
