@@ -27,7 +27,8 @@ tokens, ``L`` blocks, ``V`` vocabulary, ``D`` model dim, ``F`` MLP dim:
   ``4D + 4kv + 4q/K + 4F`` elements (norm inputs and outputs, q/k/v, the attention output and
   its all-to-all, the SwiGLU intermediates), ``q = Nq * H``, ``kv = Nkv * H``, ``K`` the head
   chunks; ``--tiled-mlp`` drops the ``4F``. ``--activation-checkpointing`` keeps only each
-  block's input ``D`` (``--offload-activations`` puts those on the host but the one being recomputed).
+  block's input ``D`` (``--offload-activations`` puts those on the host, but the one being
+  recomputed).
 * **the working set of one block's backward** (the peak of a checkpointed step):
   ``3D + 3q`` (its input, the norm's output, q, the gradients of o, q and the residual stream)
   ``+ 4kv'`` (the exchanged k, v and their gradients; ``kv'`` with kv heads replicated when sp
