@@ -27,6 +27,10 @@ What is counted, and how it maps to a CUDA run (see ``simulations/README.md``):
   one block's fp32 shard, transient.
 * ``.item()`` on a fake tensor has no value: the trace returns 1 (token counts, norms); the
   bytes do not depend on it.
+* **CUDA's schedule**: the activation offloader's CPU path follows its CUDA path here
+  (:func:`dtensor_ulysses.offload.cuda_schedule_on_cpu`): restoring block ``i``'s input brings
+  block ``i-1``'s back at once, as the CUDA side stream does, so a block's backward holds two
+  block inputs, as on a GPU.
 
 Phases of the measured step: ``forward`` (embedding and blocks), ``loss`` (final norm, loss
 forward and backward, until the gradient of the final norm's output exists), ``backward``
@@ -487,6 +491,16 @@ def extrapolate(a: StepTrace, b: StepTrace, layers: int) -> StepTrace:
 # ----------------------------------------------------------------------------------------------
 # the step
 # ----------------------------------------------------------------------------------------------
+def _cuda_schedule() -> contextlib.AbstractContextManager[Any]:
+    """The offloader's CUDA schedule on CPU tensors (its prefetch of the earlier block's input),
+    when this library has it."""
+    try:
+        from dtensor_ulysses.offload import cuda_schedule_on_cpu
+    except ImportError:
+        return contextlib.nullcontext()
+    return cuda_schedule_on_cpu()
+
+
 def _offload_registry() -> Callable[[torch.Tensor], bool] | None:
     """``is_host(tensor)`` from :mod:`dtensor_ulysses.offload`, when that module exists."""
     try:
@@ -615,7 +629,7 @@ def trace_train_step(
             tl.where_min_bytes = 2**20 if breakdown else None
             mesh = init_mesh(dp, sp, device_type="cpu")
             group = flatten_dp_sp(mesh).get_group()
-            with fake_mode, rec:
+            with fake_mode, rec, _cuda_schedule():
                 try:
                     built = train.build(cfg, mesh, torch.device("cpu"), init=False)
                 except TypeError:  # a trainer without init=: initialize (fake, costs nothing)

@@ -61,6 +61,7 @@ __all__ = [
     "ActivationOffloader",
     "HostOffloadAdamW",
     "allocating_host",
+    "cuda_schedule_on_cpu",
     "fsdp_offload_policy",
     "host_bytes",
     "host_compute",
@@ -165,6 +166,21 @@ class _Saved:
         self.restored = False
 
 
+_CUDA_SCHEDULE = [False]
+
+
+@contextlib.contextmanager
+def cuda_schedule_on_cpu() -> Iterator[None]:
+    """Within: CPU restores follow the CUDA path's schedule, bringing block ``i-1``'s input back
+    when block ``i``'s is used, so that :mod:`dtensor_ulysses.memtrace` (fake CPU tensors) sees
+    the device memory a CUDA run holds (one more block input during each block's backward)."""
+    _CUDA_SCHEDULE[0] = True
+    try:
+        yield
+    finally:
+        _CUDA_SCHEDULE[0] = False
+
+
 class ActivationOffloader:
     """Moves each checkpointed block's input to host memory and back; shared by a model's blocks.
 
@@ -231,9 +247,17 @@ class ActivationOffloader:
     # -- backward: host -> device ------------------------------------------------------------
     def _restore(self, saved: _Saved) -> torch.Tensor:
         self.stats.restored_tensors += 1
-        if saved.device.type != "cuda":
-            saved.restored = True
-            return saved.host.clone()  # a device tensor of its own (device == host on CPU)
+        if saved.device.type != "cuda":  # a device tensor of its own (device == host on CPU)
+            self.stats.prefetched_tensors += saved.fetched is not None
+            got = saved.fetched if saved.fetched is not None else saved.host.clone()
+            saved.fetched, saved.restored = None, True
+            # for the memory trace: the earlier block's input comes back now, as the CUDA
+            # path's side stream brings it
+            if self.prefetch and _CUDA_SCHEDULE[0]:
+                earlier = self._earlier(saved)
+                if earlier is not None:
+                    earlier.fetched = earlier.host.clone()
+            return got
         if saved.fetched is None:
             self._fetch(saved)
         else:

@@ -10,6 +10,7 @@ stage is recomputed there), in the same all-to-all as its ``d o``.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import pytest
@@ -201,6 +202,32 @@ def test_offloaded_block_inputs_leave_the_device():
     assert alive == [], f"block inputs still on the device: {alive}"
     loss.backward()  # and the recompute still finds them
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_cpu_restores_follow_the_cuda_schedule_for_the_trace():
+    """Under ``cuda_schedule_on_cpu()`` (what the memory trace uses) restoring block i's input
+    brings block i-1's back at once, as the CUDA side stream does: every block but the last
+    restored is prefetched, and the gradients are those of the plain schedule, bit for bit."""
+    from dtensor_ulysses.model import build_model
+    from dtensor_ulysses.offload import cuda_schedule_on_cpu
+    from dtensor_ulysses.presets import get_shape
+    from dtensor_ulysses.recompute import checkpoint_module, offload_checkpoints
+
+    shape = get_shape("tiny").with_(n_layers=4)
+    ids = torch.randint(0, shape.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(32).expand(2, 32)
+    grads, stats = [], []
+    for schedule in (False, True):
+        model = build_model(shape, device="cpu")
+        for block in model.layers:
+            checkpoint_module(block)
+        offloader = offload_checkpoints(model.layers)
+        with cuda_schedule_on_cpu() if schedule else contextlib.nullcontext():
+            model(ids, pos, labels=ids).backward()
+        grads.append([p.grad for p in model.parameters()])
+        stats.append((offloader.stats.restored_tensors, offloader.stats.prefetched_tensors))
+    assert stats == [(4, 0), (4, 3)], stats
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_rmsnorm_keeps_its_input_in_bf16_and_is_exact():
