@@ -47,7 +47,25 @@ class ImplProfile:
             project's ``parallelize``): the head is gathered for the loss and freed with its
             backward, the embedding gathered only around its own forward and backward; else
             both sit in the root's unit, gathered from the start of forward to the end of
-            backward.
+            backward. Such a model is sharded by FSDP2 on any number of ranks (one included,
+            where the gathered copy is a cast without an all-gather buffer).
+        staged_backward: a block's backward frees what each stage used before the next one
+            runs, as this project's autograd functions do (traced): the MLP's saved tensors
+            and its gradients before the attention's backward, the kernel's before the
+            exchange of d(q, k, v); a replayed block's input is its checkpoint (counted once);
+            the kernel's backward holds d o, d q, d k, d v in the activation dtype (the traced
+            SDPA kernel; FlashAttention-2's fp32 d q accumulator and per-q-head d k, d v under
+            GQA are a GPU kernel's own, :func:`simulations.activations.block_backward_stages`).
+            The memory model then also evaluates the first block's backward (every other
+            block's sharded gradient exists by then) besides the last block's, and counts the
+            offloaded checkpoints and the host optimizer's temporaries at different moments
+            (:func:`simulations.memory.estimate`). Else a replayed block's saved set stays
+            whole through its backward, with the largest transient of
+            :func:`~simulations.activations.block_backward_transients`.
+        cast_block_inputs: FSDP2 casts each block's floating-point inputs to the compute dtype,
+            so every block keeps its own copy of the RoPE tables (``cos``, ``sin``, ``[s, H/2]``
+            each: ``e * H`` bytes per token), which the checkpoint keeps on the device (only
+            the block input is offloaded); the float32 tables live during forward only.
     """
 
     name: str
@@ -63,6 +81,8 @@ class ImplProfile:
     persistent_grads: bool = False
     optimizer_temp: int = 4
     head_unit: bool = False
+    staged_backward: bool = False
+    cast_block_inputs: bool = False
 
 
 # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and AdamW: sharded fp32
@@ -82,14 +102,19 @@ _ZERO3_CPU = {"none": (0, 0, 0), "optimizer": (0, 4, 12), "params": (2, 4, 12)}
 IMPL_PROFILES: dict[str, ImplProfile] = {
     # This project: FSDP2 + dtensor_ulysses/model.py. RMSNorm is a small autograd function that
     # keeps its input in its own dtype (e) and one fp32 scale per row (4/D per element, left
-    # out), recomputing the rest in backward; its output is the next matmul's input (e): 2e, 4 at
-    # bf16 as a fused kernel (traced; it was 10 with F.rms_norm on an fp32 upcast). Eager SwiGLU
-    # (4). The loss is computed inside the model's forward and returns a scalar: the caller keeps
-    # no logits (loss_kept 0; traced). loss.py's tiled loss materializes chunks of tokens.
+    # out), recomputing the rest over row chunks in backward (no [s, D] fp32 temporaries); its
+    # output is the next matmul's input (e): 2e, 4 at bf16 as a fused kernel (traced; it was 10
+    # with F.rms_norm on an fp32 upcast). Eager SwiGLU (4). The loss is computed inside the
+    # model's forward and returns a scalar: the caller keeps no logits (loss_kept 0; traced).
+    # The tiled MLP and loss (_tiling.py) keep their input only and write the input's gradient
+    # chunk by chunk into one tensor; head-chunked attention (_head_stages.py) keeps q and the
+    # exchanged k, v. Backward frees stage by stage (staged_backward); FSDP2 casts the RoPE
+    # tables per block (cast_block_inputs).
     "dtensor-ulysses": ImplProfile(
         name="dtensor-ulysses", norm_saved=None, mlp_saved=4, mlp_bwd=3, loss_kept=0,
         gpu_state_bytes=_FSDP2_GPU, cpu_state_bytes=_FSDP2_CPU,
         loss_tile_bytes=GiB, fixed_bytes=256 * 2**20, loss_tile_tokens=2048, head_unit=True,
+        staged_backward=True, cast_block_inputs=True,
     ),
     # Hugging Face Transformers eager modules + DeepSpeed ZeRO-3 (the Hugging Face blog, row M4);
     # the loss upcasts inside the loss function, the caller keeps no logits. DeepSpeed's buckets
