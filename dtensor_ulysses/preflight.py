@@ -27,15 +27,14 @@ tokens, ``L`` blocks, ``V`` vocabulary, ``D`` model dim, ``F`` MLP dim:
   ``4D + 4kv + 4q/K + 4F`` elements (norm inputs and outputs, q/k/v, the attention output and
   its all-to-all, the SwiGLU intermediates), ``q = Nq * H``, ``kv = Nkv * H``, ``K`` the head
   chunks; ``--tiled-mlp`` drops the ``4F``. ``--activation-checkpointing`` keeps only each
-  block's input ``D`` (``--offload-activations`` puts those on the host, but the one being
-  recomputed).
+  block's input ``D`` (``--offload-activations`` puts those on the host; in a block's backward
+  two are on the device, its own and the one before it, brought back meanwhile).
 * **the working set of one block's backward** (the peak of a checkpointed step):
   ``3D + 3q`` (its input, the norm's output, q, the gradients of o, q and the residual stream)
   ``+ 4kv'`` (the exchanged k, v and their gradients; ``kv'`` with kv heads replicated when sp
   exceeds them) ``+ 5q/K`` (one head stage: q, d o, o, d q and the kernel's gradients; nothing
   when nothing is exchanged; ``+ 6q/K`` with ``--overlap-comm``, the buffers in flight), or the
-  MLP's backward before it (``5D + 2q + 2kv'``, ``+ 7F`` without ``--tiled-mlp``). With
-  ``--offload-activations`` one checkpoint is on the device, the block being recomputed.
+  MLP's backward before it (``5D + 2q + 2kv'``, ``+ 7F`` without ``--tiled-mlp``).
 * **logits**: ``t * V * (c + 8)`` bytes (the logits, their fp32 log-softmax and its gradient);
   ``--tiled-loss`` computes them a chunk of ``min(2048, t)`` tokens at a time.
 * **the peak**: the parameters and optimizer states plus the largest of the loss (kept
@@ -233,8 +232,8 @@ def estimate_memory(
         act["mlp chunk"] = 4 * F * chunk * c
     if activation_checkpointing:
         kept = D * t * c
-        if offload_activations:  # on the device: the one being recomputed
-            act["checkpoints"] = min(L, 1) * kept
+        if offload_activations:  # on the device: the one recomputed and the one before it
+            act["checkpoints"] = min(L, 2) * kept
             host["activation checkpoints"] = max(0, L - 1) * kept
         else:
             act["checkpoints"] = L * kept
