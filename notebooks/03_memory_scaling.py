@@ -196,10 +196,35 @@ def plot_stack(stacked):
 show(plot_stack(stacked))
 
 # %% [markdown]
-# The tiled loss and the offloaded checkpoints buy the most; head chunks shrink attention's
-# working set, which binds only once the rest is gone (here it does not move the wall: the
-# recomputed block does). The measured longest sequences, from traces of the real step, are in
-# the simulator's README.
+# ## Measured: what each feature buys in the real step
+#
+# The stack above is the simulator's. The same question, answered by the library's real training
+# step traced with fake tensors (`python -m simulations trace --find-max`: the model built on
+# meta, `du.parallelize`, forward, backward and the optimizer step, every feature through its own
+# code): the 8x H100 recipe with all five flags, then with each flag dropped in turn.
+# `python -m benchmarks.trace_max_seq` wrote these numbers (about 4 minutes a row on 2 cores, so
+# they are read here, not recomputed).
+
+# %%
+import json
+from pathlib import Path
+
+results = Path(du.__file__).resolve().parents[1] / "benchmarks/results/trace_max_seq.json"
+runs = {r["hardware"]: r["result"] for r in json.loads(results.read_text())["runs"]}
+traced = [("all five (8x H100 recipe)", runs["8x H100"]["max_seq_len"])]
+traced += [(k[len("8x H100 ") :], v["max_seq_len"]) for k, v in runs.items() if "without" in k]
+for label, n in traced:
+    host = runs["8x H100" if label.startswith("all") else f"8x H100 {label}"]["host_bytes"]
+    print(f"{label:>32}: {n:>10,} tokens, host {host / 2**30:6.1f} GiB per rank")
+assert all(n < traced[0][1] for _, n in traced[1:]), "every feature buys length"
+show(plot_stack(traced))
+
+# %% [markdown]
+# The tiled loss buys the most (without it the `[s, V]` logits bind below 0.4M), then the tiled
+# MLP (its `[s, F]` intermediates, `F = 3.5 D`) and the offloaded checkpoints (32 blocks' inputs
+# move to the host: that is the host column). Head chunks keep attention's full-length working
+# set to one head per stage. The traced numbers for one GPU, and how the backward's peak was
+# found and cut, are in the simulator's README.
 
 # %% [markdown]
 # ## What to take away
