@@ -51,7 +51,7 @@ class _Tiled(torch.autograd.Function):
         weights, extras = rest[: ctx.n_weights], rest[ctx.n_weights :]
         leaves = [w.detach().requires_grad_() for w in weights]
         gx_TD = torch.empty_like(x_TD)
-        gws: list[torch.Tensor | None] = [None] * len(leaves)
+        gws = [None] * len(leaves)  # each weight's gradient, summed over the chunks
         for lo in _chunks(x_TD.shape[0], ctx.chunk):
             hi = lo + ctx.chunk
             xc = x_TD[lo:hi].detach().requires_grad_()

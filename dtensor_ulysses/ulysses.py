@@ -147,6 +147,15 @@ def to_seq(
     return out
 
 
+def _replicate_kv(plan, k_BsKH: torch.Tensor, v_BsKH: torch.Tensor):
+    """GQA with sp not dividing K: each kv head copied for every rank whose q heads use it (an
+    ``index_select``, so autograd sums the copies' gradients back); as they are otherwise."""
+    if plan.is_plain_shard:
+        return k_BsKH, v_BsKH
+    idx = torch.tensor([h for hs in plan.kv_index for h in hs], device=k_BsKH.device)
+    return k_BsKH.index_select(HEAD_DIM, idx), v_BsKH.index_select(HEAD_DIM, idx)
+
+
 def _gather_doc_starts(
     pos_Bs: torch.Tensor, seq_sizes: Sequence[int], group: dist.ProcessGroup
 ) -> list[list[int]]:
@@ -312,9 +321,7 @@ class UlyssesAttention(nn.Module):
         order = order_of(q) if callable(order_of) else None
         if self.head_chunks > 1:
             return self._chunked(q, k, v, plan, seq_sizes, attn_kwargs, order)
-        if not plan.is_plain_shard:  # GQA with sp not dividing K: replicate kv heads as needed
-            idx = torch.tensor([h for hs in plan.kv_index for h in hs], device=k.device)
-            k, v = k.index_select(HEAD_DIM, idx), v.index_select(HEAD_DIM, idx)
+        k, v = _replicate_kv(plan, k, v)
         q_sizes, kv_sizes = list(plan.q_heads), plan.kv_heads
         # q[B, S_sp, N, H] -> q[B, S, N_sp, H]   (Shard(1) -> Shard(2) on sp), same for k and v
         if self.fuse_qkv:
@@ -352,9 +359,7 @@ class UlyssesAttention(nn.Module):
         check_head_chunks(N, P, C)
         n, m = N // P, N // P // C
         me = dist.get_rank(self.group)
-        if not plan.is_plain_shard:  # GQA with sp not dividing K: replicate kv heads as needed
-            idx = torch.tensor([h for hs in plan.kv_index for h in hs], device=k_BsKH.device)
-            k_BsKH, v_BsKH = k_BsKH.index_select(HEAD_DIM, idx), v_BsKH.index_select(HEAD_DIM, idx)
+        k_BsKH, v_BsKH = _replicate_kv(plan, k_BsKH, v_BsKH)
         kv_sizes = plan.kv_heads
         k_BSmH, v_BSmH = to_heads(
             [k_BsKH, v_BsKH], self.group, seq_sizes, [kv_sizes, kv_sizes], order
