@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from dtensor_ulysses._torch_private import functional_all_to_all
 
-__all__ = ["PendingExchange", "all_to_all", "even_sizes", "start_exchange"]
+__all__ = ["PendingExchange", "all_to_all", "dim_order", "even_sizes", "start_exchange"]
 
 Sizes = Sequence[int]
 
@@ -90,7 +90,12 @@ class PendingExchange:
             self._work.wait()
         recv, (out_shapes, recv_shapes, out_splits, gather_dim, order) = self._recv, self._unpack
         self._work = self._send = self._recv = None
-        outs = [_empty_in_order(recv, shape, order) for shape in out_shapes]
+        per_tensor = order is not None and not isinstance(order[0], int)
+        orders = order if order is None or per_tensor else [order] * len(out_shapes)
+        outs = [
+            _empty_in_order(recv, shape, None if orders is None else orders[i])
+            for i, shape in enumerate(out_shapes)
+        ]
         _move(outs, recv, recv_shapes, out_splits, gather_dim, packing=False)
         return outs
 
@@ -111,7 +116,8 @@ def start_exchange(
     Each byte is copied once on the way in (into the preallocated send buffer) and once on the
     way out (into the results): one strided copy per tensor when its pieces are equal for every
     rank (and the blocks of the other tensors too), else one copy per piece. With ``async_op``
-    the all-to-all runs in the background until :meth:`PendingExchange.wait`.
+    the all-to-all runs in the background until :meth:`PendingExchange.wait`. ``dim_order``:
+    the results' memory layout (see :func:`all_to_all`), one for all, or one per tensor.
     """
     P, me = dist.get_world_size(group), dist.get_rank(group)
     # send: destination j's block holds, in tensor order, the piece of every tensor for j
@@ -132,7 +138,9 @@ def start_exchange(
     ]
     _move(xs, send, send_shapes, in_splits, scatter_dim, packing=True)
     work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=async_op)
-    order = None if dim_order is None else tuple(dim_order)
+    order: tuple | None = None
+    if dim_order is not None:
+        order = tuple(tuple(o) if isinstance(o, Sequence) else o for o in dim_order)
     return PendingExchange(work, send, recv, out_shapes, recv_shapes, out_splits, gather_dim, order)
 
 
@@ -217,10 +225,22 @@ def _exchange_functional(
     return [torch.cat(p, dim=gather_dim) for p in parts]
 
 
+def dim_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The memory layout of ``t`` as dims outermost first (``None``: row-major), e.g.
+    ``(0, 2, 1, 3)`` for ``x_BNSH.transpose(1, 2)``; size-1 dims keep their place."""
+    if t.is_contiguous():
+        return None
+    strides = t.stride()
+    big = iter(sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: -strides[d]))
+    order = tuple(d if t.shape[d] == 1 else next(big) for d in range(t.dim()))
+    return None if order == tuple(range(t.dim())) else order
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, order, *xs):
         ctx.args = (scatter_dim, gather_dim, scatter_sizes, gather_sizes, group)
+        ctx.orders = tuple(dim_order(x) for x in xs)  # each gradient comes back in its layout
         return tuple(
             _exchange(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, order)
         )
@@ -229,7 +249,9 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, *grads):
         scatter_dim, gather_dim, scatter_sizes, gather_sizes, group = ctx.args
         # reverse: scatter along the old gather dim by the senders' sizes, gather back ours
-        back = _exchange(grads, gather_dim, scatter_dim, gather_sizes, scatter_sizes, group)
+        back = _exchange(
+            grads, gather_dim, scatter_dim, gather_sizes, scatter_sizes, group, ctx.orders
+        )
         return (None, None, None, None, None, None, *back)
 
 
@@ -257,7 +279,9 @@ def all_to_all(
         dim_order: the memory layout of the results, dims outermost first (``None``:
             row-major), e.g. ``(0, 2, 1, 3)`` to receive ``[B, S, N, H]`` stored as
             ``[B, N, S, H]``, the layout SDPA consumes: the received pieces are written there
-            directly, no further copy. Ignored under ``torch.compile``.
+            directly, no further copy. Ignored under ``torch.compile``. In backward each
+            gradient is written in the layout of its input (e.g. a kernel's head-major ``o``
+            receives a head-major ``d o``).
 
     Returns:
         The exchanged tensor (or a list, if ``xs`` was a sequence). Forward issues exactly one

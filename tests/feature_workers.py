@@ -114,7 +114,13 @@ def copy_count_worker(rank: int, world_size: int, cases: list[dict]) -> list[dic
     for case in cases:
         g = torch.Generator().manual_seed(case["seed"])
         B, s, H, P = case["B"], case["s"], case["H"], world_size
-        xs = [torch.randn(B, s, n, H, generator=g, requires_grad=True) for n in case["heads"]]
+        if case.get("heads_major"):  # x[B, s, n, H] stored as [B, n, s, H] (a kernel's o)
+            bases = [
+                torch.randn(B, n, s, H, generator=g, requires_grad=True) for n in case["heads"]
+            ]
+            xs = [b.transpose(1, 2) for b in bases]
+        else:
+            xs = [torch.randn(B, s, n, H, generator=g, requires_grad=True) for n in case["heads"]]
         sizes = [[n // P] * P for n in case["heads"]]
         if case.get("uneven_heads"):
             sizes = [[n // P + (r < n % P) for r in range(P)] for n in case["heads"]]
@@ -122,10 +128,11 @@ def copy_count_worker(rank: int, world_size: int, cases: list[dict]) -> list[dic
             ys = all_to_all(xs, scatter_dim=2, gather_dim=1, group=group, scatter_sizes=sizes)
         grads = [torch.ones_like(y) for y in ys]
         with CopyBytes() as bwd:
-            torch.autograd.backward(ys, grads)
+            dxs = torch.autograd.grad(ys, xs, grads)
         out.append(
             {
                 "case": case,
+                "grad_strides_match": all(d.stride() == x.stride() for d, x in zip(dxs, xs)),
                 "sent": sum(x.numel() * x.element_size() for x in xs),
                 "received": sum(y.numel() * y.element_size() for y in ys),
                 "fwd_copy_bytes": fwd.bytes,

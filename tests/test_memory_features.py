@@ -138,15 +138,19 @@ def test_three_steps_and_resume_with_every_feature(reference, tmp_path):
 def test_all_to_all_copies_each_byte_once_each_way():
     """Forward: every byte is copied once into the send buffer and once out of the receive
     buffer into the result; backward the same for the gradients: nothing else is copied (no
-    per-piece reshape, no concatenation of pieces), evenly or unevenly split."""
+    per-piece reshape, no concatenation of pieces), evenly or unevenly split. Each gradient
+    comes back in the memory layout of its input (a kernel's head-major ``o`` gets a head-major
+    ``d o``, which the kernel's backward reads without a copy)."""
     cases = [
         dict(B=2, s=6, H=4, heads=[8, 4, 4], seed=1),  # q, k, v fused (GQA)
         dict(B=1, s=5, H=3, heads=[6, 6, 6], seed=2, uneven_heads=True),  # 6 heads on 4 ranks
+        dict(B=2, s=4, H=2, heads=[8, 4], seed=3, heads_major=True),  # stored [B, n, s, H]
     ]
     for r in run_local_world(feature_workers.copy_count_worker, 4, cases)[0]:
         label = str(r["case"])
         assert r["fwd_copy_bytes"] == r["sent"] + r["received"], label
         assert r["bwd_copy_bytes"] == r["received"] + r["sent"], label
+        assert r["grad_strides_match"], label
 
 
 @pytest.mark.timeout(300)
