@@ -28,7 +28,14 @@ import torch.distributed as dist
 
 from dtensor_ulysses._torch_private import functional_all_to_all
 
-__all__ = ["PendingExchange", "all_to_all", "dim_order", "even_sizes", "start_exchange"]
+__all__ = [
+    "AllToAllInFlight",
+    "PendingExchange",
+    "all_to_all",
+    "dim_order",
+    "even_sizes",
+    "start_exchange",
+]
 
 Sizes = Sequence[int]
 
@@ -253,6 +260,51 @@ class _AllToAll(torch.autograd.Function):
             grads, gather_dim, scatter_dim, gather_sizes, scatter_sizes, group, ctx.orders
         )
         return (None, None, None, None, None, None, *back)
+
+
+class _Landed(_AllToAll):
+    """An exchange started earlier (:class:`AllToAllInFlight`), now waited for; its backward
+    is :class:`_AllToAll`'s (the reverse exchange, synchronous)."""
+
+    @staticmethod
+    def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, pending, *xs):
+        ctx.args = (scatter_dim, gather_dim, scatter_sizes, gather_sizes, group)
+        ctx.orders = tuple(dim_order(x) for x in xs)
+        return tuple(pending.wait())
+
+
+class AllToAllInFlight:
+    """A differentiable all-to-all started now and finished by :meth:`wait`.
+
+    The exchange of :func:`all_to_all` (one collective for all of ``xs``, explicit sizes),
+    started asynchronously so the caller computes something else while it moves; :meth:`wait`
+    returns the results connected to ``xs`` in the autograd graph (backward: the reverse
+    all-to-all, synchronous). ``xs`` must not be modified in place before :meth:`wait`.
+    """
+
+    def __init__(
+        self,
+        xs: Sequence[torch.Tensor],
+        *,
+        scatter_dim: int,
+        gather_dim: int,
+        group: dist.ProcessGroup,
+        scatter_sizes: Sequence[Sizes],
+        gather_sizes: Sequence[Sizes],
+        dim_order: Sequence[int] | None = None,
+    ) -> None:
+        self._xs = list(xs)
+        sc = tuple(tuple(s) for s in scatter_sizes)
+        ga = tuple(tuple(g) for g in gather_sizes)
+        self._args = (scatter_dim, gather_dim, sc, ga, group)
+        with torch.no_grad():
+            self._pending = start_exchange(
+                [x.detach() for x in xs], scatter_dim, gather_dim, sc, ga, group, dim_order
+            )
+
+    def wait(self) -> list[torch.Tensor]:
+        """The results (differentiable), once the exchange has arrived."""
+        return list(_Landed.apply(*self._args, self._pending, *self._xs))
 
 
 def all_to_all(

@@ -28,6 +28,7 @@ from torch import nn
 
 __all__ = [
     "BACKENDS",
+    "DeferredQ",
     "LocalAttention",
     "document_starts",
     "flash_attn_available",
@@ -37,6 +38,31 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "flash_attn", "sdpa")
+
+
+class DeferredQ:
+    """``q`` not computed yet: its shape, and a function that computes it.
+
+    A model hands this to an attention module whose ``defers_q`` attribute is true (the Ulysses
+    engine with ``overlap=True``), so that k and v can start moving before q is projected
+    (DeepSpeed-Ulysses' overlap of the k/v all-to-all with the q projection). Calling it
+    computes q; every other attention module receives q itself.
+    """
+
+    def __init__(self, compute, shape: Sequence[int]) -> None:
+        self._compute, self.shape = compute, torch.Size(shape)
+
+    def __call__(self) -> torch.Tensor:
+        q = self._compute()
+        if q.shape != self.shape:
+            raise ValueError(f"the deferred q has shape {tuple(q.shape)}, not the announced "
+                             f"{tuple(self.shape)}")  # fmt: skip
+        return q
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
 ENV_VAR = "DTENSOR_ULYSSES_ATTENTION"
 _forced: str | None = None
 

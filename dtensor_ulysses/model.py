@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_ulysses._tiling import tiled
-from dtensor_ulysses.attention import LocalAttention
+from dtensor_ulysses.attention import DeferredQ, LocalAttention
 from dtensor_ulysses.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.plan import SeqLayout
 from dtensor_ulysses.presets import PRESETS, ModelShape, get_shape
@@ -235,14 +235,24 @@ class Attention(nn.Module):
         """``x[B, s, D] -> y[B, s, D]``; ``cos``/``sin`` from :func:`rope_cos_sin`."""
         B, s, _ = x_BsD.shape
         N, K, H = self.n_heads, self.n_kv_heads, self.head_dim
-        q_BsNH = self.wq(x_BsD).view(B, s, N, H)
         k_BsKH = self.wk(x_BsD).view(B, s, K, H)
         v_BsKH = self.wv(x_BsD).view(B, s, K, H)
-        if self.q_norm is not None and self.k_norm is not None:
-            q_BsNH, k_BsKH = self.q_norm(q_BsNH), self.k_norm(k_BsKH)
-        q_BsNH = apply_rope(q_BsNH, cos_Bs1R, sin_Bs1R)
+        if self.k_norm is not None:
+            k_BsKH = self.k_norm(k_BsKH)
         k_BsKH = apply_rope(k_BsKH, cos_Bs1R, sin_Bs1R)
-        o_BsNH = self.inner_attention(q_BsNH, k_BsKH, v_BsKH, layout=layout)
+
+        def project_q() -> torch.Tensor:
+            q_BsNH = self.wq(x_BsD).view(B, s, N, H)
+            if self.q_norm is not None:
+                q_BsNH = self.q_norm(q_BsNH)
+            return apply_rope(q_BsNH, cos_Bs1R, sin_Bs1R)
+
+        # k and v first: an engine that defers q moves them while q is projected
+        if getattr(self.inner_attention, "defers_q", False):
+            q: torch.Tensor | DeferredQ = DeferredQ(project_q, (B, s, N, H))
+        else:
+            q = project_q()
+        o_BsNH = self.inner_attention(q, k_BsKH, v_BsKH, layout=layout)
         return self.wo(o_BsNH.reshape(B, s, N * H))
 
 

@@ -89,9 +89,10 @@ def parallelize(
             ``CPUOffloadPolicy``; the optimizer then steps on the CPU).
         head_chunks: attention in this many stages per block (head-chunked Ulysses, see
             :class:`~dtensor_ulysses.ulysses.UlyssesAttention`); must divide the heads per rank.
-        overlap_comm: with ``head_chunks > 1``, overlap each stage's all-to-alls with the
-            neighbouring stages' attention (``UlyssesAttention(overlap=True)``): same values,
-            more memory in flight.
+        overlap_comm: hide the all-to-alls behind compute (``UlyssesAttention(overlap=True)``):
+            k and v move while q is projected, and with ``head_chunks > 1`` each stage's
+            all-to-alls overlap the neighbouring stages' attention; same values, more memory in
+            flight.
         compile: ``torch.compile`` each block (``True``: the default backend, inductor; or a
             backend name, e.g. ``"aot_eager"``).
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy``, ``None`` for full precision, or

@@ -223,7 +223,8 @@ def estimate_memory(
     # previous stage's d q, in flight (6 q / K); or, before it, the MLP's backward (without
     # --tiled-mlp: its 4 saved and 3 gradient F-sized tensors)
     exchanged = sp > 1 or K > 1
-    stage = 4 * kv_recv + ((5 + (6 if overlap_comm else 0)) * q // K if exchanged else 0)
+    in_flight = 6 if overlap_comm and K > 1 else 0  # one stage: k, v move in forward only
+    stage = 4 * kv_recv + ((5 + in_flight) * q // K if exchanged else 0)
     attn_bwd = 3 * D + 3 * q + stage
     mlp_bwd = 5 * D + 2 * q + 2 * kv_recv + (0 if tiled_mlp else 7 * F)
     act: dict[str, int] = {}

@@ -41,9 +41,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_ulysses._all_to_all import all_to_all
+from dtensor_ulysses._all_to_all import AllToAllInFlight, all_to_all
 from dtensor_ulysses._head_stages import StageExchange, run_head_stages
-from dtensor_ulysses.attention import document_starts
+from dtensor_ulysses.attention import DeferredQ, document_starts
 from dtensor_ulysses.plan import SeqLayout, divisors, head_plan, head_split, seq_split
 
 __all__ = [
@@ -206,10 +206,14 @@ class UlyssesAttention(nn.Module):
             form of one exchange, plus each stage's q all-to-all replayed by the recompute.
             Needs sp to divide the q heads and ``head_chunks`` to divide the heads each rank
             holds.
-        overlap: with ``head_chunks > 1``, run the stages' all-to-alls asynchronously, stage
-            ``c + 1``'s moving while stage ``c`` attends (the same values, bit for bit, and
-            bytes); costs the buffers of the exchanges in flight (memory), so it is off by
-            default.
+        overlap: hide communication behind compute (the same values, bit for bit, and
+            bytes). Given q as a :class:`~dtensor_ulysses.attention.DeferredQ` (the built-in
+            model does so when ``defers_q`` is true), k and v start moving before q is
+            computed and travel while it is projected (DeepSpeed-Ulysses' ``sp_stream``
+            overlap; q then has an all-to-all of its own: one more collective each way, the
+            same bytes). With ``head_chunks > 1`` the stages' all-to-alls also run
+            asynchronously, stage ``c + 1``'s moving while stage ``c`` attends. Costs the
+            buffers of the exchanges in flight (memory), so it is off by default.
     """
 
     def __init__(
@@ -231,6 +235,11 @@ class UlyssesAttention(nn.Module):
             raise ValueError(f"head_chunks={head_chunks!r} must be an int >= 1 (1: no chunking)")
         self.head_chunks = head_chunks
         self.overlap = bool(overlap)
+
+    @property
+    def defers_q(self) -> bool:
+        """Whether a model should hand q over as a :class:`DeferredQ` (with ``overlap``)."""
+        return self.overlap
 
     def extra_repr(self) -> str:
         return (
@@ -257,7 +266,7 @@ class UlyssesAttention(nn.Module):
 
     def forward(
         self,
-        q: torch.Tensor,
+        q: torch.Tensor | DeferredQ,
         k: torch.Tensor,
         v: torch.Tensor,
         *,
@@ -269,7 +278,8 @@ class UlyssesAttention(nn.Module):
         """Attention over the whole sequence for this rank's slice.
 
         Args:
-            q: ``[B, s, Nq, H]``, this rank's sequence slice.
+            q: ``[B, s, Nq, H]``, this rank's sequence slice, or a :class:`DeferredQ` of it
+                (computed after k and v start moving, with ``overlap``).
             k: ``[B, s, Nkv, H]`` (``Nkv`` divides ``Nq``).
             v: like ``k``.
             layout: the step's layout (sequence pieces per rank, document starts). Default:
@@ -318,13 +328,19 @@ class UlyssesAttention(nn.Module):
             attn_kwargs["doc_starts"] = layout.doc_starts
 
         order_of = getattr(self.attn_fn, "input_dim_order", None)  # the kernel's memory layout
-        order = order_of(q) if callable(order_of) else None
+        order = order_of(k) if callable(order_of) else None
+        if isinstance(q, DeferredQ) and (P == 1 or torch.compiler.is_compiling()):
+            q = q()  # nothing to overlap (one rank), or compiled (the compiler schedules)
         if self.head_chunks > 1:
             return self._chunked(q, k, v, plan, seq_sizes, attn_kwargs, order)
         k, v = _replicate_kv(plan, k, v)
         q_sizes, kv_sizes = list(plan.q_heads), plan.kv_heads
         # q[B, S_sp, N, H] -> q[B, S, N_sp, H]   (Shard(1) -> Shard(2) on sp), same for k and v
-        if self.fuse_qkv:
+        if isinstance(q, DeferredQ):  # k and v move while q is projected
+            kv = self._start_kv(k, v, seq_sizes, kv_sizes, order)
+            (q_BSnH,) = to_heads([q()], self.group, seq_sizes, [q_sizes], order)
+            k_BSmH, v_BSmH = kv.wait()
+        elif self.fuse_qkv:
             q_BSnH, k_BSmH, v_BSmH = to_heads(
                 [q, k, v], self.group, seq_sizes, [q_sizes, kv_sizes, kv_sizes], order
             )
@@ -337,9 +353,15 @@ class UlyssesAttention(nn.Module):
         # o[B, S, N_sp, H] -> o[B, S_sp, N, H]   (Shard(2) -> Shard(1) on sp)
         return to_seq(o_BSnH, self.group, seq_sizes, q_sizes)
 
+    def _start_kv(self, k_BsKH, v_BsKH, seq_sizes, kv_sizes, order) -> AllToAllInFlight:
+        """``k, v[B, S_sp, K, H] -> [B, S, K_sp, H]``, started (one collective)."""
+        return AllToAllInFlight([k_BsKH, v_BsKH], scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM,
+                                group=self.group, scatter_sizes=[kv_sizes, kv_sizes],
+                                gather_sizes=[seq_sizes, seq_sizes], dim_order=order)  # fmt: skip
+
     def _chunked(
         self,
-        q_BsNH: torch.Tensor,
+        q_BsNH: torch.Tensor | DeferredQ,
         k_BsKH: torch.Tensor,
         v_BsKH: torch.Tensor,
         plan,
@@ -361,15 +383,20 @@ class UlyssesAttention(nn.Module):
         me = dist.get_rank(self.group)
         k_BsKH, v_BsKH = _replicate_kv(plan, k_BsKH, v_BsKH)
         kv_sizes = plan.kv_heads
-        k_BSmH, v_BSmH = to_heads(
-            [k_BsKH, v_BsKH], self.group, seq_sizes, [kv_sizes, kv_sizes], order
-        )
         group_r = n // kv_sizes[me]  # local q heads per local kv head (rank me)
         if m % group_r and group_r % m:
             raise ValueError(
                 f"head_chunks={C}: stages of {m} q heads cut across the GQA groups of "
                 f"{group_r} q heads per kv head on sp rank {me}; choose head_chunks so that "
                 f"{m} and {group_r} divide one another"
+            )
+        if isinstance(q_BsNH, DeferredQ):  # k and v move while q is projected
+            kv = self._start_kv(k_BsKH, v_BsKH, seq_sizes, kv_sizes, order)
+            q_BsNH = q_BsNH()
+            k_BSmH, v_BSmH = kv.wait()
+        else:
+            k_BSmH, v_BSmH = to_heads(
+                [k_BsKH, v_BsKH], self.group, seq_sizes, [kv_sizes, kv_sizes], order
             )
         ranges = []
         for c in range(C):

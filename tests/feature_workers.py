@@ -263,3 +263,89 @@ def overlap_worker(rank: int, world_size: int, case: dict) -> dict:
         "events": a["events"],
         "events_sequential": b["events"],
     }
+
+
+def kv_overlap_worker(rank: int, world_size: int, case: dict) -> dict:
+    """An attention layer of the model whose engine defers q (``overlap=True``: k and v move
+    while q is projected) against the fused one-exchange engine and the single-device layer:
+    output, input and weight gradients; the order of the collectives and the q projection."""
+    import torch.distributed as dist
+
+    from dtensor_ulysses.model import Attention, rope_cos_sin
+    from dtensor_ulysses.presets import get_shape
+
+    shape = get_shape("tiny").with_(n_heads=case["N"], n_kv_heads=case["K"],
+                                    qk_norm=case.get("qk_norm", False))  # fmt: skip
+    torch.manual_seed(case["seed"])
+    layer = Attention(shape)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    B, S, D = case["B"], case["S"], shape.dim
+    g = torch.Generator().manual_seed(case["seed"])
+    x, gy = torch.randn(B, S, D, generator=g), torch.randn(B, S, D, generator=g)
+    pos = torch.arange(S).expand(B, S)
+    s = S // world_size
+    cut = slice(rank * s, (rank + 1) * s)
+    events: list[str] = []
+    real_a2a = dist.all_to_all_single
+
+    def a2a(out, inp, *args, **kw):
+        events.append(f"a2a {inp.numel()} {'async' if kw.get('async_op') else 'sync'}")
+        return real_a2a(out, inp, *args, **kw)
+
+    hook = layer.wq.register_forward_hook(lambda *_: events.append("project q"))
+
+    def run(inner, lo: slice):
+        layer.inner_attention = inner
+        layer.zero_grad()
+        xi = x[:, lo].clone().requires_grad_()
+        cos, sin = rope_cos_sin(pos[:, lo], shape.head_dim, shape.rope_theta)
+        y = layer(xi, cos, sin)
+        n_fwd = len(events)
+        y.backward(gy[:, lo])
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        return dict(y=y.detach(), dx=xi.grad, **grads), n_fwd
+
+    kernel = du.LocalAttention("sdpa")
+    out = {}
+    dist.all_to_all_single = a2a
+    try:
+        for name, overlap in (("overlap", True), ("fused", False)):
+            events.clear()
+            r, n_fwd = run(du.UlyssesAttention(kernel, dist.group.WORLD, overlap=overlap), cut)
+            out[name] = dict(values=r, forward=events[:n_fwd], backward=events[n_fwd:])
+    finally:
+        dist.all_to_all_single = real_a2a
+        hook.remove()
+    single, _ = run(du.LocalAttention("sdpa"), slice(0, S))  # the whole sequence, one device
+    a, b = out["overlap"]["values"], out["fused"]["values"]
+    return {
+        "equal": {n: bool(torch.equal(a[n], b[n])) for n in a},
+        # weight gradients are this rank's part of the sum over ranks: compare the sum
+        "close": {
+            n: bool(
+                torch.allclose(
+                    t if n in ("y", "dx") else _summed(t),
+                    single[n][:, cut] if n in ("y", "dx") else single[n],
+                    atol=1e-5,
+                    rtol=1e-4,
+                )
+            )
+            for n, t in a.items()
+        },  # fmt: skip
+        "forward": out["overlap"]["forward"],
+        "backward": out["overlap"]["backward"],
+        "fused_forward": out["fused"]["forward"],
+        "fused_backward": out["fused"]["backward"],
+        "elements": dict(
+            q=B * s * case["N"] * shape.head_dim, kv=2 * B * s * case["K"] * shape.head_dim
+        ),  # fmt: skip
+    }
+
+
+def _summed(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t)
+    return t

@@ -69,11 +69,12 @@ FEATURES = {
     "offload_activations": dict(activation_checkpointing=True, offload_activations=True),
     "offload_optimizer": dict(offload_optimizer=True),
     "offload_params": dict(offload_params=True),
+    "overlap_comm": dict(overlap_comm=True),  # alone: k and v move while q is projected
 }
 FEATURES["all"] = {
     k: v for name, kw in FEATURES.items() if name != "offload_params" for k, v in kw.items()
-} | {"overlap_comm": True}  # --offload-params replaces --offload-optimizer (both: host AdamW);
-# the head stages' exchanges overlapped with attention (alone, head chunks run one at a time)
+}  # --offload-params replaces --offload-optimizer (both: host AdamW); with head chunks,
+# --overlap-comm also overlaps the stages' exchanges with attention
 FEATURES["all_params_on_host"] = {**FEATURES["all"], "offload_optimizer": False,
                                   "offload_params": True}  # fmt: skip
 WORLDS = {1: [(1, 1)], 2: [(1, 2)], 4: [(1, 4), (2, 2)]}
@@ -399,3 +400,22 @@ def test_trace_breakdown_names_what_is_alive_at_the_peak():
     assert all(".py:" in x["where"] and x["op"] for x in rows), rows
     chunk = [x for x in rows if x["bytes"] == 2048 * 128256 * 4]
     assert any("_tiling.py" in x["where"] for x in chunk), rows
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_kv_move_while_q_is_projected(qk_norm):
+    """``overlap=True`` without head chunks (DeepSpeed-Ulysses' ``sp_stream`` overlap): the
+    model hands q over deferred, the k/v all-to-all starts (asynchronous) before the q
+    projection runs, q follows in its own all-to-all; output, input and weight gradients equal
+    the fused engine's bit for bit and the single-device layer's; the same bytes each way."""
+    case = dict(B=2, S=16, N=8, K=2, seed=7, qk_norm=qk_norm)
+    for r in run_local_world(feature_workers.kv_overlap_worker, 2, case):
+        assert all(r["equal"].values()), r["equal"]
+        assert all(r["close"].values()), r["close"]
+        q, kv = r["elements"]["q"], r["elements"]["kv"]
+        assert r["forward"] == [f"a2a {kv} async", "project q", f"a2a {q} sync", f"a2a {q} sync"]
+        assert r["fused_forward"] == ["project q", f"a2a {q + kv} sync", f"a2a {q} sync"]
+        assert sorted(r["backward"]) == sorted([f"a2a {q} sync", f"a2a {q} sync",
+                                                f"a2a {kv} sync"])  # fmt: skip
+        assert r["fused_backward"] == [f"a2a {q} sync", f"a2a {q + kv} sync"]
