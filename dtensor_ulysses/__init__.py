@@ -27,6 +27,7 @@ _EXPORTS = {
     "init_mesh": "mesh",
     "kv_head_index": "plan",
     "LocalAttention": "attention",
+    "DeferredQ": "attention",
     "SeqLayout": "plan",
     "local_attention": "attention",
     "seq_to_head": "dtensor_api",
@@ -35,6 +36,7 @@ _EXPORTS = {
 
 __all__ = [
     "CommCounter",
+    "DeferredQ",
     "LocalAttention",
     "SeqLayout",
     "UlyssesAttention",
@@ -65,7 +67,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from dtensor_ulysses.attention import LocalAttention, force_backend, local_attention
+    from dtensor_ulysses.attention import (
+        DeferredQ,
+        LocalAttention,
+        force_backend,
+        local_attention,
+    )
     from dtensor_ulysses.debug import CommCounter
     from dtensor_ulysses.dtensor_api import head_to_seq, seq_to_head, ulysses_attention
     from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
