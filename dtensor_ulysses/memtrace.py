@@ -46,24 +46,35 @@ the phase's start) is linear in ``L``: :func:`extrapolate` takes two traces (``L
 ``L + 1`` blocks, ``L >= 5`` so that every class exists in both) to any depth; tests check that
 ``L = 5, 6, 7`` give equal differences and that the extrapolation equals a full trace.
 
+Where the parts live: this module has the results (:class:`StepTrace`, :class:`PhasePeak`,
+:func:`extrapolate`) and :func:`trace_train_step`. The timeline of storage events and its peak
+replay are in :mod:`dtensor_ulysses._timeline`; :func:`fake_world` (re-exported here), its
+recording mode, the step's setup and its phase marks in :mod:`dtensor_ulysses._trace_setup`.
 Private torch APIs (fake process group, ``FakeTensorMode``, ``TorchDispatchMode``) come from
 :mod:`dtensor_ulysses._torch_private`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
-import traceback
-import weakref
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from dtensor_ulysses._timeline import CATEGORIES as CATEGORIES
+from dtensor_ulysses._trace_setup import (
+    _batch,
+    _bf16_policy,
+    _classify_states,
+    _config,
+    _cuda_schedule,
+    _n_layers,
+    _offload_registry,
+    _phase_hooks,
+    _temporary_preset,
+    fake_world,
+)
 
 __all__ = [
     "PHASES",
@@ -76,289 +87,10 @@ __all__ = [
 ]
 
 PHASES = ("forward", "loss", "backward", "optimizer")
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations_and_buffers")
 
 
 class TraceUnavailable(RuntimeError):
     """This torch lacks a private API the trace needs, or a requested feature does not exist."""
-
-
-# ----------------------------------------------------------------------------------------------
-# the timeline
-# ----------------------------------------------------------------------------------------------
-class _Timeline:
-    """Storage allocations, resizes and frees in order, with phase marks; peaks computed later."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, int, int]] = []  # ("a"|"r"|"f"|"m", uid, bytes or mark)
-        self.marks: list[str] = []
-        self._uid_of: dict[int, int] = {}  # id(storage) -> uid, live storages only
-        self._size: dict[int, int] = {}  # uid -> bytes now
-        self._next = 0
-        self.host: set[int] = set()  # uids that live in host memory
-        self.host_late: set[int] = set()  # on the device until the next mark, then host
-        self.category: dict[int, str] = {}
-        self.op: dict[int, str] = {}  # uid -> the op that created it (diagnostics)
-        self.where: dict[int, str] = {}  # uid -> the library line that allocated it
-        self.where_min_bytes: int | None = None  # record ``where`` from this size on (None: off)
-
-    # -- recording --
-    def uid(self, t: torch.Tensor) -> int | None:
-        st = t.untyped_storage()
-        return self._uid_of.get(id(st))
-
-    def add(self, t: torch.Tensor, *, host: bool = False, op: str = "") -> int | None:
-        if t.device.type == "meta" or isinstance(t, DTensor):  # no memory of its own: a
-            return None  # DTensor's local tensor is counted when the op on it dispatches
-        st = t.untyped_storage()
-        key = id(st)
-        if key in self._uid_of:
-            return self._uid_of[key]
-        uid = self._next
-        self._next += 1
-        self._uid_of[key] = uid
-        self._size[uid] = st.nbytes()
-        if host:
-            self.host.add(uid)
-        self.events.append(("a", uid, st.nbytes()))
-        self.op[uid] = op
-        if self.where_min_bytes is not None and st.nbytes() >= self.where_min_bytes:
-            self.where[uid] = _library_line()
-        weakref.finalize(st, self._free, key, uid)
-        return uid
-
-    def _free(self, key: int, uid: int) -> None:
-        if self._uid_of.get(key) == uid:
-            del self._uid_of[key]
-        self.events.append(("f", uid, 0))
-
-    def resized(self, st: Any, nbytes: int) -> None:
-        uid = self._uid_of.get(id(st))
-        if uid is not None:
-            self.events.append(("r", uid, nbytes - self._size[uid]))
-            self._size[uid] = nbytes
-
-    def mark(self, phase: str) -> None:
-        self.marks.append(phase)
-        self.events.append(("m", len(self.marks) - 1, 0))
-
-    def is_host(self, t: torch.Tensor) -> bool:
-        u = self.uid(t)
-        return u is not None and u in self.host
-
-    def set_host(self, t: torch.Tensor, *, late: bool = False) -> None:
-        u = self.uid(t)
-        if u is None:
-            u = self.add(t)
-        if u is None:
-            return
-        (self.host_late if late else self.host).add(u)
-
-    def set_category(self, t: torch.Tensor, cat: str) -> None:
-        u = self.uid(t)
-        if u is not None:
-            self.category.setdefault(u, cat)
-
-    # -- analysis --
-    def live_at_peak(self, start_mark: str, top: int) -> list[dict[str, Any]]:
-        """The ``top`` largest device storages alive at the step's device peak (from the mark
-        ``start_mark`` on), each with its bytes, category, the op and the library line that
-        allocated it (``where`` is recorded for storages of at least ``where_min_bytes``)."""
-
-        def replay(stop: int) -> tuple[int, dict[int, int]]:
-            size: dict[int, int] = {}
-            now, best, at, started = 0, -1, -1, False
-            for i, (kind, uid, n) in enumerate(self.events[:stop]):
-                if kind == "m":
-                    started = started or self.marks[uid] == start_mark
-                    continue
-                if kind == "a":
-                    size[uid] = n
-                elif kind == "r":
-                    size[uid] += n
-                elif uid in size:
-                    n = -size.pop(uid)
-                else:
-                    continue
-                now += 0 if uid in self.host else n
-                if started and now > best:
-                    best, at = now, i
-            return at, size
-
-        at, _ = replay(len(self.events))  # where the device peak is
-        _, live = replay(at + 1)  # what is alive there
-        rows: list[dict[str, Any]] = [
-            dict(bytes=b, category=self.category.get(u, "activations_and_buffers"),
-                 op=self.op.get(u, ""), where=self.where.get(u, ""))
-            for u, b in live.items() if u not in self.host
-        ]  # fmt: skip
-        return sorted(rows, key=lambda r: -r["bytes"])[:top]
-
-    def peaks(self, start_mark: str) -> tuple[dict[tuple[str, str], PhasePeak], int]:
-        """Device peaks per segment (with the composition at the peak) and the host peak, from
-        the mark ``start_mark`` on; the bytes alive before it are the baseline. Segments are
-        ``(phase, "start" | block index | "-")``: a phase is cut where each block starts."""
-        dev_now: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        host_now = 0
-        size: dict[int, int] = {}
-        where: dict[int, str] = {}  # uid -> "host" | category
-        pending: list[int] = []  # host_late uids still on the device
-        phase: tuple[str, str] | None = None
-        out: dict[tuple[str, str], PhasePeak] = {}
-        host_peak = 0
-
-        def place(uid: int) -> str:
-            if uid in self.host:
-                return "host"
-            return self.category.get(uid, "activations_and_buffers")
-
-        def move(uid: int, to: str) -> None:
-            nonlocal host_now
-            n = size[uid]
-            if where[uid] == "host":
-                host_now -= n
-            else:
-                dev_now[where[uid]] -= n
-            where[uid] = to
-            if to == "host":
-                host_now += n
-            else:
-                dev_now[to] += n
-
-        def flush_pending() -> None:
-            for u in pending:
-                if u in size:
-                    move(u, "host")
-            pending.clear()
-
-        for kind, uid, n in self.events:
-            if kind == "m":
-                flush_pending()
-                name = self.marks[uid]
-                if name == start_mark:
-                    phase = ("forward", "start")
-                elif phase is not None and name != "end":
-                    ph, _, where_ = name.partition(":")
-                    phase = (ph, where_ or ("start" if ph == "backward" else "-"))
-                elif name == "end":
-                    phase = None
-                continue
-            if kind == "a":
-                size[uid] = n
-                where[uid] = "activations_and_buffers"
-                move_to = place(uid)
-                where[uid] = move_to
-                if move_to == "host":
-                    host_now += n
-                else:
-                    dev_now[move_to] += n
-                if uid in self.host_late:
-                    pending.append(uid)
-            elif kind == "r":
-                size[uid] += n
-                if where[uid] == "host":
-                    host_now += n
-                else:
-                    dev_now[where[uid]] += n
-            else:  # free
-                if uid not in size:
-                    continue
-                move(uid, "host")  # out of the device sums
-                host_now -= size.pop(uid)
-                where.pop(uid)
-            if phase is not None:
-                total = sum(dev_now.values())
-                cur = out.get(phase)
-                if cur is None or total > cur.device:
-                    out[phase] = PhasePeak(total, dict(dev_now))
-                host_peak = max(host_peak, host_now)
-        return out, host_peak
-
-
-def _library_line() -> str:
-    """``file:line (function)`` of the innermost ``dtensor_ulysses`` frame outside this module,
-    with its caller in the library, e.g. ``model.py:89 (forward) < _tiling.py:50 (backward)``."""
-    frames = [
-        f for f in traceback.extract_stack()
-        if "dtensor_ulysses" in f.filename and not f.filename.endswith("memtrace.py")
-    ]  # fmt: skip
-    return " < ".join(
-        f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} ({f.name})" for f in frames[::-1][:2]
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# the fake world
-# ----------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[tuple[Any, Callable[[], Any]]]:
-    """A fake process group of ``world_size`` ranks (this process is rank 0), a fake-tensor mode
-    and a factory of recording modes (``TorchDispatchMode`` with a ``.timeline``).
-
-    Raises:
-        TraceUnavailable: this torch lacks the private APIs.
-        RuntimeError: a process group already exists (trace in a fresh process).
-    """
-    try:
-        from dtensor_ulysses._torch_private import (
-            TorchDispatchMode,
-            fake_world_classes,
-            tree_flatten,
-        )
-
-        FakeTensorMode, FakeStore = fake_world_classes()
-    except ImportError as e:  # a torch without these private modules
-        raise TraceUnavailable(f"fake process group / fake tensors unavailable: {e}") from None
-
-    local_scalar = torch.ops.aten._local_scalar_dense.default
-
-    try:
-        from dtensor_ulysses.offload import allocating_host
-    except ImportError:  # a library without offload.py
-
-        def allocating_host() -> bool:
-            return False
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.timeline = _Timeline()
-            self.all_host = False  # the CPU optimizer step of --offload-params
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is local_scalar:  # a fake tensor has no value; the bytes do not need one
-                (t,) = args
-                return 1.0 if t.dtype.is_floating_point else 1
-            out = func(*args, **(kwargs or {}))
-            host = self.all_host or allocating_host()
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.timeline.add(t, host=host, op=func.__name__)
-            return out
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialized; trace in a fresh process")
-    active: list[Any] = []
-    orig_resize = torch.UntypedStorage.resize_
-
-    def resize_(st, nbytes):
-        result = orig_resize(st, nbytes)
-        for rec in active:
-            rec.timeline.resized(st, int(nbytes))
-        return result
-
-    def make_recorder() -> Any:
-        rec = Recorder()
-        active.append(rec)
-        return rec
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-    try:
-        yield FakeTensorMode(allow_non_fake_inputs=True), make_recorder
-    finally:
-        torch.UntypedStorage.resize_ = orig_resize  # type: ignore[method-assign]
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,60 +223,6 @@ def extrapolate(a: StepTrace, b: StepTrace, layers: int) -> StepTrace:
 # ----------------------------------------------------------------------------------------------
 # the step
 # ----------------------------------------------------------------------------------------------
-def _cuda_schedule() -> contextlib.AbstractContextManager[Any]:
-    """The offloader's CUDA schedule on CPU tensors (its prefetch of the earlier block's input),
-    when this library has it."""
-    try:
-        from dtensor_ulysses.offload import cuda_schedule_on_cpu
-    except ImportError:
-        return contextlib.nullcontext()
-    return cuda_schedule_on_cpu()
-
-
-def _offload_registry() -> Callable[[torch.Tensor], bool] | None:
-    """``is_host(tensor)`` from :mod:`dtensor_ulysses.offload`, when that module exists."""
-    try:
-        from dtensor_ulysses import offload
-    except ImportError:
-        return None
-    fn = getattr(offload, "is_host", None)
-    return fn if callable(fn) else None
-
-
-@contextlib.contextmanager
-def _temporary_preset(name: str, layers: int | None) -> Iterator[str]:
-    """A preset with fewer blocks, registered for the duration of the trace."""
-    from dtensor_ulysses.presets import PRESETS, get_shape
-
-    shape = get_shape(name)
-    if layers is None or layers == shape.n_layers:
-        yield name
-        return
-    tmp = f"{name}@{layers}L"
-    PRESETS[tmp] = shape.with_(name=tmp, n_layers=layers)
-    try:
-        yield tmp
-    finally:
-        PRESETS.pop(tmp, None)
-
-
-@contextlib.contextmanager
-def _bf16_policy() -> Iterator[None]:
-    """FSDP2's CUDA mixed precision (bf16 params, fp32 reduce) for the CPU fake world."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    import dtensor_ulysses as du
-
-    par: Any = importlib.import_module(du.parallelize.__module__)  # where parallelize looks it up
-    orig = par.default_mixed_precision
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    par.default_mixed_precision = lambda device_type: policy
-    try:
-        yield
-    finally:
-        par.default_mixed_precision = orig
-
-
 FEATURES = (
     "tiled_loss",
     "tiled_mlp",
@@ -553,34 +231,6 @@ FEATURES = (
     "offload_optimizer",
     "offload_params",
 )
-
-
-def _config(model: str, seq_len: int, dp: int, sp: int, ac: bool, features: dict[str, Any]):
-    from dtensor_ulysses.train import TrainConfig
-
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    missing = [k for k, v in features.items() if v not in (None, False, 1) and k not in names]
-    if missing:
-        raise NotImplementedError(
-            f"the trainer has no {', '.join(missing)} yet (TrainConfig lacks the field); "
-            f"trace without it"
-        )
-    kw = {k: v for k, v in features.items() if k in names and v is not None}
-    return TrainConfig(
-        dp=dp, sp=sp, model=model, seq_len=seq_len, batch_size=dp, steps=1,
-        activation_checkpointing=ac, attention_backend="sdpa", allow_uneven_heads=True, **kw,
-    )  # fmt: skip
-
-
-def _batch(seq_len: int, sp: int, micro_batch: int = 1):
-    from dtensor_ulysses.data import Batch
-    from dtensor_ulysses.plan import SeqLayout
-
-    layout = SeqLayout.split(seq_len, sp)
-    s = layout.seq_sizes[0]
-    ids = torch.zeros(micro_batch, s, dtype=torch.long)
-    pos = torch.arange(s).expand(micro_batch, s)
-    return Batch(ids, ids.clone(), pos, layout)
 
 
 def trace_train_step(
@@ -652,81 +302,3 @@ def trace_train_step(
         n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used,
         breakdown=top,
     )  # fmt: skip
-
-
-def _n_layers(model: str) -> int:
-    from dtensor_ulysses.presets import get_shape
-
-    return get_shape(model).n_layers
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-def _classify_states(net, optimizer, tl: _Timeline, offload_params: bool, is_host) -> None:
-    """Sharded parameters and optimizer states (alive from the warm-up step on)."""
-    for p in net.parameters():
-        t = _local(p)
-        tl.add(t)
-        tl.set_category(t, "parameters")
-        if offload_params or (is_host is not None and is_host(t)):
-            tl.set_host(t)
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                t = _local(v)
-                tl.add(t)
-                tl.set_category(t, "optimizer_states")
-                if offload_params or (is_host is not None and is_host(t)):
-                    tl.set_host(t)
-
-
-def _phase_hooks(net, optimizer, rec: Any, offload_params: bool) -> list[Any]:
-    """Marks: ``loss`` when the final norm starts, ``backward`` when the gradient of its output
-    exists, ``optimizer`` before the optimizer step (gradients classified there), and one mark
-    per block where its forward starts and where the gradient of its output exists (its
-    backward starts; gradients offloaded by FSDP2 leave the device there)."""
-    tl: _Timeline = rec.timeline
-    hooks: list[Any] = []
-
-    def norm_pre(_m, _args):
-        tl.mark("loss")
-
-    def norm_post(_m, _args, out):
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda g: tl.mark("backward"))
-
-    def block_pre(i):
-        return lambda _m, _args: tl.mark(f"forward:{i}")
-
-    def block_post(i):
-        def hook(_m, _args, out):
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(lambda g: tl.mark(f"backward:{i}"))
-
-        return hook
-
-    def step_pre(_opt, _args, _kwargs):
-        for p in net.parameters():
-            if p.grad is not None:
-                g = _local(p.grad)
-                tl.add(g)
-                tl.set_category(g, "gradients")
-                if offload_params:
-                    tl.set_host(g, late=True)
-        tl.mark("optimizer")
-        rec.all_host = offload_params  # CPUOffloadPolicy: AdamW steps on host tensors
-
-    def step_post(_opt, _args, _kwargs):
-        rec.all_host = False
-
-    hooks.append(net.norm.register_forward_pre_hook(norm_pre))
-    hooks.append(net.norm.register_forward_hook(norm_post))
-    for i, block in enumerate(net.layers):
-        hooks.append(block.register_forward_pre_hook(block_pre(i), prepend=True))
-        hooks.append(block.register_forward_hook(block_post(i)))
-    hooks.append(optimizer.register_step_pre_hook(step_pre))
-    hooks.append(optimizer.register_step_post_hook(step_post))
-    return hooks
