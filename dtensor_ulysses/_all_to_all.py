@@ -99,6 +99,9 @@ class PendingExchange:
         self._work = self._send = self._recv = None
         per_tensor = order is not None and not isinstance(order[0], int)
         orders = order if order is None or per_tensor else [order] * len(out_shapes)
+        row_major = orders is None or orders[0] is None
+        if len(out_shapes) == 1 and row_major and _leading_ones(out_shapes[0], gather_dim):
+            return [recv.view(out_shapes[0])]  # the pieces, in rank order, are the result
         outs = [
             _empty_in_order(recv, shape, None if orders is None else orders[i])
             for i, shape in enumerate(out_shapes)
@@ -122,7 +125,11 @@ def start_exchange(
 
     Each byte is copied once on the way in (into the preallocated send buffer) and once on the
     way out (into the results): one strided copy per tensor when its pieces are equal for every
-    rank (and the blocks of the other tensors too), else one copy per piece. With ``async_op``
+    rank (and the blocks of the other tensors too), else one copy per piece. A copy is skipped
+    where the memory already is the buffer: one contiguous tensor cut along its outermost
+    non-unit dim is sent as it is, and one result gathered along its outermost non-unit dim,
+    row-major, is a view of the receive buffer (e.g. ``B = 1`` and ``S`` cut or gathered,
+    as DeepSpeed's layout permutes degenerate there). With ``async_op``
     the all-to-all runs in the background until :meth:`PendingExchange.wait`. ``dim_order``:
     the results' memory layout (see :func:`all_to_all`), one for all, or one per tensor.
     """
@@ -137,13 +144,16 @@ def start_exchange(
     recv_shapes = _recv_shapes(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, P, me)
     in_splits = [sum(_numel(s) for s in shapes) for shapes in send_shapes]
     out_splits = [sum(_numel(s) for s in shapes) for shapes in recv_shapes]
-    send = xs[0].new_empty(sum(in_splits))
+    if len(xs) == 1 and xs[0].is_contiguous() and _leading_ones(xs[0].shape, scatter_dim):
+        send = xs[0].reshape(-1)  # the pieces, in rank order, already are the buffer
+    else:
+        send = xs[0].new_empty(sum(in_splits))
+        _move(xs, send, send_shapes, in_splits, scatter_dim, packing=True)
     recv = send.new_empty(sum(out_splits))
     out_shapes = [
         _piece_shape(x.shape, scatter_dim, scatter_sizes[i][me], gather_dim, sum(gather_sizes[i]))
         for i, x in enumerate(xs)
     ]
-    _move(xs, send, send_shapes, in_splits, scatter_dim, packing=True)
     work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=async_op)
     order: tuple | None = None
     if dim_order is not None:
@@ -156,6 +166,12 @@ def _exchange(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, d
     return start_exchange(
         xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, dim_order, async_op=False
     ).wait()
+
+
+def _leading_ones(shape: Sequence[int], dim: int) -> bool:
+    """Whether every dim before ``dim`` has size 1 (so the pieces along ``dim`` of a
+    row-major tensor are consecutive in memory)."""
+    return all(size == 1 for size in shape[:dim])
 
 
 def _empty_in_order(like: torch.Tensor, shape: list[int], order: Sequence[int] | None):
