@@ -9,12 +9,19 @@ on a local gloo world of ``P`` CPU processes:
   on a CPU machine, set here; skipped with a message when it does not import).
 
 Both wrap the same ``kernel``: ``F.scaled_dot_product_attention`` on ``[B, S, heads, H]``. The
-variants run interleaved (round robin per iteration), so load drift hits both; per iteration the
-slowest rank counts; the table shows the median over ``--iters``; the outputs and gradients of
-the two are compared at the first iteration. Run::
+kernel declares the memory layout SDPA reads (``input_dim_order``: ``[B, N, S, H]``), which the
+dtensor_ulysses engine writes its received pieces into; DeepSpeed hands it contiguous
+``[B, S, N, H]``. A third row, ``kernel``, times the kernel alone on one rank's head-sharded,
+full-length tensors (no communication): the floor both engines stand on, so ``engine - kernel``
+is each engine's cost around the kernel (packing, all-to-alls, unpacking, autograd).
+
+The variants run interleaved (round robin per iteration), so load drift hits all alike; per
+iteration the slowest rank counts; the table shows medians over ``--iters``, and the median of
+the per-iteration ratios (each iteration's two engine times side by side, so drift cancels);
+the outputs and gradients of the two engines are compared at the first iteration. Run::
 
     python -m benchmarks.bench_vs_deepspeed --world-sizes 2 4 --seq-lens 2048 8192 \\
-        --heads 16 --head-dim 64 --iters 7 --json benchmarks/results/bench_vs_deepspeed_cpu.json
+        --heads 16 --head-dim 64 --iters 15 --json benchmarks/results/bench_vs_deepspeed_cpu.json
 """
 
 from __future__ import annotations
@@ -30,16 +37,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("dtensor_ulysses", "deepspeed")
+VARIANTS = ("dtensor_ulysses", "deepspeed", "kernel")
 
 
-def _kernel(q, k, v, **_):
-    import torch.nn.functional as F
+class _Kernel:
+    """Causal SDPA on ``[B, S, heads, H]``; reads ``[B, heads, S, H]`` memory without a copy."""
 
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-    )
-    return o.transpose(1, 2)
+    def __call__(self, q, k, v, **_):
+        import torch.nn.functional as F
+
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return o.transpose(1, 2)
+
+    def input_dim_order(self, q) -> tuple[int, ...]:
+        return (0, 2, 1, 3)
+
+
+_kernel = _Kernel()
 
 
 def _deepspeed(group):
@@ -72,28 +88,34 @@ def worker(rank: int, world_size: int, cfg: dict) -> dict:
         engines["deepspeed"] = lambda q, k, v: ds(q, k, v, 0)  # batch_dim_idx=0
     B, S, N, H = cfg["B"], cfg["S"], cfg["N"], cfg["H"]
     g = torch.Generator().manual_seed(cfg["seed"] + rank)
-    s = S // world_size
+    s, n = S // world_size, N // world_size
     q, k, v, go = (torch.randn(B, s, N, H, generator=g) for _ in range(4))
+    # the floor: the kernel alone on this rank's heads, full length, laid out as it reads them
+    full = [torch.randn(B, n, S, H, generator=g).transpose(1, 2) for _ in range(4)]
+    engines["kernel"] = _kernel
     times: dict[str, list[float]] = {n: [] for n in engines}
     first: dict[str, list] = {}
     for it in range(cfg["warmup"] + cfg["iters"]):
         for name, fn in engines.items():
-            qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+            inputs, grad = (full[:3], full[3]) if name == "kernel" else ((q, k, v), go)
+            qi, ki, vi = (t.clone().requires_grad_() for t in inputs)
             dist.barrier()
             t0 = time.perf_counter()
             o = fn(qi, ki, vi)
-            o.backward(go)
+            o.backward(grad)
             elapsed = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank
             if it >= cfg["warmup"]:
                 times[name].append(elapsed.item() * 1e3)
-            if name not in first:
+            if name not in first and name != "kernel":
                 first[name] = [o.detach(), qi.grad, ki.grad, vi.grad]
-    diff = None
+    diff = paired = None
     if "deepspeed" in first:
         diff = max((a - b).abs().max().item() for a, b in zip(*first.values()))
+        ratios = [a / b for a, b in zip(times["dtensor_ulysses"], times["deepspeed"])]
+        paired = statistics.median(ratios)
     return {"ms": {n: statistics.median(t) for n, t in times.items()}, "max_abs_diff": diff,
-            "deepspeed_problem": ds_problem}  # fmt: skip
+            "paired_ratio": paired, "deepspeed_problem": ds_problem}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -105,14 +127,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--iters", type=int, default=15)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = []
-    print("| P | S | dtensor_ulysses ms | deepspeed ms | ratio | max abs diff |")
-    print("|---|---|---|---|---|---|")
+    print("| P | S | dtensor_ulysses ms | deepspeed ms | kernel alone ms | ratio | paired ratio "
+          "| around the kernel: ours / DeepSpeed's ms | max abs diff |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for P in args.world_sizes:
         for S in args.seq_lens:
             cfg = dict(B=args.batch, S=S, N=args.heads, H=args.head_dim, seed=0,
@@ -123,8 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append({"P": P, "S": S, **cfg, **r, "ratio": ratio})
             ds = f"{ms['deepspeed']:.1f}" if "deepspeed" in ms else "skipped"
             shown = "" if ratio is None else f"{ratio:.3f}"
-            line = f"| {P} | {S} | {ms['dtensor_ulysses']:.1f} | {ds} | {shown} |"
-            print(f"{line} {r['max_abs_diff']} |", flush=True)
+            pr = "" if r["paired_ratio"] is None else f"{r['paired_ratio']:.3f}"
+            ours = ms["dtensor_ulysses"] - ms["kernel"]
+            theirs = f" / {ms['deepspeed'] - ms['kernel']:.1f}" if "deepspeed" in ms else ""
+            line = f"| {P} | {S} | {ms['dtensor_ulysses']:.1f} | {ds} | {ms['kernel']:.1f} |"
+            print(f"{line} {shown} | {pr} | {ours:.1f}{theirs} | {r['max_abs_diff']} |",
+                  flush=True)  # fmt: skip
             if r["deepspeed_problem"]:
                 print(f"  deepspeed skipped: {r['deepspeed_problem']}", file=sys.stderr)
     import torch
