@@ -13,7 +13,11 @@ kernel declares the memory layout SDPA reads (``input_dim_order``: ``[B, N, S, H
 dtensor_ulysses engine writes its received pieces into; DeepSpeed hands it contiguous
 ``[B, S, N, H]``. A third row, ``kernel``, times the kernel alone on one rank's head-sharded,
 full-length tensors (no communication): the floor both engines stand on, so ``engine - kernel``
-is each engine's cost around the kernel (packing, all-to-alls, unpacking, autograd).
+is each engine's cost around the kernel (packing, all-to-alls, unpacking, autograd). A fourth,
+``collectives``, times the bare ``all_to_all_single`` calls of one call's exchanges (q, k, v and
+o forward, their gradients backward: the same bytes, contiguous buffers, nothing packed): the
+communication no implementation of these exchanges avoids, so ``(kernel + collectives) /
+deepspeed`` bounds the ratio any engine around this kernel can reach on this machine.
 
 The variants run interleaved (round robin per iteration), so load drift hits all alike; per
 iteration the slowest rank counts; the table shows medians over ``--iters``, and the median of
@@ -37,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("dtensor_ulysses", "deepspeed", "kernel")
+VARIANTS = ("dtensor_ulysses", "deepspeed", "kernel", "collectives")
 
 
 class _Kernel:
@@ -93,6 +97,10 @@ def worker(rank: int, world_size: int, cfg: dict) -> dict:
     # the floor: the kernel alone on this rank's heads, full length, laid out as it reads them
     full = [torch.randn(B, n, S, H, generator=g).transpose(1, 2) for _ in range(4)]
     engines["kernel"] = _kernel
+    # the exchanges alone: q, k, v and o forward, d o and d q, d k, d v backward
+    bufs = [(torch.randn(m * B * s * N * H, generator=g), torch.empty(m * B * s * N * H))
+            for m in (3, 1, 1, 3)]  # fmt: skip
+    engines["collectives"] = lambda: [dist.all_to_all_single(r, x, group=group) for x, r in bufs]
     times: dict[str, list[float]] = {n: [] for n in engines}
     first: dict[str, list] = {}
     for it in range(cfg["warmup"] + cfg["iters"]):
@@ -101,13 +109,16 @@ def worker(rank: int, world_size: int, cfg: dict) -> dict:
             qi, ki, vi = (t.clone().requires_grad_() for t in inputs)
             dist.barrier()
             t0 = time.perf_counter()
-            o = fn(qi, ki, vi)
-            o.backward(grad)
+            if name == "collectives":
+                fn()
+            else:
+                o = fn(qi, ki, vi)
+                o.backward(grad)
             elapsed = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank
             if it >= cfg["warmup"]:
                 times[name].append(elapsed.item() * 1e3)
-            if name not in first and name != "kernel":
+            if name not in first and name in ("dtensor_ulysses", "deepspeed"):
                 first[name] = [o.detach(), qi.grad, ki.grad, vi.grad]
     diff = paired = None
     if "deepspeed" in first:
@@ -133,25 +144,30 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = []
-    print("| P | S | dtensor_ulysses ms | deepspeed ms | kernel alone ms | ratio | paired ratio "
-          "| around the kernel: ours / DeepSpeed's ms | max abs diff |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| P | S | dtensor_ulysses ms | deepspeed ms | kernel alone ms | collectives alone ms "
+          "| ratio | paired ratio | bound | around the kernel: ours / DeepSpeed's ms "
+          "| max abs diff |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for P in args.world_sizes:
         for S in args.seq_lens:
             cfg = dict(B=args.batch, S=S, N=args.heads, H=args.head_dim, seed=0,
                        iters=args.iters, warmup=args.warmup)  # fmt: skip
             r = run_local_world(worker, P, cfg, timeout_s=args.timeout)[0]
             ms = r["ms"]
-            ratio = ms["dtensor_ulysses"] / ms["deepspeed"] if "deepspeed" in ms else None
-            rows.append({"P": P, "S": S, **cfg, **r, "ratio": ratio})
+            ratio = bound = None
+            if "deepspeed" in ms:
+                ratio = ms["dtensor_ulysses"] / ms["deepspeed"]
+                bound = (ms["kernel"] + ms["collectives"]) / ms["deepspeed"]
+            rows.append({"P": P, "S": S, **cfg, **r, "ratio": ratio, "bound": bound})
             ds = f"{ms['deepspeed']:.1f}" if "deepspeed" in ms else "skipped"
             shown = "" if ratio is None else f"{ratio:.3f}"
             pr = "" if r["paired_ratio"] is None else f"{r['paired_ratio']:.3f}"
             ours = ms["dtensor_ulysses"] - ms["kernel"]
             theirs = f" / {ms['deepspeed'] - ms['kernel']:.1f}" if "deepspeed" in ms else ""
+            bd = "" if bound is None else f"{bound:.3f}"
             line = f"| {P} | {S} | {ms['dtensor_ulysses']:.1f} | {ds} | {ms['kernel']:.1f} |"
-            print(f"{line} {shown} | {pr} | {ours:.1f}{theirs} | {r['max_abs_diff']} |",
-                  flush=True)  # fmt: skip
+            line += f" {ms['collectives']:.1f} | {shown} | {pr} | {bd} |"
+            print(f"{line} {ours:.1f}{theirs} | {r['max_abs_diff']} |", flush=True)
             if r["deepspeed_problem"]:
                 print(f"  deepspeed skipped: {r['deepspeed_problem']}", file=sys.stderr)
     import torch

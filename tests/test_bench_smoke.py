@@ -63,7 +63,7 @@ def test_bench_vs_deepspeed_toy(tmp_path):
             "--iters", "1", "--json", str(out)]  # fmt: skip
     bench_vs_deepspeed.main(argv)
     [row] = json.loads(out.read_text())["rows"]
-    assert row["ms"]["dtensor_ulysses"] > 0 and row["ms"]["kernel"] > 0  # kernel: the floor
+    assert min(row["ms"][n] for n in ("dtensor_ulysses", "kernel", "collectives")) > 0
     if "deepspeed" in row["ms"]:
         assert row["max_abs_diff"] <= 1e-5 and row["ratio"] > 0 and row["paired_ratio"] > 0
     else:
