@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    load_at_start = os.getloadavg()
     base = measure(a.model, a.tokens, 1, a.steps, a.warmup, a.threads)
     rows = [dict(base, ratio=1.0, flops_ratio=1.0)]
     f1 = model_flops_per_token(a.model, a.tokens)
@@ -98,9 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['P']:>3} {r['seq_len']:>8} {r['ms_per_step']:>9.1f} {r['ratio']:>7.3f}x "
               f"{r['flops_ratio']:>9.3f}x {over:>+8.1%}")  # fmt: skip
     out = dict(
-        command="python -m benchmarks.bench_trainer_overhead " + " ".join(argv or []),
+        command=" ".join(["python -m benchmarks.bench_trainer_overhead", *argv]),
         environment=dict(torch=torch.__version__, python=platform.python_version(),
-                         cpus=os.cpu_count(), load_avg=os.getloadavg()),  # fmt: skip
+                         cpus=os.cpu_count(), load_avg_at_start=load_at_start),  # fmt: skip
         settings=vars(a), rows=rows,
     )  # fmt: skip
     if a.json:
