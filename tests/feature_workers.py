@@ -170,7 +170,9 @@ def compile_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
 
 def compiled_model_worker(rank: int, world_size: int, backend: str) -> dict:
     """The tiny model through du.parallelize with and without compile=backend (blocks compiled
-    after checkpointing, before FSDP2), at dp=1, sp=world_size: loss and every gradient."""
+    after checkpointing, before FSDP2), and compiled with overlap_comm (the model hands q over
+    deferred; compiled, the engine evaluates it at once), at dp=1, sp=world_size: loss and
+    every gradient."""
     from torch.distributed.tensor import DTensor
 
     from dtensor_ulysses.data import PackedCorpus, get_batch
@@ -185,9 +187,11 @@ def compiled_model_worker(rank: int, world_size: int, backend: str) -> dict:
                       sp=world_size, seed=0)  # fmt: skip
     group = flatten_dp_sp(mesh).get_group()
     out = {}
-    for name, compile in (("eager", False), ("compiled", backend)):
+    variants = (("eager", False, False), ("compiled", backend, False), ("overlap", backend, True))
+    for name, compile, overlap in variants:
         model = build_model("tiny")
-        du.parallelize(model, mesh, activation_checkpointing=True, compile=compile)
+        du.parallelize(model, mesh, activation_checkpointing=True, compile=compile,
+                       overlap_comm=overlap)  # fmt: skip
         model.to_empty(device="cpu")
         init_weights(model, seed=0)
         loss = model(batch.input_ids, batch.position_ids, layout=batch.layout, labels=batch.labels)
@@ -197,8 +201,9 @@ def compiled_model_worker(rank: int, world_size: int, backend: str) -> dict:
         total = loss.detach().reshape(1)
         torch.distributed.all_reduce(total, group=group)
         out[name] = (total.item(), grads)
-    (le, ge), (lc, gc) = out["eager"], out["compiled"]
-    return {"loss": (le, lc), "grad_err": max((ge[n] - gc[n]).abs().max().item() for n in ge)}
+    (le, ge), (lc, gc), (lo, go) = out["eager"], out["compiled"], out["overlap"]
+    return {"loss": (le, lc, lo), "grad_err": max((ge[n] - g[n]).abs().max().item()
+                                                  for g in (gc, go) for n in ge)}  # fmt: skip
 
 
 def kernel_layout_worker(rank: int, world_size: int, head_chunks: int) -> dict:
