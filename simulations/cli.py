@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from dtensor_ulysses.presets import PRESETS
@@ -332,9 +331,7 @@ def _cmd_plan(a) -> int:
     if a.plot:
         from simulations.plots import plot_plan
 
-        # plots.plot_plan draws (dp, sp) layouts only; Ulysses x Ring rows stay in the table
-        pure = replace(pl, layouts=[x for x in pl.layouts if x.ring == 1])
-        plot_plan(pure, a.plot, **{k: v for k, v in _options(a).items() if k != "gpu"})
+        plot_plan(pl, a.plot, **{k: v for k, v in _options(a).items() if k != "gpu"})
     return 0
 
 

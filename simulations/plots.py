@@ -107,25 +107,30 @@ def plot_workload(w: Workload, path: str) -> None:
 
 
 def plot_plan(pl, path: str, **options: Any) -> None:
-    """Longest trainable sequence per layout, and memory vs sequence per sp."""
+    """Longest trainable sequence per layout, and memory vs sequence per layout (the
+    planner's Ulysses x Ring rows included, predicted as USP over ``sp * ring`` ranks)."""
     plt = require_matplotlib()
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     valid = [x for x in pl.layouts if x.valid]
-    labels = [f"dp={x.dp}\nsp={x.sp}" for x in valid]
+    labels = [f"dp={x.dp}\n{x.label.replace(' x ', chr(10))}" for x in valid]
     ax[0].bar(labels, [x.max_seq_len for x in valid])
     ax[0].set(title=f"longest sequence, {pl.model} on {pl.gpus}x {pl.gpu}", ylabel="tokens")
     for x in valid:
-        top = max(x.max_seq_len, 1024 * x.sp)
-        seqs = [top * k // 8 // x.sp * x.sp for k in range(1, 11)]
+        deg = x.seq_degree  # Ulysses x Ring: usp over sp * ring ranks, Ulysses inside sp
+        hybrid = {"attention": "usp", "ulysses_degree": x.sp} if x.ring > 1 else {}
+        top = max(x.max_seq_len, 1024 * deg)
+        seqs = [top * k // 8 // deg * deg for k in range(1, 11)]
         pts = []
         for s in seqs:
             if s <= 0:
                 continue
-            p = _try(lambda s=s, x=x: predict(pl.model, s, dp=x.dp, sp=x.sp, gpu=pl.gpu, **options))
+            p = _try(lambda s=s, x=x, deg=deg, hybrid=hybrid: predict(
+                pl.model, s, dp=x.dp, sp=deg, gpu=pl.gpu, **{**options, **hybrid}))  # fmt: skip
             if p is not None:
                 pts.append((s, p.memory.peak / GiB))
         if pts:
-            ax[1].plot(*zip(*pts), marker=".", label=f"sp={x.sp}")
+            ls = "--" if x.ring > 1 else "-"  # a hybrid's memory is its pure twin's: dashed on top
+            ax[1].plot(*zip(*pts), marker=".", ls=ls, label=f"dp={x.dp} {x.label}")
     if valid and valid[0].prediction is not None:
         ax[1].axhline(valid[0].prediction.memory.capacity / GiB, color="k", ls="--", label="usable")
     ax[1].set(title="peak memory per rank", xlabel="sequence length", ylabel="GiB", xscale="log")
