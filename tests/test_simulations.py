@@ -597,6 +597,34 @@ def test_cli_plot_without_or_with_matplotlib(tmp_path, capsys):
         assert main(argv) == 0 and png.stat().st_size > 0
 
 
+def test_plan_plot_draws_the_hybrid_rows(tmp_path):
+    """``plan --plot`` draws every valid row, the planner's Ulysses x Ring rows included (as USP
+    over ``sp * ring`` ranks), one memory curve per row."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from simulations import plots
+    from simulations.planner import plan
+
+    pl = plan("llama3-8b", 32, "h100")
+    hybrid = [x for x in pl.layouts if x.valid and x.ring > 1]
+    assert hybrid, "the planner proposes Ulysses x Ring on 32 GPUs (kv heads cap sp at 8)"
+    drawn = []
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, path, **kw):
+        drawn.extend(line.get_label() for line in fig.axes[1].get_lines())
+        return real_savefig(fig, path, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plt.Figure, "savefig", savefig)
+        plots.plot_plan(pl, str(tmp_path / "plan.png"))
+    for x in pl.layouts:
+        if x.valid:
+            assert f"dp={x.dp} {x.label}" in drawn, (x.label, drawn)
+    assert (tmp_path / "plan.png").stat().st_size > 0
+
+
 def test_trace_find_max_search_settles_on_the_grid(monkeypatch):
     # the search alone, with a stand-in trace whose peak is a + b * S (no torch): it must return
     # the largest multiple of the grid that fits, with few probes
