@@ -15,8 +15,10 @@ GPU run (one H100/H200; the command used when a GPU is lent, see benchmarks/READ
 ``--features all`` adds ``--head-chunks N`` (one q head per stage, UPipe's choice on one GPU).
 The MFU sweep (issue #14's >= 50% target for llama3-1b at 32K)::
 
-    python -m benchmarks.bench_long_context --models llama3-1b --features ac \
+    python -m benchmarks.bench_long_context --models llama3-1b --features ac --compile \
         --seq-lens 8192 16384 32768 --steps 5 --json benchmarks/results/bench_mfu_gpu.json
+
+All the GPU checks in one command: ``bash benchmarks/gpu.sh`` (see benchmarks/README.md).
 A CPU smoke run: ``--models tiny --seq-lens 256 --device cpu --steps 2``.
 """
 
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--gpu", default="h100", help="the simulator's GPU profile for the trace")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", action="store_true", help="the trainer's --compile (per block)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     flags = FEATURE_SETS[args.features]
@@ -113,10 +116,10 @@ def main(argv: list[str] | None = None) -> dict:
             if seq_len is None:
                 seq_len = predicted.get("max_seq_len")
             row: dict = {"model": model, "seq_len": seq_len, "features": args.features,
-                         "predicted": predicted}  # fmt: skip
+                         "compile": args.compile, "predicted": predicted}  # fmt: skip
             if seq_len:
                 try:
-                    run_flags = flags + chunks
+                    run_flags = flags + chunks + (["--compile"] if args.compile else [])
                     row["measured"] = _run(model, seq_len, run_flags, args.steps, args.device)
                 except Exception as e:  # an out-of-memory is a result to report, not a crash
                     row["measured"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -132,12 +135,16 @@ def main(argv: list[str] | None = None) -> dict:
             )
     import torch
 
+    from dtensor_ulysses.attention import flash_attn_available
+
     result = {
         "argv": sys.argv[1:] if argv is None else argv,
         "environment": {
             "torch": torch.__version__,
+            "cuda": torch.version.cuda,
             "python": platform.python_version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "flash_attn": flash_attn_available(),
         },
         "rows": rows,
     }
