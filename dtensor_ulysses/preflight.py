@@ -49,16 +49,33 @@ tokens, ``L`` blocks, ``V`` vocabulary, ``D`` model dim, ``F`` MLP dim:
 On CPU, device and host are the same memory: the estimate is their sum, compared with the
 memory the machine has available, shared by the ranks on it. A run is refused when the estimate
 exceeds the capacity by more than :data:`TOLERANCE` (5%, the estimate's error).
+
+**Where the code lives.** This module holds the check (:func:`check_fits`, :class:`Preflight`)
+and the trainer's feature lists; the closed form (:func:`estimate_memory`, :class:`MemoryEstimate`,
+:func:`format_bytes`, :data:`RUNTIME_BYTES`) is in ``_preflight_estimate.py``, the capacity probes
+(:func:`device_capacity`, :func:`host_capacity`, :func:`parse_bytes` and the environment
+overrides) in ``_preflight_capacity.py``; import every public name from this module.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtensor_ulysses._preflight_capacity import (
+    CAPACITY_ENV,
+    HOST_CAPACITY_ENV,  # noqa: F401  (not in __all__, but importable from here as before)
+    device_capacity,
+    host_capacity,
+    parse_bytes,
+)
+from dtensor_ulysses._preflight_estimate import (
+    RUNTIME_BYTES,  # noqa: F401  (not in __all__, but importable from here as before)
+    MemoryEstimate,
+    estimate_memory,
+    format_bytes,
+)
 from dtensor_ulysses.presets import ModelShape
 
 __all__ = [
@@ -75,20 +92,11 @@ __all__ = [
     "parse_bytes",
 ]
 
-# Per-rank capacity for tests and for machines whose limit the probes cannot see (a container's
-# cgroup, a GPU shared with other jobs): bytes, or a number with a unit ("12GiB", "512MB").
-CAPACITY_ENV = "DTENSOR_ULYSSES_MEMORY_CAPACITY"
-HOST_CAPACITY_ENV = "DTENSOR_ULYSSES_HOST_MEMORY_CAPACITY"
-
-RUNTIME_BYTES = 128 * 2**20
-
 # A run is refused only when the estimate exceeds the capacity by more than this fraction (the
 # estimate's error against the fake-tensor trace): the preflight stops runs that cannot fit, and
 # leaves the last few percent to the allocator.
 TOLERANCE = 0.05
 
-# The trainer's memory flags, in the order suggestions list them; the second item says whether
-# the flag moves memory to the host (no help on CPU, where the host is the device).
 # The trainer's memory features: TrainConfig fields, also the trace's options (one list).
 MEMORY_FEATURES = (
     "activation_checkpointing",
@@ -102,6 +110,8 @@ MEMORY_FEATURES = (
     "offload_params",
 )
 
+# The trainer's memory flags, in the order suggestions list them; the second item says whether
+# the flag moves memory to the host (no help on CPU, where the host is the device).
 FEATURE_FLAGS: tuple[tuple[str, bool], ...] = (
     ("activation_checkpointing", False),
     ("tiled_loss", False),
@@ -110,233 +120,6 @@ FEATURE_FLAGS: tuple[tuple[str, bool], ...] = (
     ("offload_optimizer", True),
     ("offload_params", True),
 )
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}  # fmt: skip
-
-
-def parse_bytes(text: str) -> int:
-    """``"12GiB"``, ``"512MB"``, ``"1e9"`` or ``"1000"`` as a number of bytes.
-
-    Raises:
-        ValueError: not a non-negative number with an optional unit (B, KB/MB/GB/TB, KiB/...).
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"{text!r} is not a memory size; write bytes or a number with a unit, e.g. 16GiB"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in GiB (or MiB below 1 GiB), one decimal."""
-    return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """One rank's estimated peak: device and host bytes, each with its parts."""
-
-    device: dict[str, int]
-    host: dict[str, int]
-    details: dict[str, int] = field(default_factory=dict)  # the workspace's parts
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(self.device.values())
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(self.host.values())
-
-    def describe(self, part: str = "device") -> str:
-        items = {"device": self.device, "host": self.host, "details": self.details}[part]
-        return ", ".join(f"{k} {format_bytes(v)}" for k, v in items.items() if v)
-
-
-def estimate_memory(
-    shape: ModelShape,
-    *,
-    seq_len: int,
-    batch_size: int,
-    dp: int,
-    sp: int,
-    compute_bytes: int = 4,
-    activation_checkpointing: bool = False,
-    tiled_loss: bool = False,
-    loss_chunk_tokens: int | None = None,
-    tiled_mlp: bool = False,
-    mlp_chunk_tokens: int | None = None,
-    head_chunks: int = 1,
-    offload_activations: bool = False,
-    offload_optimizer: bool = False,
-    offload_params: bool = False,
-    overlap_comm: bool = False,
-) -> MemoryEstimate:
-    """One rank's peak memory in a training step (the closed form of the module docstring).
-
-    Args:
-        shape: the model.
-        seq_len, batch_size: tokens per sequence and the *global* batch.
-        dp, sp: the layout.
-        compute_bytes: bytes per element of compute (2: bf16 on CUDA; 4: fp32 on CPU).
-        the rest: the trainer's memory features, as in
-            :class:`~dtensor_ulysses.train.TrainConfig`.
-    """
-    W = dp * sp
-    c = compute_bytes
-    D, F, L, V = shape.dim, shape.ffn_dim, shape.n_layers, shape.vocab_size
-    q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-    t = (batch_size // dp) * -(-seq_len // sp)
-    root_params = V * D * (1 if shape.tie_embeddings else 2) + D
-    block_params = (shape.n_params - root_params) // max(1, L)
-    n = -(-shape.n_params // W)
-
-    host: dict[str, int] = {}
-    grads = 4 * n
-    base: dict[str, int] = {}
-    if offload_params:  # gradients reach the host a block at a time
-        host["parameters, gradients, optimizer states"] = 16 * n
-        base["parameter shards in flight"] = 4 * -(-block_params // W)
-        grads = 4 * -(-block_params // W)
-    elif offload_optimizer:
-        base["parameters"] = 4 * n
-        host["optimizer states and master weights"] = 16 * n
-    else:
-        base["parameters"] = 4 * n
-        base["optimizer states"] = 8 * n
-    untied = not shape.tie_embeddings  # the head is its own FSDP2 unit (du.parallelize)
-    head_params = V * D if untied else 0
-    gathered = 2 * block_params * c + block_params * 4 + (root_params - head_params) * c
-    gathered += head_params * 4  # the head's fp32 reduce-scatter input, until the next one
-
-    K = max(1, head_chunks)
-    kv_recv = kv * max(1, sp // max(1, shape.n_kv_heads))  # kv heads replicated when sp > K_kv
-    saved = 4 * D + 2 * (2 * kv) + 4 * q // K + (0 if tiled_mlp else 4 * F)  # what a block keeps
-    # the backward of one block (the peak of a checkpointed step): its input, the attention
-    # norm's output, q, the gradients of o and q and of the residual stream (3D + 3q); the
-    # exchanged k, v and their gradient accumulators (4 kv'); one head stage's q, d o, o, d q,
-    # d k, d v (5 q / K; nothing more with no exchange at all: sp = 1, one stage), and with
-    # --overlap-comm the send and receive buffers of the next stage's q and d o and of the
-    # previous stage's d q, in flight (6 q / K); or, before it, the MLP's backward (without
-    # --tiled-mlp: its 4 saved and 3 gradient F-sized tensors)
-    exchanged = sp > 1 or K > 1
-    in_flight = 6 if overlap_comm and K > 1 else 0  # one stage: k, v move in forward only
-    stage = 4 * kv_recv + ((5 + in_flight) * q // K if exchanged else 0)
-    attn_bwd = 3 * D + 3 * q + stage
-    mlp_bwd = 5 * D + 2 * q + 2 * kv_recv + (0 if tiled_mlp else 7 * F)
-    act: dict[str, int] = {}
-    if tiled_mlp:  # one chunk's SwiGLU intermediates, recomputed in backward
-        chunk = min(t, mlp_chunk_tokens or min(D, t))
-        act["mlp chunk"] = 4 * F * chunk * c
-    if activation_checkpointing:
-        kept = D * t * c
-        if offload_activations:  # on the device: the one recomputed and the one before it
-            act["checkpoints"] = min(L, 2) * kept
-            host["activation checkpoints"] = max(0, L - 1) * kept
-        else:
-            act["checkpoints"] = L * kept
-        work = max(attn_bwd, mlp_bwd) * t * c
-    else:
-        act["activations"] = (L - 1) * saved * t * c
-        work = (saved + max(attn_bwd, mlp_bwd)) * t * c
-    loss_tokens = min(t, loss_chunk_tokens or min(2048, t)) if tiled_loss else t
-    logits = loss_tokens * V * (c + 8)
-    # Gradients fill up in backward as activations are freed: the step's peak is the larger of
-    # the loss (all kept activations, the logits, the final hidden states and their gradient),
-    # the backward of the last block (all kept activations, its working set) and the end of
-    # backward (all gradients, a block's working set).
-    at_loss = gathered + sum(act.values()) + logits + 2 * D * t * c
-    at_block = gathered + sum(act.values()) + work
-    at_end = grads + gathered + work
-    fwd = max(at_loss, at_block)
-    bwd = at_end
-    act["logits"] = logits
-    device = dict(base)
-    if fwd >= bwd:
-        device["activations and workspace"] = fwd
-    else:
-        device["gradients and workspace"] = bwd
-    details = {"gradients": grads, "gathered weights": gathered, **act}
-    host["runtime"] = RUNTIME_BYTES
-    return MemoryEstimate(device, host, details)
-
-
-# ----------------------------------------------------------------------------------------------
-# capacity
-# ----------------------------------------------------------------------------------------------
-def _local_ranks() -> int:
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        try:
-            return max(1, int(os.environ[var]))
-        except (KeyError, ValueError):
-            continue
-    return 1
-
-
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _cgroup_available() -> int | None:
-    """What the memory cgroup (v2 or v1) of this process still allows, if it sets a limit."""
-    v1 = "/sys/fs/cgroup/memory/memory."
-    for limit_f, usage_f in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        (v1 + "limit_in_bytes", v1 + "usage_in_bytes"),
-    ):
-        try:
-            with open(limit_f) as f:
-                raw = f.read().strip()
-            if raw == "max" or int(raw) >= 2**60:
-                return None
-            with open(usage_f) as f:
-                return max(0, int(raw) - int(f.read().strip()))
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def host_capacity() -> tuple[int | None, str]:
-    """This rank's share of the host memory available now, and where the number comes from.
-
-    ``DTENSOR_ULYSSES_HOST_MEMORY_CAPACITY`` (per rank) overrides it; otherwise the smaller of
-    ``MemAvailable`` and the cgroup's remaining limit, divided by the ranks on this machine
-    (``LOCAL_WORLD_SIZE``). ``None`` when nothing can be read.
-    """
-    if os.environ.get(HOST_CAPACITY_ENV):
-        return parse_bytes(os.environ[HOST_CAPACITY_ENV]), f"${HOST_CAPACITY_ENV}"
-    found = [x for x in (_meminfo_available(), _cgroup_available()) if x is not None]
-    if not found:
-        return None, "unknown"
-    ranks = _local_ranks()
-    return min(found) // ranks, f"available host memory / {ranks} local rank(s)"
-
-
-def device_capacity(device_type: str) -> tuple[int | None, str]:
-    """This rank's device memory (total memory of its GPU; on CPU, :func:`host_capacity`), and
-    where the number comes from. ``DTENSOR_ULYSSES_MEMORY_CAPACITY`` overrides it."""
-    if os.environ.get(CAPACITY_ENV):
-        return parse_bytes(os.environ[CAPACITY_ENV]), f"${CAPACITY_ENV}"
-    if device_type == "cuda":
-        import torch
-
-        index = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
-        props = torch.cuda.get_device_properties(index)
-        return int(props.total_memory), f"total memory of {props.name}"
-    return host_capacity()
 
 
 # ----------------------------------------------------------------------------------------------
