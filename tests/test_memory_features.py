@@ -336,6 +336,7 @@ def test_tiled_backward_holds_one_input_gradient(monkeypatch):
     """Tiled MLP, tiled loss and RMSNorm: the backward's extra memory is the input's gradient
     plus one chunk's work, not the several full-size zero-padded gradients of checkpointed
     slices (nor float32 copies of the whole input for the norm)."""
+    import dtensor_ulysses._layers as layers_mod  # RMSNorm reads NORM_CHUNK_ELEMENTS there
     import dtensor_ulysses.model as model_mod
     from dtensor_ulysses.loss import tiled_cross_entropy_sum
 
@@ -352,7 +353,7 @@ def test_tiled_backward_holds_one_input_gradient(monkeypatch):
     loss = tiled_cross_entropy_sum(x, w, labels, chunk_tokens=c)
     assert _backward_peak(loss, [x, w]) <= T * D * 4 + 2 * V * D * 4 + 8 * c * V * 4
 
-    monkeypatch.setattr(model_mod, "NORM_CHUNK_ELEMENTS", c * D)
+    monkeypatch.setattr(layers_mod, "NORM_CHUNK_ELEMENTS", c * D)
     xb = torch.randn(1, T, D, dtype=torch.bfloat16, requires_grad=True)
     norm = model_mod.RMSNorm(D).to(torch.bfloat16)
     assert _backward_peak(norm(xb), [xb, norm.weight]) <= T * D * 2 + 8 * c * D * 4 + 8 * D

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dtensor_ulysses.model as model_mod
+import dtensor_ulysses._layers as layers_mod  # RMSNorm reads NORM_CHUNK_ELEMENTS there
 from dtensor_ulysses.attention import LocalAttention
 from dtensor_ulysses.model import (
     Transformer,
@@ -113,7 +113,7 @@ def test_matches_float64_reference(variant, monkeypatch):
     shape = TINY.with_(**changes)
     model = _model64(shape)
     if variant == "tiled":  # RMSNorm over 3-row chunks, the MLP over 5-token chunks
-        monkeypatch.setattr(model_mod, "NORM_CHUNK_ELEMENTS", 3 * shape.dim)
+        monkeypatch.setattr(layers_mod, "NORM_CHUNK_ELEMENTS", 3 * shape.dim)
         set_tiling(model, mlp_chunk_tokens=5)
     input_ids, position_ids = _batch(shape)
     # non-trivial positions (a slice from the middle of a long sequence), varied per row

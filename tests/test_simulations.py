@@ -360,7 +360,7 @@ def test_plan_considers_sp_not_dividing_the_heads():
 # memory and FLOPs: hand-worked
 # ----------------------------------------------------------------------------------------------
 def test_block_activation_bytes_hand_worked_llama3_8b():
-    # RMSNorm (model.py's autograd function): its bf16 input (2) + the bf16 output the next
+    # RMSNorm (_layers.py's autograd function): its bf16 input (2) + the bf16 output the next
     # matmul keeps (2) per element, twice; FlashAttention q,k,v,o + fp32 logsumexp; o again (the
     # all-to-all output); SwiGLU 4 x F
     b = memory.block_activation_bytes(_w(sp=8))
