@@ -261,9 +261,14 @@ def dim_order(t: torch.Tensor) -> tuple[int, ...] | None:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, order, *xs):
+    def _remember(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, xs) -> None:
+        """What the reverse exchange needs; each gradient comes back in its input's layout."""
         ctx.args = (scatter_dim, gather_dim, scatter_sizes, gather_sizes, group)
-        ctx.orders = tuple(dim_order(x) for x in xs)  # each gradient comes back in its layout
+        ctx.orders = tuple(dim_order(x) for x in xs)
+
+    @staticmethod
+    def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, order, *xs):
+        _AllToAll._remember(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, xs)
         return tuple(
             _exchange(xs, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, order)
         )
@@ -284,8 +289,7 @@ class _Landed(_AllToAll):
 
     @staticmethod
     def forward(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, pending, *xs):
-        ctx.args = (scatter_dim, gather_dim, scatter_sizes, gather_sizes, group)
-        ctx.orders = tuple(dim_order(x) for x in xs)
+        _AllToAll._remember(ctx, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group, xs)
         return tuple(pending.wait())
 
 
