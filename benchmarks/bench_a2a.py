@@ -3,7 +3,7 @@
 For each size, every rank holds ``x[1, s, N, H]`` (its sequence slice, all heads) and moves it to
 ``[1, S, N/P, H]`` (``Shard(1) -> Shard(2)`` on sp) two ways:
 
-* ``ulysses``: the library's exchange (``dtensor_ulysses._all_to_all.all_to_all``): the pack into
+* ``ulysses``: the library's exchange (``dtensor_ulysses.comm.all_to_all``): the pack into
   one send buffer, ``all_to_all_single``, the unpack into the layout the kernel reads
   (``[B, N, S, H]`` for SDPA);
 * ``raw``: ``torch.distributed.all_to_all_single`` on a ready, contiguous buffer of the same bytes
@@ -54,7 +54,7 @@ def _time(fn, device: torch.device, iters: int, warmup: int) -> float:
 
 
 def run(sizes_mib: list[float], iters: int, warmup: int, dtype: torch.dtype) -> list[dict]:
-    from dtensor_ulysses._all_to_all import all_to_all
+    from dtensor_ulysses.comm import all_to_all
 
     P, device = dist.get_world_size(), _device()
     group = dist.group.WORLD

@@ -56,7 +56,7 @@ TRAIN_FLAGS = {  # trainer flag -> the simulator's trace flag
 
 def _head_chunks(model: str, features: str) -> list[str]:
     """With every feature, UPipe's choice on one GPU: one q head per stage."""
-    from dtensor_ulysses.presets import get_shape
+    from dtensor_ulysses.plan import get_shape
 
     return ["--head-chunks", str(get_shape(model).n_heads)] if features == "all" else []
 

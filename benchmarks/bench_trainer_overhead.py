@@ -35,14 +35,14 @@ import time
 import torch
 
 from dtensor_ulysses.launch import run_local_world
-from dtensor_ulysses.model import model_flops_per_token
+from dtensor_ulysses.models import model_flops_per_token
 
 
 def _worker(rank: int, world_size: int, cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     from dtensor_ulysses import train as du_train
     from dtensor_ulysses.data import PackedCorpus, get_batch
-    from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
+    from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
 
     P = world_size
     tc = du_train.TrainConfig(

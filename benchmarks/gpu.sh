@@ -26,7 +26,7 @@ run() { echo "== $1"; shift; "$@" || { echo "!! failed (exit $?): $*"; status=1;
 
 for s in "${steps[@]}"; do
     case "$s" in
-    env) run env bash -c "{ date -u; nvidia-smi; python -c 'import torch, dtensor_ulysses.attention as a; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"flash_attn\", a.flash_attn_available())'; } | tee '$out/gpu_environment.txt'" ;;
+    env) run env bash -c "{ date -u; nvidia-smi; python -c 'import torch, dtensor_ulysses.attention.local as a; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"flash_attn\", a.flash_attn_available())'; } | tee '$out/gpu_environment.txt'" ;;
     tests) run tests bash -c "python -m pytest -q -m gpu tests 2>&1 | tee '$out/gpu_tests.txt'" ;;
     mfu) run mfu python -m benchmarks.bench_long_context --models llama3-1b --features ac \
         --compile --seq-lens 8192 16384 32768 --steps 5 --json "$out/bench_mfu_gpu.json" ;;

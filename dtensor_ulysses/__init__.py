@@ -3,8 +3,12 @@
 Sequence-sharded activations ``x[B, S_sp, N, H]`` become head-sharded ``x[B, S, N_sp, H]`` around
 attention (``Shard(1) -> Shard(2)`` on the ``sp`` mesh axis) and go back afterwards.
 
-Public names are imported on first use (PEP 562), so torch-free submodules such as
-``dtensor_ulysses.presets`` can be imported by the torch-free simulator without importing torch.
+Public names are imported on first use (PEP 562), so the torch-free subpackage
+``dtensor_ulysses.plan`` can be imported by the torch-free simulator without importing torch.
+
+The package is a stack of subpackages, each importing only from those below it (the layering
+test holds the order): ``plan`` < ``comm``, ``memory``, ``debug`` < ``attention``, ``data`` <
+``models`` < ``parallel`` < ``hf`` < ``train`` < the tools ``memtrace``, ``demo``, ``launch``.
 """
 
 from __future__ import annotations
@@ -17,21 +21,21 @@ __version__ = "0.1.0"
 # public name -> submodule that defines it
 _EXPORTS = {
     "CommCounter": "debug",
-    "UlyssesAttention": "ulysses",
-    "build_model": "model",
-    "init_weights": "weights",
+    "UlyssesAttention": "attention",
+    "build_model": "models",
+    "init_weights": "models",
     "parallelize": "parallel",
-    "flatten_dp_sp": "mesh",
+    "flatten_dp_sp": "parallel",
     "force_backend": "attention",
-    "head_to_seq": "dtensor_api",
-    "init_mesh": "mesh",
+    "head_to_seq": "attention",
+    "init_mesh": "parallel",
     "kv_head_index": "plan",
     "LocalAttention": "attention",
     "DeferredQ": "attention",
     "SeqLayout": "plan",
     "local_attention": "attention",
-    "seq_to_head": "dtensor_api",
-    "ulysses_attention": "dtensor_api",
+    "seq_to_head": "attention",
+    "ulysses_attention": "attention",
 }
 
 __all__ = [
@@ -70,14 +74,14 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from dtensor_ulysses.attention import (
         DeferredQ,
         LocalAttention,
+        UlyssesAttention,
         force_backend,
+        head_to_seq,
         local_attention,
+        seq_to_head,
+        ulysses_attention,
     )
     from dtensor_ulysses.debug import CommCounter
-    from dtensor_ulysses.dtensor_api import head_to_seq, seq_to_head, ulysses_attention
-    from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
-    from dtensor_ulysses.model import build_model
-    from dtensor_ulysses.parallel import parallelize
+    from dtensor_ulysses.models import build_model, init_weights
+    from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh, parallelize
     from dtensor_ulysses.plan import SeqLayout, kv_head_index
-    from dtensor_ulysses.ulysses import UlyssesAttention
-    from dtensor_ulysses.weights import init_weights

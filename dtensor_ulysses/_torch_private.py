@@ -23,6 +23,7 @@ __all__ = [
     "dtensor_like",
     "fake_world_classes",
     "flatten_mesh",
+    "local_shape_and_offset",
     "tree_flatten",
 ]
 
@@ -80,3 +81,18 @@ def functional_all_to_all(
 
     out = funcol.all_to_all_single_autograd(send, out_splits, in_splits, group)
     return funcol.wait_tensor(out)
+
+
+def local_shape_and_offset(param: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` of a DTensor:
+    this rank's local shape and its offset in the global tensor, or ``None`` when this torch
+    lacks the helper. Checked: 2.11, 2.13.
+    """
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return tuple(shape), tuple(offset)

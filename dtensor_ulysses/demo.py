@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_ulysses as du
 from dtensor_ulysses._exit import exit_process
-from dtensor_ulysses.debug import head_ranges, shard_range, ulysses_closed_form
+from dtensor_ulysses.debug.layout import head_ranges, shard_range, ulysses_closed_form
 
 
 def _span(lo: int, hi: int) -> str:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import dtensor_ulysses as du
 import simulations as sim
 from dtensor_ulysses import debug
-from dtensor_ulysses.presets import PRESETS
+from dtensor_ulysses.plan import PRESETS
 from simulations import report
 from simulations.config import Workload
 from simulations.planner import max_seq_len

@@ -37,7 +37,7 @@
 
 # %%
 import simulations as sim
-from dtensor_ulysses.presets import PRESETS
+from dtensor_ulysses.plan import PRESETS
 from simulations import report
 from tutorial import sim_figures
 from tutorial.widgets import live

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtensor_ulysses.plan import contiguous_stride, seq_split, ulysses_bytes_by_rank
-from dtensor_ulysses.presets import ModelShape
+from dtensor_ulysses.plan import ModelShape, contiguous_stride, seq_split, ulysses_bytes_by_rank
 from simulations import comm
 from simulations.config import Workload
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtensor_ulysses.preflight import MEMORY_FEATURES
+from dtensor_ulysses.plan import MEMORY_FEATURES
 from simulations import memory
 from simulations.config import Workload
 from simulations.hardware import get_gpu
@@ -86,12 +86,12 @@ class TraceCase:
 
     @property
     def depth(self) -> int:
-        from dtensor_ulysses.presets import get_shape
+        from dtensor_ulysses.plan import get_shape
 
         return self.n_layers or get_shape(self.model).n_layers
 
     def workload(self) -> Workload:
-        from dtensor_ulysses.presets import get_shape
+        from dtensor_ulysses.plan import get_shape
 
         shape = get_shape(self.model)
         if self.n_layers:
@@ -324,7 +324,7 @@ def block_saved(case: TraceCase) -> int:
     import torch
 
     import dtensor_ulysses as du
-    from dtensor_ulysses.model import build_model
+    from dtensor_ulysses.models import build_model
     from dtensor_ulysses.parallel import default_mixed_precision, parallelize
 
     w = case.workload()
@@ -343,7 +343,7 @@ def block_saved(case: TraceCase) -> int:
 
 
 def _block_saved(block, w: Workload, s: int, torch) -> int:
-    from dtensor_ulysses.model import rope_cos_sin
+    from dtensor_ulysses.models import rope_cos_sin
 
     saved: dict[int, int] = {}
 

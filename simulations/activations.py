@@ -19,7 +19,8 @@ attention kernel sees per rank, times ``P``; see :class:`ImplProfile`):
 
 Rotary embeddings multiply by constant tables and save nothing per token; residual adds save
 nothing. With FlashAttention there is no ``S^2`` term (contrast row M1's ``5 a s^2 b``). With
-``K > 1`` head chunks (``dtensor_ulysses/_head_stages.py``) the attention keeps only its inputs:
+``K > 1`` head chunks (``dtensor_ulysses/attention/_head_stages.py``) the attention keeps only its
+inputs:
 this rank's slice of q (``e * N H``) and the exchanged k, v (``2 e * K'' H``), no kernel output;
 the o projection keeps the stages' output (``e * N H``).
 
@@ -227,7 +228,7 @@ def block_backward_transients(w: Workload, g: RankGeometry) -> dict[str, float]:
     # and dV per q head); ring attention: its k,v blocks and dK,dV accumulators in flight
     stages["attention_working"] = sum(_kernel_backward(w, g))
     if w.a2a_degree > 1:
-        # dtensor_ulysses._all_to_all, backward d(q,k,v): the head-sharded gradients and the
+        # dtensor_ulysses.comm.all_to_all, backward d(q,k,v): the head-sharded gradients and the
         # packed send buffer, the receive buffer and the unpacked sequence-sharded outputs
         qkv_seq = e * (N + 2 * _kernel_kv_heads(w)) * H * tokens
         stages["all_to_all_buffers"] = 2 * qkv_heads + 2 * qkv_seq

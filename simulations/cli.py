@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dtensor_ulysses.presets import PRESETS
+from dtensor_ulysses.plan import PRESETS
 from simulations.config import AC_MODES, DTYPE_BYTES, IMPLEMENTATIONS, METHODS, Workload
 from simulations.hardware import GPUS
 from simulations.planner import plan

@@ -17,8 +17,9 @@ bytes that actually leave the rank (``wire_bytes``) follow the NCCL bus-bandwidt
 Per attention layer, forward (``s = S/P`` local tokens, ``e`` bytes, ``K'`` kv heads after GQA
 replication, see :func:`kv_heads_after_replication`):
 
-* Ulysses (``dtensor_ulysses/ulysses.py``): one fused all-to-all of ``B*s*(N + 2K')*H*e`` for q, k,
-  v and one of ``B*s*N*H*e`` for o; backward the same two again; full recompute replays forward.
+* Ulysses (``dtensor_ulysses/attention/ulysses.py``): one fused all-to-all of
+  ``B*s*(N + 2K')*H*e`` for q, k, v and one of ``B*s*N*H*e`` for o; backward the same two
+  again; full recompute replays forward.
   Uneven layouts (``P`` not dividing ``N`` or ``S``) move uneven pieces, per rank ``r`` with
   ``s_r`` tokens, ``n_r`` q and ``m_r`` kv heads (:func:`ulysses_bytes_by_rank`): forward
   ``B*s_r*(N + 2K')*H*e`` and ``B*S*n_r*H*e``, backward ``B*s_r*N*H*e`` (d o) and
@@ -28,7 +29,8 @@ replication, see :func:`kv_heads_after_replication`):
   step's layout carries the document starts to every layer (only the DTensor API's
   ``position_ids=`` adds an all-gather of ``B*ceil(S/P)*8`` bytes per call; the trainer does not
   use it).
-* Ring attention (``dtensor_ulysses/ring.py``, as ring-flash-attn / torch context parallel):
+* Ring attention (``dtensor_ulysses/attention/ring.py``, as ring-flash-attn / torch context
+  parallel):
   ``P-1`` sends of the local k,v block ``B*s*2K*H*e`` forward; backward ``P-1`` k,v sends plus
   ``P`` sends of the dK,dV accumulators (float32: ``promote_types(dtype, float32)`` in
   ``_ring_kernel.py``). The counts and bytes are the library's closed form,
@@ -51,8 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from dtensor_ulysses.plan import head_plan, ring_closed_form, ulysses_bytes_by_rank
-from dtensor_ulysses.presets import ModelShape
+from dtensor_ulysses.plan import ModelShape, head_plan, ring_closed_form, ulysses_bytes_by_rank
 from simulations.config import DTYPE_BYTES, Workload
 
 __all__ = [
@@ -117,10 +118,10 @@ def ring_min_block(flops_per_s: float, bytes_per_s: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# GQA replication: the real code's plan (dtensor_ulysses.plan is torch-free)
+# GQA replication: the real code's plan (dtensor_ulysses.plan.splits is torch-free)
 # ----------------------------------------------------------------------------------------------
 def _head_plan(n_q: int, n_kv: int, sp: int) -> list[tuple[int, int]]:
-    """Per rank ``(q heads, kv heads after replication)``, from ``dtensor_ulysses.plan``.
+    """Per rank ``(q heads, kv heads after replication)``, from ``dtensor_ulysses.plan.splits``.
 
     The q heads are split over the ranks as evenly as possible (the first ``n_q % sp`` ranks one
     more); q head ``i`` uses kv head ``i // (n_q / n_kv)``; a rank receives its distinct kv heads
@@ -227,7 +228,7 @@ def _ulysses(w: Workload, P: int, group: str, span: int) -> list[Collective]:
     equal when ``P`` divides the q heads and the sequence and the kv heads split evenly). Packed
     documents add nothing: the trainer passes the step's layout, no position ids travel."""
     if P == 1:
-        return []  # dtensor_ulysses._all_to_all returns early for a one-rank group
+        return []  # dtensor_ulysses.comm.all_to_all returns early for a one-rank group
     m = w.shape
     ranks = ulysses_bytes_by_rank(
         m.n_heads, m.n_kv_heads, m.head_dim, P, ulysses_rank_tokens(w), w.e
@@ -257,8 +258,8 @@ def _ulysses(w: Workload, P: int, group: str, span: int) -> list[Collective]:
 
 def _ring_grad_bytes(e: int) -> int:
     """Element size of the dK,dV accumulators: the ring kernel accumulates in
-    ``promote_types(dtype, float32)`` (``dtensor_ulysses/_ring_kernel.py``), 4 bytes for bf16,
-    fp16 and fp32 alike."""
+    ``promote_types(dtype, float32)`` (``dtensor_ulysses/attention/_ring_kernel.py``), 4 bytes
+    for bf16, fp16 and fp32 alike."""
     return max(e, DTYPE_BYTES["fp32"])
 
 
@@ -411,7 +412,7 @@ def _params(w: Workload) -> list[Collective]:
 def _loss(w: Workload) -> list[Collective]:
     out = []
     if w.world > 1:
-        # dtensor_ulysses/loss.py global_valid_tokens: one int64 all-reduce before backward;
+        # dtensor_ulysses/models/loss.py global_valid_tokens: one int64 all-reduce before backward;
         # train.py: the gradient-norm clip (one fp32 scalar) and the logged loss sum (one fp32)
         out += [
             Collective("valid token count", "all_reduce", "world", w.world, w.world,

@@ -10,7 +10,7 @@ Legend used across the package (per rank unless said otherwise):
     L layers, D hidden, N q heads, K kv heads, H head dim, F FFN size, V vocab
     S sequence length, B micro-batch per dp rank, P sequence-parallel degree
     s = ceil(S / P) tokens of the busiest rank (S / P when P divides S), s_r those of rank r
-    n_r, m_r q and kv heads rank r attends with under Ulysses (``dtensor_ulysses.plan``)
+    n_r, m_r q and kv heads rank r attends with under Ulysses (``dtensor_ulysses.plan.splits``)
     W = dp * P ranks in all, e bytes per activation element
 
 Uneven layouts (Ulysses only, as the real code): ``P`` need not divide ``N`` (ranks attend with
@@ -25,8 +25,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from dtensor_ulysses.plan import HeadPlan, check_sp_for_heads, divisors, head_plan, seq_split
-from dtensor_ulysses.presets import ModelShape, get_shape
+from dtensor_ulysses.plan import (
+    HeadPlan,
+    ModelShape,
+    check_sp_for_heads,
+    divisors,
+    get_shape,
+    head_plan,
+    seq_split,
+)
 from simulations.hardware import GpuProfile, get_gpu
 
 __all__ = [
@@ -43,7 +50,7 @@ METHODS = ("ulysses", "ring", "megatron-sp", "usp")
 AC_MODES = ("none", "full")
 SHARDING = ("fsdp", "ddp")
 # Activation/state accounting profiles (see simulations/profiles.py):
-#   "dtensor-ulysses": this project (FSDP2 + dtensor_ulysses/model.py), the default;
+#   "dtensor-ulysses": this project (FSDP2 + dtensor_ulysses/models/llama.py), the default;
 #   "hf-deepspeed", "hf-deepspeed-fused", "hf": Hugging Face Transformers (+ DeepSpeed ZeRO-3), the
 #   setups of the published ALST and Hugging Face rows (M3, M4, T2).
 IMPLEMENTATIONS = ("dtensor-ulysses", "hf-deepspeed", "hf-deepspeed-fused", "hf")
@@ -66,7 +73,7 @@ class Workload:
     """One training configuration, per step of one micro-batch per dp rank.
 
     Attributes:
-        shape: model shape (a :class:`~dtensor_ulysses.presets.ModelShape` or a preset name).
+        shape: model shape (a :class:`~dtensor_ulysses.plan.ModelShape` or a preset name).
         seq_len: tokens per sequence ``S``.
         dp: data-parallel degree (different sequences).
         sp: sequence-parallel degree ``P`` (Ulysses degree; for ``ring`` the ring size, for

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtensor_ulysses.presets import ModelShape
+from dtensor_ulysses.plan import ModelShape
 
 __all__ = [
     "FlopCount",

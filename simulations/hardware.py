@@ -1,7 +1,7 @@
 """GPU profiles: memory, compute ceilings, links and the efficiencies the cost model assumes.
 
 Every number is either a vendor ceiling (memory, dense bf16 FLOP/s and HBM bandwidth come from the
-one table, :data:`dtensor_ulysses.hardware.GPU_SPECS`; the published anchors' "Hardware ceilings"
+one table, :data:`dtensor_ulysses.plan.GPU_SPECS`; the published anchors' "Hardware ceilings"
 rows check them), a published measurement named in the comment, or an explicit *assumption* (marked
 as such) that a user with better numbers should override with :meth:`GpuProfile.with_`.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dtensor_ulysses.hardware import GPU_SPECS
+from dtensor_ulysses.plan import GPU_SPECS
 
 __all__ = ["GpuProfile", "GPUS", "get_gpu"]
 
@@ -98,7 +98,7 @@ _CPU_ADAM = 1.0e8
 
 
 def _profile(name: str, **assumed) -> GpuProfile:
-    """A profile with the vendor ceilings of :data:`~dtensor_ulysses.hardware.GPU_SPECS`."""
+    """A profile with the vendor ceilings of :data:`~dtensor_ulysses.plan.GPU_SPECS`."""
     spec = GPU_SPECS[name]
     return GpuProfile(
         name=name,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from dtensor_ulysses.presets import ModelShape
+from dtensor_ulysses.plan import ModelShape
 from simulations.activations import (
     RankGeometry,
     block_backward_stages,

@@ -35,8 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtensor_ulysses.plan import check_ring_seq
-from dtensor_ulysses.presets import ModelShape, get_shape
+from dtensor_ulysses.plan import ModelShape, check_ring_seq, get_shape
 from simulations.comm import kv_heads_after_replication
 from simulations.config import Workload, divisors
 from simulations.hardware import GpuProfile, get_gpu
@@ -81,7 +80,7 @@ def hybrid_split(shape: ModelShape, degree: int, gpus_per_node: int) -> tuple[in
     is the largest divisor of ``degree`` that divides the q heads, keeps ``K' = K`` and fits in a
     node (``sp = 1``, a plain ring, always qualifies).
 
-    >>> from dtensor_ulysses.presets import get_shape
+    >>> from dtensor_ulysses.plan.presets import get_shape
     >>> hybrid_split(get_shape("llama3-8b"), 32, 8), hybrid_split(get_shape("llama3-8b"), 8, 8)
     ((8, 4), None)
     """

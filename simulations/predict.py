@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dtensor_ulysses.presets import ModelShape, get_shape
+from dtensor_ulysses.plan import ModelShape, get_shape
 from simulations import comm as _comm
 from simulations import flops as _flops
 from simulations import memory as _memory
@@ -112,7 +112,7 @@ def predict(
     """Predict communication, memory and step time.
 
     Args:
-        model: a preset name, a :class:`~dtensor_ulysses.presets.ModelShape`, or a ready
+        model: a preset name, a :class:`~dtensor_ulysses.plan.ModelShape`, or a ready
             :class:`~simulations.config.Workload` (then no other argument is allowed).
         seq_len: sequence length ``S``.
         **options: any other :class:`~simulations.config.Workload` field (``dp``, ``sp``, ``gpu``,

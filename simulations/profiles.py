@@ -1,8 +1,8 @@
 """How each implementation stores things: the accounting profiles the memory model reads.
 
 A profile says what one RMSNorm and one SwiGLU keep for backward, what the loss keeps, how many
-bytes per parameter the model states take (on the GPU and, offloaded, on the CPU) and which
-buffers are fixed. ``dtensor-ulysses`` is this project (FSDP2 + ``dtensor_ulysses/model.py``); the
+bytes per parameter the model states take (on the GPU and, offloaded, on the CPU) and which buffers
+are fixed. ``dtensor-ulysses`` is this project (FSDP2 + ``dtensor_ulysses/models/llama.py``); the
 others reproduce the setups of the published Hugging Face / DeepSpeed rows. Used by
 :mod:`simulations.activations` and :mod:`simulations.memory`.
 """
@@ -87,7 +87,7 @@ class ImplProfile:
 
 # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and AdamW: sharded fp32
 # parameters (4), their fp32 gradients (4), Adam exp_avg + exp_avg_sq (8) = 16 bytes/param.
-# --offload-optimizer (dtensor_ulysses.offload.HostOffloadAdamW) moves Adam's 8 to the host and
+# --offload-optimizer (dtensor_ulysses.memory.HostOffloadAdamW) moves Adam's 8 to the host and
 # keeps there an fp32 master copy (4) and a gradient buffer (4) as well: 16 host bytes/param;
 # --offload-params (CPUOffloadPolicy) puts all 16 on the host. Traced: 16 + the CPU step's
 # temporaries (optimizer_temp), to 0.1%.
@@ -100,8 +100,8 @@ _ZERO3_GPU = {"none": (2, 4, 12), "optimizer": (2, 2, 0), "params": (0, 0, 0)}
 _ZERO3_CPU = {"none": (0, 0, 0), "optimizer": (0, 4, 12), "params": (2, 4, 12)}
 
 IMPL_PROFILES: dict[str, ImplProfile] = {
-    # This project: FSDP2 + dtensor_ulysses/model.py. RMSNorm is a small autograd function that
-    # keeps its input in its own dtype (e) and one fp32 scale per row (4/D per element, left
+    # This project: FSDP2 + dtensor_ulysses/models/llama.py. RMSNorm is a small autograd function
+    # that keeps its input in its own dtype (e) and one fp32 scale per row (4/D per element, left
     # out), recomputing the rest over row chunks in backward (no [s, D] fp32 temporaries); its
     # output is the next matmul's input (e): 2e, 4 at bf16 as a fused kernel (traced; it was 10
     # with F.rms_norm on an fp32 upcast). Eager SwiGLU (4). The loss is computed inside the

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dtensor_ulysses.presets import get_shape
+from dtensor_ulysses.plan import get_shape
 from simulations import comm, flops, memory
 from simulations.config import Workload
 from simulations.hardware import GPUS

@@ -7,9 +7,10 @@ Three parts, each row printed as it completes:
    q heads, uneven sequences, packed documents), every rank's collectives counted by
    ``du.CommCounter``; counts and bytes of every rank must equal the prediction exactly
    (:mod:`simulations._measure`).
-2. **Memory, traced** - the real model (``dtensor_ulysses/model.py`` + ``du.parallelize``) traced
-   with fake tensors on a fake process group at large virtual world sizes (Llama-3-8B at sp = 8,
-   16, 32, long sequences); predicted bytes within 10% (:mod:`simulations._trace`).
+2. **Memory, traced** - the real model (``dtensor_ulysses/models/llama.py`` +
+   ``du.parallelize``) traced with fake tensors on a fake process group at large virtual world
+   sizes (Llama-3-8B at sp = 8, 16, 32, long sequences); predicted bytes within 10%
+   (:mod:`simulations._trace`).
 3. **Published rows** - every published figure the model is checked against (papers, blogs and
    data sheets, cited row by row in :mod:`simulations.published`).
 

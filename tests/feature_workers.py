@@ -92,8 +92,8 @@ def copy_count_worker(rank: int, world_size: int, cases: list[dict]) -> list[dic
     all-to-all and its backward, next to the bytes that travel."""
     import torch.distributed as dist
 
-    from dtensor_ulysses._all_to_all import all_to_all
     from dtensor_ulysses._torch_private import TorchDispatchMode
+    from dtensor_ulysses.comm import all_to_all
 
     aten = torch.ops.aten
     copies = {aten.copy_.default, aten.cat.default, aten.clone.default, aten._to_copy.default}
@@ -176,9 +176,8 @@ def compiled_model_worker(rank: int, world_size: int, backend: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from dtensor_ulysses.data import PackedCorpus, get_batch
-    from dtensor_ulysses.mesh import flatten_dp_sp
-    from dtensor_ulysses.model import build_model
-    from dtensor_ulysses.weights import init_weights
+    from dtensor_ulysses.models import build_model, init_weights
+    from dtensor_ulysses.parallel import flatten_dp_sp
 
     torch._dynamo.reset()
     mesh = du.init_mesh(1, world_size, device_type="cpu")
@@ -229,7 +228,7 @@ def kernel_layout_worker(rank: int, world_size: int, head_chunks: int) -> dict:
 def overlap_worker(rank: int, world_size: int, case: dict) -> dict:
     """Head-chunked attention with ``overlap=True`` (asynchronous all-to-alls) and without (one
     exchange at a time): outputs and gradients, and the order of starts and kernels."""
-    from dtensor_ulysses import _head_stages
+    from dtensor_ulysses.attention import _head_stages
 
     mesh = get_mesh(1, world_size)
     q, k, v, go = make_inputs(case, torch.float32)
@@ -276,8 +275,8 @@ def kv_overlap_worker(rank: int, world_size: int, case: dict) -> dict:
     output, input and weight gradients; the order of the collectives and the q projection."""
     import torch.distributed as dist
 
-    from dtensor_ulysses.model import Attention, rope_cos_sin
-    from dtensor_ulysses.presets import get_shape
+    from dtensor_ulysses.models import Attention, rope_cos_sin
+    from dtensor_ulysses.plan import get_shape
 
     shape = get_shape("tiny").with_(n_heads=case["N"], n_kv_heads=case["K"],
                                     qk_norm=case.get("qk_norm", False))  # fmt: skip

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from dtensor_ulysses import train as du_train
-from dtensor_ulysses.mesh import init_mesh
+from dtensor_ulysses.parallel import init_mesh
+from dtensor_ulysses.train.loop import _train
 from tests import hf_workers as W
 
 
@@ -19,7 +20,7 @@ def train_runs(rank: int, world: int, runs: list[dict]):
         kw = dict(kw)
         probe = kw.pop("probe", False)
         cfg = du_train.validate(du_train.TrainConfig(**kw), world)
-        records, model = du_train._train(cfg)
+        records, model = _train(cfg)
         res: dict = {"records": records}
         if probe:
             assert cfg.sp is not None

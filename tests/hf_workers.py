@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from dtensor_ulysses import train as du_train
-from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
+from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
 
 SMALL = dict(
     vocab_size=96,

@@ -7,13 +7,10 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dtensor_ulysses import checkpoint as ckpt
-from dtensor_ulysses import offload
-from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
-from dtensor_ulysses.model import build_model
-from dtensor_ulysses.parallel import parallelize
-from dtensor_ulysses.recompute import offload_checkpoints
-from dtensor_ulysses.weights import init_weights
+from dtensor_ulysses.memory import offload, offload_checkpoints
+from dtensor_ulysses.models import build_model, init_weights
+from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh, parallelize
+from dtensor_ulysses.train import checkpoint as ckpt
 
 B, S = 2, 64
 

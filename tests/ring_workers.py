@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dtensor_ulysses.attention import RingAttention, UlyssesAttention, ring_attention
 from dtensor_ulysses.debug import CommCounter
-from dtensor_ulysses.ring import RingAttention, ring_attention, zigzag_positions
-from dtensor_ulysses.ulysses import UlyssesAttention
+from dtensor_ulysses.plan import zigzag_positions
 from tests.reference import reference_attention
 
 _MESHES: dict[tuple, DeviceMesh] = {}
@@ -157,10 +157,8 @@ def ring_training(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
 
     from dtensor_ulysses import train as du_train
     from dtensor_ulysses.data import PackedCorpus, get_batch
-    from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh, mesh_ring
-    from dtensor_ulysses.model import build_model
-    from dtensor_ulysses.parallel import parallelize
-    from dtensor_ulysses.weights import init_weights
+    from dtensor_ulysses.models import build_model, init_weights
+    from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh, mesh_ring, parallelize
 
     out = []
     for run in runs:
@@ -211,7 +209,7 @@ def ring_training(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
 
 def ring_bad_input(rank: int, world_size: int) -> dict:
     """The messages of bad degrees, a too-short sequence and ``position_ids`` with a ring."""
-    from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
+    from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
 
     msgs: dict = {}
     for key, kw in (("product", dict(dp=1, sp=3, ring=2)), ("sp_none", dict(dp=3, ring=2))):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dtensor_ulysses as du
-from dtensor_ulysses import attention
+from dtensor_ulysses.attention import local as attention
 from dtensor_ulysses.plan import head_plan, seq_split
 from tests.reference import reference_attention
 
@@ -91,8 +91,8 @@ def test_head_plan_gives_every_rank_its_kv_heads(layout):
 
 
 def test_uneven_heads_warn_about_imbalance():
+    from dtensor_ulysses.attention.ulysses import _warn_imbalance
     from dtensor_ulysses.plan import head_plan, head_split
-    from dtensor_ulysses.ulysses import _warn_imbalance
 
     assert head_split(12, 8) == [2, 2, 2, 2, 1, 1, 1, 1]
     assert head_plan(12, 4, 8).imbalance == pytest.approx(4 / 3)

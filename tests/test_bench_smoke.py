@@ -75,7 +75,7 @@ def test_bench_trainer_overhead_toy(tmp_path):
     """sp = 1 vs sp = 2 at equal tokens per rank: both timed, the FLOPs ratio from the model's
     formula (attention at twice the length), the JSON as printed."""
     from benchmarks import bench_trainer_overhead
-    from dtensor_ulysses.model import model_flops_per_token
+    from dtensor_ulysses.models import model_flops_per_token
 
     out = tmp_path / "overhead.json"
     ret = bench_trainer_overhead.main(["--tokens", "64", "--steps", "1", "--json", str(out)])

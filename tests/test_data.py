@@ -1,4 +1,4 @@
-"""Pure, single-process tests of ``dtensor_ulysses.data``.
+"""Pure, single-process tests of ``dtensor_ulysses.data.batch``.
 
 References are built here from the packed stream and ``sample_index`` with plain Python, never by
 calling ``get_batch`` again. Shapes: ``G`` global batch, ``S`` seq_len, ``s = S / sp``.

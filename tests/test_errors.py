@@ -62,7 +62,7 @@ def test_local_attention_backend_errors():
 
 
 def test_all_to_all_argument_errors():
-    from dtensor_ulysses._all_to_all import all_to_all
+    from dtensor_ulysses.comm import all_to_all
 
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="scatter_dim=5 is out of range for 2-D tensors"):

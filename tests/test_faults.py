@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtensor_ulysses import checkpoint as ckpt
-from dtensor_ulysses.preflight import check_fits, estimate_memory, parse_bytes
-from dtensor_ulysses.presets import get_shape
+from dtensor_ulysses.plan import check_fits, estimate_memory, get_shape, parse_bytes
+from dtensor_ulysses.train import checkpoint as ckpt
 from tests.test_train import _descendants
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,7 +195,7 @@ def test_kill_a_rank_during_a_checkpoint_write_then_resume(tmp_path):
 
 def _tiny_checkpoint(path: Path) -> Path:
     """A complete one-process checkpoint of the tiny model (no process group needed)."""
-    from dtensor_ulysses.model import build_model
+    from dtensor_ulysses.models import build_model
 
     model = build_model("tiny", device="cpu")
     opt = torch.optim.AdamW(model.parameters())
@@ -301,7 +300,7 @@ def test_preflight_refuses_8b_on_cpu_in_seconds():
     """``--model llama3-8b`` on a CPU machine: one error line with the estimate, the capacity
     and what to do, in under 15 s (it used to be OOM-killed after a minute)."""
     env = _env()
-    from dtensor_ulysses.preflight import host_capacity
+    from dtensor_ulysses.plan import host_capacity
 
     cap, _ = host_capacity()
     if cap is None or cap > 32 * 2**30:  # a big machine: pretend it has 32 GiB per rank
@@ -364,7 +363,7 @@ def test_parse_bytes():
 def test_init_draws_only_the_rows_asked_for():
     """Any row range of a parameter equals the same rows of the full draw (so FSDP2 shards,
     whatever their number, hold the values of the unsharded model)."""
-    from dtensor_ulysses.weights import _draw_rows, _rows_per_block
+    from dtensor_ulysses.models.weights import _draw_rows, _rows_per_block
 
     shape = (300, 4096)  # 256 rows a block: ranges cross block edges
     assert _rows_per_block(shape) == 256

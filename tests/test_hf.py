@@ -204,7 +204,7 @@ def test_tokenizer_larger_than_embedding_is_refused(assets):
 
 
 def test_bad_model_directories(tmp_path, assets):
-    from dtensor_ulysses.hf.model import check_model_dir
+    from dtensor_ulysses.hf import check_model_dir
 
     with pytest.raises(ValueError, match="does not exist"):
         check_model_dir(tmp_path / "nope")

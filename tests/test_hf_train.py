@@ -28,6 +28,8 @@ pytest.importorskip("transformers")
 
 from dtensor_ulysses import train as du_train  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
+from dtensor_ulysses.train import checkpoint as ckpt  # noqa: E402
+from dtensor_ulysses.train.inputs import hf_shape  # noqa: E402
 from tests import hf_train_workers  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
 from tests.test_hf import TEXT  # noqa: E402
@@ -107,7 +109,7 @@ def test_resume_equals_straight_run(world4):
     straight, first, resumed = (_losses(runs[i]["records"]) for i in (2, 3, 4))
     assert (world4["ck"] / "step_00000002").is_dir()
     assert first + resumed == straight, "resumed losses differ from the straight run"
-    meta = du_train.ckpt.read_meta(world4["ck"] / "step_00000003")["meta"]
+    meta = ckpt.read_meta(world4["ck"] / "step_00000003")["meta"]
     assert "shape" not in meta and meta["hf_model"]["architectures"] == ["LlamaForCausalLM"]
     assert len(meta["hf_model"]["config_sha256"]) == 64 and meta["tokenizer_sha256"]
 
@@ -264,9 +266,9 @@ def test_resume_with_another_model_is_refused(assets, world4, monkeypatch, capsy
 def test_preflight_uses_the_config_shape(assets, monkeypatch, capsys, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from dtensor_ulysses.preflight import CAPACITY_ENV
+    from dtensor_ulysses.plan import CAPACITY_ENV
 
-    shape = du_train._hf_shape(assets["model"])
+    shape = hf_shape(assets["model"])
     assert shape is not None
     assert (shape.n_layers, shape.dim, shape.n_heads, shape.n_kv_heads, shape.head_dim) == (
         2, 32, 4, 2, 8,

@@ -1,11 +1,21 @@
 """The layering, by an AST scan of every import (any form, at any depth, inside functions too).
 
+* **Layers**: the library is a stack of subpackages (:data:`LAYERS`, bottom first); a module
+  imports only from its own subpackage and the layers below it.
+* **No import cycles** among the library's files (``if TYPE_CHECKING:`` blocks, which never run,
+  left out), and **no private module or private name** (``_x``) imported from outside the folder
+  that owns it.
+* **The model never imports ``torch.distributed``**, not even through another module: the
+  import-time closure of ``models/llama.py``, ``models/layers.py`` and ``models/loss.py``.
 * The library (``dtensor_ulysses/``) never imports ``simulations``, matplotlib or ipywidgets:
   teaching code lives beside the notebooks (``notebooks/tutorial/``), simulator reports in
   ``simulations/report.py``.
 * ``simulations/`` imports torch only in its measurement modules (listed here); everywhere else it
   may use only library modules that are themselves torch-free, so ``import simulations`` and the
   simulator CLI never need torch.
+
+Each checker is also run on a small synthetic tree that breaks its rule, so none can pass by
+seeing nothing.
 """
 
 from __future__ import annotations
@@ -23,23 +33,59 @@ SIMULATIONS = ROOT / "simulations"
 NOT_IN_LIBRARY = ("simulations", "matplotlib", "ipywidgets")
 MEASUREMENT_MODULES = {"simulations/_measure.py", "simulations/_trace.py"}
 
+# The layer contract, bottom first: a unit (a subpackage, or a module in the package root) imports
+# only from itself and from units of lower layers. The root's private helpers serve every layer;
+# the root __init__ (the lazy ``du.*`` facade) sits under the tools that use it.
+LAYERS: list[set[str]] = [
+    {"_torch_private", "_exit", "_public"},
+    {"plan"},  # torch-free: splits, presets, hardware, preflight (the simulator imports only this)
+    {"comm", "memory", "debug"},
+    {"attention", "data"},
+    {"models"},
+    {"parallel"},
+    {"hf"},
+    {"train"},
+    {"__init__"},
+    {"memtrace", "demo", "launch"},
+]
+THE_MODEL = ("models/llama.py", "models/layers.py", "models/loss.py")
 
-def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def imports(
+    path: Path, root: Path = ROOT, *, runtime: bool = False, import_time: bool = False
+) -> list[tuple[int, str]]:
     """``(line, module)`` for every import in ``path``; ``from a import b`` gives ``a`` and
-    ``a.b`` (``b`` may be a submodule); relative imports are resolved against the package."""
+    ``a.b`` (``b`` may be a submodule); relative imports are resolved against the package.
+
+    ``runtime``: leave out ``if TYPE_CHECKING:`` blocks (they never run). ``import_time``: only
+    the imports that run when the module is imported (not inside functions or classes' methods).
+    """
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
-    out = []
-    for node in ast.walk(tree):
+    out: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if (runtime or import_time) and _is_type_checking(node):
+            return
+        if import_time and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
         if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name) for alias in node.names]
+            out.extend((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*parent, base] if base else parent)
             out.append((node.lineno, base))
-            out += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+            out.extend((node.lineno, f"{base}.{alias.name}") for alias in node.names)
         elif (  # importlib.import_module("name") / __import__("name") with a literal name
             isinstance(node, ast.Call)
             and getattr(node.func, "attr", getattr(node.func, "id", None))
@@ -49,6 +95,153 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
             and isinstance(node.args[0].value, str)
         ):
             out.append((node.lineno, node.args[0].value))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def imported_names(path: Path, root: Path = ROOT) -> list[tuple[int, str, str]]:
+    """``(line, module, name)`` for every ``from module import name`` in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            out += [(node.lineno, base, alias.name) for alias in node.names]
+    return out
+
+
+def module_file(module: str, root: Path = ROOT) -> Path | None:
+    """The library file that ``import module`` runs last (a module, or a package's
+    ``__init__``), or None outside the library."""
+    parts = module.split(".")
+    if parts[0] != "dtensor_ulysses":
+        return None
+    for n in range(len(parts), 0, -1):
+        base = root.joinpath(*parts[:n])
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def unit(path: Path, root: Path = ROOT) -> str:
+    """The layer unit of a library file: its subpackage, or its own name in the package root."""
+    parts = path.relative_to(root / "dtensor_ulysses").parts
+    return parts[0] if len(parts) > 1 else Path(parts[0]).stem
+
+
+def library_files(root: Path = ROOT) -> list[Path]:
+    return sorted((root / "dtensor_ulysses").rglob("*.py"))
+
+
+def upward_imports(root: Path = ROOT) -> list[str]:
+    """Imports from a unit into a unit of a higher (or the same but another) layer."""
+    layer = {u: i for i, units in enumerate(LAYERS) for u in units}
+    bad = []
+    for path in library_files(root):
+        me = unit(path, root)
+        for line, module in imports(path, root):
+            target = module_file(module, root)
+            if target is None or target == path:
+                continue
+            other = unit(target, root)
+            if other != me and layer.get(other, len(LAYERS)) >= layer.get(me, -1):
+                bad.append(f"{_rel(path, root)}:{line} ({me}, layer {layer.get(me)}) imports "
+                           f"{module} ({other}, layer {layer.get(other)})")  # fmt: skip
+    return bad
+
+
+def import_cycles(root: Path = ROOT) -> list[list[str]]:
+    """Strongly connected groups of two or more library files (runtime imports, any depth)."""
+    files = library_files(root)
+    edges = {
+        f: {t for _, m in imports(f, root, runtime=True) if (t := module_file(m, root)) and t != f}
+        for f in files
+    }
+    index: dict[Path, int] = {}
+    low: dict[Path, int] = {}
+    stack: list[Path] = []
+    on_stack: set[Path] = set()
+    groups: list[list[str]] = []
+
+    def connect(v: Path) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(_rel(w, root))
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for f in files:
+        if f not in index:
+            connect(f)
+    return groups
+
+
+def _owner(path: Path) -> Path:
+    return path.parent
+
+
+def private_crossings(root: Path = ROOT) -> list[str]:
+    """Private modules (``_x.py``) and private names (``_x``) imported from outside the folder
+    that owns them (its subtree)."""
+    bad = []
+    for path in library_files(root):
+        for line, module in imports(path, root):
+            target = module_file(module, root)
+            if target is None or target.name == "__init__.py" or not target.name.startswith("_"):
+                continue
+            if not path.is_relative_to(_owner(target)):
+                bad.append(f"{_rel(path, root)}:{line} imports the private module {module}")
+        for line, module, name in imported_names(path, root):
+            target = module_file(module, root)
+            if target is None or not name.startswith("_") or name.startswith("__"):
+                continue
+            if module_file(f"{module}.{name}", root) not in (None, target):
+                continue  # a submodule: judged above
+            if not path.is_relative_to(_owner(target)):
+                bad.append(f"{_rel(path, root)}:{line} imports the private name {name} of {module}")
+    return bad
+
+
+def import_time_closure(paths: list[Path], root: Path = ROOT) -> list[tuple[Path, int, str]]:
+    """Every ``(file, line, module)`` imported when ``paths`` are imported: their module-level
+    imports, and those of the library files (packages' ``__init__`` first) they reach."""
+    seen: set[Path] = set()
+    out = []
+    todo = list(paths)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        rel = path.relative_to(root)
+        todo += [root.joinpath(*rel.parts[:n], "__init__.py") for n in range(1, len(rel.parts))]
+        for line, module in imports(path, root, import_time=True):
+            out.append((path, line, module))
+            target = module_file(module, root)
+            if target is not None:
+                todo.append(target)
     return out
 
 
@@ -56,8 +249,8 @@ def _top(module: str) -> str:
     return module.split(".")[0]
 
 
-def _rel(path: Path) -> str:
-    return path.relative_to(ROOT).as_posix()
+def _rel(path: Path, root: Path = ROOT) -> str:
+    return path.relative_to(root).as_posix()
 
 
 def test_the_scan_sees_every_import_form(tmp_path):
@@ -82,30 +275,14 @@ def test_library_never_imports_simulations_matplotlib_or_ipywidgets():
     assert not bad, "the library must not import teaching or simulator code:\n" + "\n".join(bad)
 
 
-def _library_module_path(module: str) -> Path | None:
-    parts = module.split(".")
-    for n in range(len(parts), 0, -1):
-        base = ROOT.joinpath(*parts[:n])
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-    return None
-
-
-def _torch_imports(path: Path, seen: set[Path]) -> list[str]:
-    """torch imports of ``path`` and, transitively, of the library modules it imports."""
-    if path in seen:
-        return []
-    seen.add(path)
-    found = []
-    for line, module in imports(path):
-        if _top(module) == "torch":
-            found.append(f"{_rel(path)}:{line} imports {module}")
-        elif _top(module) == "dtensor_ulysses":
-            target = _library_module_path(module)
-            if target is not None and target.name != "__init__.py":
-                found += _torch_imports(target, seen)
-    return found
+def _torch_imports(path: Path) -> list[str]:
+    """torch imports that run when ``path`` is imported (directly, or through the library
+    modules and packages it imports)."""
+    return [
+        f"{_rel(f)}:{line} imports {module}"
+        for f, line, module in import_time_closure([path])
+        if _top(module) == "torch"
+    ]
 
 
 def test_simulations_import_torch_only_in_measurement_modules():
@@ -114,7 +291,7 @@ def test_simulations_import_torch_only_in_measurement_modules():
     bad = []
     for path in sorted(SIMULATIONS.rglob("*.py")):
         if _rel(path) not in MEASUREMENT_MODULES:
-            bad += _torch_imports(path, set())
+            bad += _torch_imports(path)
     assert not bad, (
         "outside " + ", ".join(sorted(MEASUREMENT_MODULES)) + " simulations/ must be torch-free "
         "(directly and through the library modules it imports):\n" + "\n".join(bad)
@@ -132,18 +309,105 @@ def test_importing_the_simulator_does_not_import_torch():
 
 
 def test_public_names_survive_importing_every_submodule():
-    """A submodule named like a public function would replace the function on the package as
+    """A submodule named like a public function would replace the function on its package as
     soon as it is imported (``du.parallelize`` once did); in a fresh interpreter, import every
-    submodule first, then check that each public name is not a module."""
+    module first, then check that no public name of the package or of a subpackage is a module,
+    and that each is importable."""
     code = (
         "import importlib, pkgutil, types, dtensor_ulysses as du\n"
-        "for m in pkgutil.iter_modules(du.__path__):\n"
-        "    importlib.import_module('dtensor_ulysses.' + m.name)\n"
-        "bad = [n for n in du.__all__ if isinstance(getattr(du, n), types.ModuleType)]\n"
+        "mods = [m.name for m in pkgutil.walk_packages(du.__path__, 'dtensor_ulysses.')]\n"
+        "for m in mods:\n"
+        "    importlib.import_module(m)\n"
+        "bad = []\n"
+        "for pkg in [du] + [importlib.import_module(m) for m in mods]:\n"
+        "    if not hasattr(pkg, '__path__') or pkg.__name__.endswith('.hf'):\n"
+        "        continue\n"
+        "    bad += [f'{pkg.__name__}.{n}' for n in pkg.__all__\n"
+        "            if isinstance(getattr(pkg, n), types.ModuleType)]\n"
         "assert not bad, bad\n"
     )
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_every_library_module_is_in_a_layer():
+    placed = set().union(*LAYERS)
+    missing = sorted({unit(p) for p in library_files()} - placed)
+    assert not missing, f"add these to LAYERS (tests/test_layering.py): {missing}"
+
+
+def test_layers_import_only_downward():
+    bad = upward_imports()
+    assert not bad, "a unit may import only itself and lower layers:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, "import cycles among the library's files:\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_private_modules_and_names_stay_in_their_folder():
+    bad = private_crossings()
+    assert not bad, "private modules and names stay in the folder that owns them:\n" + "\n".join(
+        bad
+    )
+
+
+def test_the_model_never_imports_torch_distributed():
+    found = [
+        f"{_rel(f)}:{line} imports {module}"
+        for f, line, module in import_time_closure([LIBRARY / m for m in THE_MODEL])
+        if module == "torch.distributed" or module.startswith("torch.distributed.")
+    ]
+    assert not found, "the model must not import torch.distributed, even indirectly:\n" + (
+        "\n".join(found)
+    )
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / "dtensor_ulysses" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_the_checkers_catch_what_they_forbid(tmp_path):
+    """A synthetic package that breaks every rule: each checker must name the offence."""
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "plan/__init__.py": "",
+            "plan/splits.py": "from dtensor_ulysses.models.llama import Model\n",  # upward
+            "models/__init__.py": "",
+            "models/llama.py": (
+                "import torch.nn\nfrom dtensor_ulysses.models import _layers\n"
+                "from dtensor_ulysses.models.weights import init\n"
+            ),
+            "models/_layers.py": "import dtensor_ulysses.parallel.tokens\n",  # upward, dist
+            "models/weights.py": (
+                "def init():\n    from dtensor_ulysses.models.llama import Model\n"  # cycle
+            ),
+            "parallel/__init__.py": "",
+            "parallel/tokens.py": (
+                "import torch.distributed as dist\n"
+                "from dtensor_ulysses.models._layers import X\n"  # private module, other folder
+                "from dtensor_ulysses.plan.splits import _helper\n"  # private name
+            ),
+        },
+    )
+    up = "\n".join(upward_imports(root))
+    assert "plan/splits.py:1" in up and "models/_layers.py:1" in up
+    pair = {"dtensor_ulysses/models/llama.py", "dtensor_ulysses/models/weights.py"}
+    assert any(pair <= set(c) for c in import_cycles(root)), import_cycles(root)
+    crossings = "\n".join(private_crossings(root))
+    assert "parallel/tokens.py:2 imports the private module" in crossings
+    assert "parallel/tokens.py:3 imports the private name _helper" in crossings
+    assert "models/llama.py" not in crossings  # its own folder's private module is fine
+    closure = import_time_closure([root / "dtensor_ulysses/models/llama.py"], root)
+    assert "torch.distributed" in {m for _, _, m in closure}, "the closure follows _layers"
+    lazy = import_time_closure([root / "dtensor_ulysses/models/weights.py"], root)
+    assert "dtensor_ulysses.models.llama" not in {m for _, _, m in lazy}  # a function's import

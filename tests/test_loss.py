@@ -4,12 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtensor_ulysses.loss import (
-    IGNORE_INDEX,
-    cross_entropy_sum,
-    global_valid_tokens,
-    tiled_cross_entropy_sum,
-)
+from dtensor_ulysses.data import IGNORE_INDEX
+from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
+from dtensor_ulysses.parallel import global_valid_tokens
 
 
 def _data(seed=0, B=2, s=7, D=5, V=11):

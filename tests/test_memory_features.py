@@ -196,8 +196,8 @@ def test_offloaded_block_inputs_leave_the_device():
     import gc
     import weakref
 
-    from dtensor_ulysses.model import build_model
-    from dtensor_ulysses.recompute import checkpoint_module, offload_checkpoints
+    from dtensor_ulysses.memory import checkpoint_module, offload_checkpoints
+    from dtensor_ulysses.models import build_model
 
     model = build_model("tiny", device="cpu")
     for block in model.layers:
@@ -221,10 +221,9 @@ def test_cpu_restores_follow_the_cuda_schedule_for_the_trace():
     """Under ``cuda_schedule_on_cpu()`` (what the memory trace uses) restoring block i's input
     brings block i-1's back at once, as the CUDA side stream does: every block but the last
     restored is prefetched, and the gradients are those of the plain schedule, bit for bit."""
-    from dtensor_ulysses.model import build_model
-    from dtensor_ulysses.offload import cuda_schedule_on_cpu
-    from dtensor_ulysses.presets import get_shape
-    from dtensor_ulysses.recompute import checkpoint_module, offload_checkpoints
+    from dtensor_ulysses.memory import checkpoint_module, cuda_schedule_on_cpu, offload_checkpoints
+    from dtensor_ulysses.models import build_model
+    from dtensor_ulysses.plan import get_shape
 
     shape = get_shape("tiny").with_(n_layers=4)
     ids = torch.randint(0, shape.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -246,7 +245,7 @@ def test_cpu_restores_follow_the_cuda_schedule_for_the_trace():
 def test_rmsnorm_keeps_its_input_in_bf16_and_is_exact():
     """RMSNorm's backward keeps the bf16 input and one float32 scale per row (not a float32
     copy of the input), and its float64 forward and gradients equal plain autograd's."""
-    from dtensor_ulysses.model import RMSNorm
+    from dtensor_ulysses.models import RMSNorm
 
     norm = RMSNorm(128).to(torch.bfloat16)
     x = torch.randn(4, 64, 128, dtype=torch.bfloat16, requires_grad=True)
@@ -336,9 +335,9 @@ def test_tiled_backward_holds_one_input_gradient(monkeypatch):
     """Tiled MLP, tiled loss and RMSNorm: the backward's extra memory is the input's gradient
     plus one chunk's work, not the several full-size zero-padded gradients of checkpointed
     slices (nor float32 copies of the whole input for the norm)."""
-    import dtensor_ulysses._layers as layers_mod  # RMSNorm reads NORM_CHUNK_ELEMENTS there
-    import dtensor_ulysses.model as model_mod
-    from dtensor_ulysses.loss import tiled_cross_entropy_sum
+    import dtensor_ulysses.models.layers as layers_mod  # RMSNorm reads NORM_CHUNK_ELEMENTS there
+    import dtensor_ulysses.models.llama as model_mod
+    from dtensor_ulysses.models import tiled_cross_entropy_sum
 
     T, D, F, V, c = 4096, 32, 64, 48, 128
     x = torch.randn(1, T, D, requires_grad=True)

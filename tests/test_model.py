@@ -12,19 +12,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dtensor_ulysses._layers as layers_mod  # RMSNorm reads NORM_CHUNK_ELEMENTS there
+import dtensor_ulysses.models.layers as layers_mod  # RMSNorm reads NORM_CHUNK_ELEMENTS there
 from dtensor_ulysses.attention import LocalAttention
-from dtensor_ulysses.model import (
+from dtensor_ulysses.memory import checkpoint_module
+from dtensor_ulysses.models import (
     Transformer,
     apply_rope,
     build_model,
+    init_weights,
     model_flops_per_token,
     rope_cos_sin,
     set_tiling,
 )
-from dtensor_ulysses.presets import PRESETS, get_shape
-from dtensor_ulysses.recompute import checkpoint_module
-from dtensor_ulysses.weights import init_weights
+from dtensor_ulysses.plan import PRESETS, get_shape
 
 TINY = get_shape("tiny")
 B, S = 2, 12
@@ -400,7 +400,7 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
     results["init_mismatched"] = mismatched
 
     # (2) inner_attention swapped for the Ulysses engine: each rank holds a contiguous slice
-    from dtensor_ulysses.ulysses import UlyssesAttention
+    from dtensor_ulysses.attention import UlyssesAttention
 
     sp_mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "sp"))["sp"]
     model = _model64(TINY)

@@ -7,15 +7,15 @@ import gc
 import pytest
 import torch
 
-from dtensor_ulysses import offload
 from dtensor_ulysses.launch import run_local_world
-from dtensor_ulysses.model import build_model
-from dtensor_ulysses.recompute import (
+from dtensor_ulysses.memory import (
     activation_offloader,
     checkpoint_module,
     is_checkpointed,
+    offload,
     offload_checkpoints,
 )
+from dtensor_ulysses.models import build_model
 from tests import offload_workers as w
 
 pytestmark = pytest.mark.timeout(180)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtensor_ulysses._ring_kernel import RingPlan
+from dtensor_ulysses.attention._ring_kernel import RingPlan
 from dtensor_ulysses.launch import run_local_world
-from dtensor_ulysses.ring import (
+from dtensor_ulysses.plan import (
     check_ring_mesh,
     check_ring_seq,
     ring_chunks,

@@ -16,9 +16,8 @@ import torch.nn.functional as F
 
 from dtensor_ulysses.data import PackedCorpus, get_batch
 from dtensor_ulysses.launch import run_local_world
-from dtensor_ulysses.model import build_model
+from dtensor_ulysses.models import build_model, init_weights
 from dtensor_ulysses.plan import SeqLayout, zigzag_permutation
-from dtensor_ulysses.weights import init_weights
 from tests import ring_workers
 
 # tiny: 8 q heads, 2 kv heads; seq_len a multiple of 2 * ring * sp

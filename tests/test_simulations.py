@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import simulations as sim
-from dtensor_ulysses.presets import ModelShape, get_shape
+from dtensor_ulysses.plan import ModelShape, get_shape
 from simulations import activations, comm, flops, memory
 from simulations.cli import main
 from simulations.config import Workload
@@ -398,7 +398,7 @@ def test_checkpointing_and_offload_reduce_activation_memory():
 
 
 def test_model_flops_match_the_real_models_convention():
-    from dtensor_ulysses.model import model_flops_per_token
+    from dtensor_ulysses.models import model_flops_per_token
 
     for name, S in (("llama3-8b", 131072), ("qwen3-4b", 8192), ("llama3-1b", 4096)):
         shape = get_shape(name)

@@ -98,7 +98,7 @@ def test_trace_per_block_cost_is_exactly_linear():
 
 HOST = """
 from dtensor_ulysses import memtrace as mt
-from dtensor_ulysses.presets import get_shape
+from dtensor_ulysses.plan.presets import get_shape
 m = get_shape("tiny")
 S, sp = 4096, 2
 s = S // sp

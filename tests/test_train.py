@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 from dtensor_ulysses.data import PackedCorpus, get_batch
 from dtensor_ulysses.launch import run_local_world
-from dtensor_ulysses.model import build_model
-from dtensor_ulysses.weights import init_weights
+from dtensor_ulysses.models import build_model, init_weights
 from tests import train_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -337,7 +336,7 @@ def test_packed_step_needs_no_position_gather(tmp_path):
     """The step's layout carries the document starts, so packing costs no communication: the
     packed step issues exactly the collectives and bytes of the unpacked one (no position-id
     all-gather), and its all-to-alls are Ulysses' 2 per block forward and 2 backward."""
-    from dtensor_ulysses.presets import get_shape
+    from dtensor_ulysses.plan import get_shape
 
     n_layers = get_shape(CFG["model"]).n_layers
     data = tmp_path / "short_docs.jsonl"

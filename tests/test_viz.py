@@ -179,7 +179,7 @@ def test_kv_plan_agrees_with_library_and_simulator():
 
 
 def test_closed_form_equals_simulator_per_layer():
-    from dtensor_ulysses.presets import ModelShape
+    from dtensor_ulysses.plan import ModelShape
     from simulations import predict
 
     for N, K, H, sp, S in [(8, 2, 8, 4, 64), (32, 8, 128, 8, 4096), (8, 8, 16, 2, 32)]:

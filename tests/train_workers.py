@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ulysses import train as du_train
 from dtensor_ulysses.data import PackedCorpus, get_batch
-from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
+from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
 
 
 def one_step_grads(rank: int, world_size: int, layouts: list[tuple[int, int]], cfg_kw: dict):

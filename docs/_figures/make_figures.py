@@ -159,7 +159,7 @@ def mesh(dp: int = 2, sp: int = 4) -> None:
 def gqa(n_q: int = 8, n_kv: int = 2, sp: int = 4) -> None:
     """Which kv heads each sp rank receives when sp does not divide the kv heads."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from dtensor_ulysses.plan import kv_head_index  # torch-free
+    from dtensor_ulysses.plan.splits import kv_head_index  # torch-free
 
     index = kv_head_index(n_q, n_kv, sp)
     assert index is not None

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_ulysses.attention import document_starts
-from dtensor_ulysses.loss import IGNORE_INDEX, global_valid_tokens
-from dtensor_ulysses.mesh import flatten_dp_sp
-from dtensor_ulysses.plan import SeqLayout
+from dtensor_ulysses.attention.local import starts_from_positions
+from dtensor_ulysses.data.batch import IGNORE_INDEX
+from dtensor_ulysses.parallel.mesh import flatten_dp_sp
+from dtensor_ulysses.parallel.tokens import global_valid_tokens
+from dtensor_ulysses.plan.splits import SeqLayout
 
 __all__ = ["ShardedBatch", "shard_batch"]
 
@@ -51,7 +52,7 @@ class ShardedBatch:
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments for a model prepared by :func:`~dtensor_ulysses.hf.apply_ulysses`
         (no ``labels``: the targets are already shifted, use them with
-        :func:`~dtensor_ulysses.loss.cross_entropy_sum`)."""
+        :func:`~dtensor_ulysses.models.cross_entropy_sum`)."""
         return {
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
@@ -116,7 +117,7 @@ def shard_batch(batch: Any, mesh: DeviceMesh) -> ShardedBatch:
         if pos is None
         else pos.to(ids.device).expand(B, S)
     )
-    starts = document_starts(pos)
+    starts = starts_from_positions(pos)
     if mask is not None:
         mask = mask.to(ids.device).bool()
         for b, extra in enumerate(_runs(mask)):

@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from dtensor_ulysses.data import (
+    IGNORE_INDEX,
     Batch,
     PackedCorpus,
     document_positions,
     read_documents,
     sample_index,
+    starts_from_separators,
 )
-from dtensor_ulysses.data import document_starts as sep_starts
-from dtensor_ulysses.loss import IGNORE_INDEX
 from dtensor_ulysses.plan import SeqLayout, nearby_multiples
 
 __all__ = [
@@ -180,7 +180,7 @@ def _windows_batch(corpus, index, pack_docs: bool, sp_rank: int, sp: int, uneven
     win = corpus.windows(index)
     ids, labels = win[:, :-1], win[:, 1:]
     if pack_docs:
-        pos, docs = document_positions(ids), sep_starts(ids)
+        pos, docs = document_positions(ids), starts_from_separators(ids)
     else:
         pos, docs = torch.arange(ids.shape[1]).expand(ids.shape), None
     return _slice(ids, labels, pos, docs, sp_rank, sp, uneven)

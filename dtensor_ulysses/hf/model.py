@@ -8,7 +8,7 @@
   :func:`dtensor_ulysses.parallelize`.
 * :func:`load_pretrained` builds the model on ``meta``, parallelizes it, materializes only the
   shards and fills them from the safetensors files one tensor at a time
-  (:func:`~dtensor_ulysses.weights.copy_full_`): no rank ever holds the whole model.
+  (:func:`~dtensor_ulysses.models.copy_full_`): no rank ever holds the whole model.
 * :func:`save_pretrained` gathers one full tensor at a time; rank 0 writes ``config.json`` and
   safetensors shards that ``AutoModelForCausalLM.from_pretrained`` loads.
 """
@@ -34,21 +34,20 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
-from dtensor_ulysses.loss import cross_entropy_sum, tiled_cross_entropy_sum
-from dtensor_ulysses.mesh import MESH_AXES
-from dtensor_ulysses.parallel import checkpoint_blocks, shard_blocks
-from dtensor_ulysses.weights import bare_name, copy_full_
+from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
+from dtensor_ulysses.models.weights import bare_name, copy_full_
+from dtensor_ulysses.parallel.compose import checkpoint_blocks, shard_blocks
+from dtensor_ulysses.parallel.mesh import MESH_AXES
 
 __all__ = [
     "HFCausalLM",
-    "build",
     "check_tokenizer",
+    "check_weights",
     "load_pretrained",
     "load_tokenizer",
     "load_weights",
     "parallelize",
     "save_pretrained",
-    "validate_config",
 ]
 
 # config attributes that change the logits beyond ``h @ lm_head.weight.T``
@@ -65,7 +64,7 @@ class HFCausalLM(nn.Module):
     Args:
         model: a transformers causal LM (``AutoModelForCausalLM``).
         loss_chunk_tokens: compute the loss from the final hidden states in chunks of this many
-            tokens (:func:`~dtensor_ulysses.loss.tiled_cross_entropy_sum`, no ``[B, s, V]``
+            tokens (:func:`~dtensor_ulysses.models.tiled_cross_entropy_sum`, no ``[B, s, V]``
             logits); needs a plain output head.
     """
 
@@ -386,49 +385,53 @@ def check_tokenizer(tokenizer: Any, config: Any) -> None:
         )
 
 
-def build(cfg: Any, mesh: DeviceMesh, device: torch.device):
-    """``train.build`` for ``--hf-model DIR``: the sharded model, AdamW and its schedule.
-
-    Reads ``cfg.hf_model`` and the trainer's options (checkpointing, offloading, head chunks,
-    tiled loss, attention backend, uneven heads, learning-rate schedule).
-    """
-    from dtensor_ulysses.train import _local_tokens, make_optimizer
-
-    if getattr(cfg, "tiled_mlp", False):
-        raise ValueError("--tiled-mlp applies to the built-in model only, not to --hf-model")
-    chunk = None
-    if cfg.tiled_loss:
-        chunk = cfg.loss_chunk_tokens or min(2048, _local_tokens(cfg))
-    model = load_pretrained(
-        cfg.hf_model, mesh, device, loss_chunk_tokens=chunk,
-        activation_checkpointing=cfg.activation_checkpointing,
-        offload_activations=cfg.offload_activations, offload_params=cfg.offload_params,
-        head_chunks=cfg.head_chunks, attention_backend=cfg.attention_backend,
-        allow_uneven_heads=cfg.allow_uneven_heads,
-    )  # fmt: skip
-    return (model, *make_optimizer(cfg, model))
-
-
-def validate_config(cfg: Any) -> Any:
-    """The trainer's checks of ``--hf-model`` / ``--tokenizer`` before any process group exists
-    (rank 0 prints them as one ``error:`` line); returns the tokenizer.
+def check_weights(directory: str | os.PathLike) -> None:
+    """The safetensors tensors (names and shapes, read from the file headers) are those of the
+    model that ``config.json`` builds.
 
     Raises:
-        ValueError: no such directory, no config.json or weights, an unsupported architecture
-            (naming the layer and feature), heads not divisible by sp, a tokenizer larger than
-            the embedding.
+        ValueError: naming the first differences (shapes, missing, unexpected tensors), or a
+            weights file that cannot be read.
     """
-    from dtensor_ulysses.hf.routing import check_supported
-    from dtensor_ulysses.plan import check_sp_for_heads
-
-    path = check_model_dir(cfg.hf_model)
-    config = AutoConfig.from_pretrained(path)
+    directory = Path(directory)
     with torch.device("meta"):
-        check_supported(AutoModelForCausalLM.from_config(config))
-    check_sp_for_heads(
-        config.get_text_config().num_attention_heads, cfg.sp,
-        what=f"q heads of {path.name}", allow_uneven=cfg.allow_uneven_heads,
-    )  # fmt: skip
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.hf_model)
-    check_tokenizer(tokenizer, config)
-    return tokenizer
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    want = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
+    seen, wrong, unexpected = set(), [], []
+    for file in _weight_files(directory):
+        if not file.is_file():
+            raise ValueError(f"weights file {str(file)!r} (named by the index) does not exist")
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if key not in want:
+                        if not any(re.search(p, key) for p in ignore):
+                            unexpected.append(key)
+                        continue
+                    got = tuple(f.get_slice(key).get_shape())
+                    if got != want[key]:
+                        wrong.append(f"{key} {got} (config: {want[key]})")
+                    seen.add(key)
+        except (OSError, RuntimeError) as e:  # safetensors raises its own error types too
+            raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
+        except Exception as e:
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
+    tied = _tied_names(hf)
+    missing = sorted(k for k in want if k not in seen and k not in tied)
+    if wrong or missing or unexpected:
+        parts = [
+            f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"
+            for label, items in (
+                ("shapes differ:", wrong),
+                ("missing", missing),
+                ("unexpected", unexpected),
+            )  # fmt: skip
+            if items
+        ]
+        raise ValueError(
+            f"the weights in {str(directory)!r} do not match its config.json "
+            f"({type(hf).__name__}): {'; '.join(parts)}"
+        )

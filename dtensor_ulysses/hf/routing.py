@@ -3,7 +3,7 @@
 :func:`apply_ulysses` registers one attention function (``attn_implementation="du_ulysses"``) in
 transformers' ``AttentionInterface`` and a mask function of the same name in its
 ``AttentionMaskInterface`` that builds no mask: causality and document boundaries come from the
-engine alone (:class:`~dtensor_ulysses.ulysses.UlyssesAttention` with the step's
+engine alone (:class:`~dtensor_ulysses.attention.UlyssesAttention` with the step's
 :class:`~dtensor_ulysses.plan.SeqLayout`), so no mask made for the local slice is ever applied, or
 silently dropped. The model is then fed this rank's sequence slice with *global* position ids.
 
@@ -35,14 +35,14 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from dtensor_ulysses.attention import BACKENDS, local_attention
-from dtensor_ulysses.plan import SeqLayout, check_sp_for_heads
-from dtensor_ulysses.ulysses import (
+from dtensor_ulysses.attention.local import BACKENDS, local_attention
+from dtensor_ulysses.attention.ulysses import (
     UlyssesAttention,
-    _gather_doc_starts,
     check_head_chunks,
+    gather_doc_starts,
     sp_group,
 )
+from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -155,6 +155,23 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+# What the engine refuses, one wording each, for the model's attributes at construction
+# (check_supported) and for the attention call's arguments (_ulysses_attention).
+_REFUSED = {
+    "sliding_window": "sliding-window attention",
+    "chunk": "chunked attention",
+    "softcap": "attention logit softcapping",
+    "sinks": "attention sinks (learned per-head sink logits)",
+    "non_causal": "bidirectional (non-causal) attention",
+    "dropout": "attention dropout",
+}
+
+
+def _refused(kind: str, setting: str | None = None) -> str:
+    """The refusal of feature ``kind``, with the setting that turned it on."""
+    return _REFUSED[kind] + (f" ({setting})" if setting else "")
+
+
 def _features(module: nn.Module, cfg: Any, layer_type: str | None) -> list[str]:
     """What ``module`` does that the engine cannot do exactly."""
     out = []
@@ -162,23 +179,23 @@ def _features(module: nn.Module, cfg: Any, layer_type: str | None) -> list[str]:
     if window is _MISSING:  # e.g. Mistral reads config.sliding_window at call time
         window = getattr(cfg, "sliding_window", None) if layer_type is None else None
     if window is not None:
-        out.append(f"sliding-window attention (sliding_window={window})")
+        out.append(_refused("sliding_window", f"sliding_window={window}"))
     chunk = getattr(cfg, "attention_chunk_size", None) or getattr(
         module, "attention_chunk_size", None
     )
     if chunk:
-        out.append(f"chunked attention (attention_chunk_size={chunk})")
+        out.append(_refused("chunk", f"attention_chunk_size={chunk}"))
     cap = getattr(cfg, "attn_logit_softcapping", None) or getattr(
         module, "attn_logit_softcapping", None
     )
     if cap:
-        out.append(f"attention logit softcapping (attn_logit_softcapping={cap})")
+        out.append(_refused("softcap", f"attn_logit_softcapping={cap}"))
     if getattr(module, "sinks", None) is not None:
-        out.append("attention sinks (learned per-head sink logits)")
+        out.append(_refused("sinks"))
     if getattr(module, "is_causal", True) is False:
-        out.append("bidirectional (non-causal) attention")
+        out.append(_refused("non_causal"))
     if float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
-        out.append(f"attention dropout (attention_dropout={cfg.attention_dropout})")
+        out.append(_refused("dropout", f"attention_dropout={cfg.attention_dropout}"))
     return out
 
 
@@ -347,7 +364,7 @@ def _layout_from_slices(
     sizes = [int(t.item()) for t in sizes_t]
     if pos is None:
         return SeqLayout(tuple(sizes))
-    starts = _gather_doc_starts(pos.to(device=device, dtype=torch.int64), sizes, group)
+    starts = gather_doc_starts(pos.to(device=device, dtype=torch.int64), sizes, group)
     if all(len(row) == 1 for row in starts):
         return SeqLayout(tuple(sizes))
     return SeqLayout(tuple(sizes), tuple(tuple(row) for row in starts))
@@ -405,15 +422,15 @@ def _ulysses_attention(
     name = f"{state.names.get(id(module), type(module).__name__)} ({type(module).__name__})"
     problems = []
     if kwargs.get("sliding_window") is not None:
-        problems.append(f"sliding-window attention (sliding_window={kwargs['sliding_window']})")
+        problems.append(_refused("sliding_window", f"sliding_window={kwargs['sliding_window']}"))
     if kwargs.get("softcap") is not None:
-        problems.append(f"attention logit softcapping (softcap={kwargs['softcap']})")
+        problems.append(_refused("softcap", f"softcap={kwargs['softcap']}"))
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        problems.append("attention sinks")
+        problems.append(_refused("sinks"))
     if dropout:
-        problems.append(f"attention dropout (p={dropout})")
+        problems.append(_refused("dropout", f"dropout={dropout}"))
     if kwargs.get("is_causal") is False:
-        problems.append("bidirectional (non-causal) attention")
+        problems.append(_refused("non_causal"))
     if attention_mask is not None:
         problems.append(
             "an explicit attention mask (built for one slice; pass padding and documents "

@@ -5,7 +5,7 @@ matplotlib, ipywidgets or the simulator). The notebooks run with ``notebooks/`` 
 directory, so ``import tutorial`` finds this package; processes they spawn inherit that path.
 
 * :mod:`tutorial.figures` - matplotlib figures from plain numbers (layouts from
-  ``dtensor_ulysses.debug``, predictions from ``simulations``);
+  ``dtensor_ulysses.debug.layout``, predictions from ``simulations``);
 * :mod:`tutorial.widgets` - :func:`~tutorial.widgets.show` a figure as a PNG output, and
   :func:`~tutorial.widgets.live` controls that redraw it;
 * :mod:`tutorial.workers` - :func:`~tutorial.workers.run_on_ranks` runs a function written in a

@@ -191,7 +191,7 @@ def plot_comm_methods(
     exposed communication. ``kv_heads`` overrides the model's kv-head count (GQA degree);
     ``intra_gbps``/``inter_gbps``/``gpus_per_node`` override the GPU profile's links.
     """
-    from dtensor_ulysses.presets import get_shape
+    from dtensor_ulysses.plan import get_shape
 
     shape = get_shape(model) if isinstance(model, str) else model
     if kv_heads:

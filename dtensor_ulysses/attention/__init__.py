@@ -1,0 +1,99 @@
+"""Attention: the local kernel (flash-attn on CUDA when importable, SDPA otherwise), the Ulysses
+engine on local tensors, head-chunked stages, ring attention, and the DTensor adapters.
+
+``q[B, S_sp, N, H] -> q[B, S, N_sp, H]`` is ``Shard(1) -> Shard(2)`` on ``sp``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dtensor_ulysses._public import lazy_exports
+
+# public name -> the module that defines it (imported on first use)
+_EXPORTS = {
+    "BACKENDS": "local",
+    "check_head_chunks": "ulysses",
+    "DeferredQ": "local",
+    "flash_attn_available": "local",
+    "force_backend": "local",
+    "gather_doc_starts": "ulysses",
+    "head_to_seq": "dtensor_api",
+    "local_attention": "local",
+    "LocalAttention": "local",
+    "resolve_backend": "local",
+    "ring_attention": "ring",
+    "RING_AXIS": "ring",
+    "ring_group": "ring",
+    "RingAttention": "ring",
+    "seq_to_head": "dtensor_api",
+    "SP_AXIS": "ulysses",
+    "sp_axis": "ulysses",
+    "sp_group": "ulysses",
+    "starts_from_positions": "local",
+    "to_heads": "ulysses",
+    "to_seq": "ulysses",
+    "ulysses_attention": "dtensor_api",
+    "UlyssesAttention": "ulysses",
+}
+
+__all__ = [
+    "BACKENDS",
+    "check_head_chunks",
+    "DeferredQ",
+    "flash_attn_available",
+    "force_backend",
+    "gather_doc_starts",
+    "head_to_seq",
+    "local_attention",
+    "LocalAttention",
+    "resolve_backend",
+    "ring_attention",
+    "RING_AXIS",
+    "ring_group",
+    "RingAttention",
+    "seq_to_head",
+    "SP_AXIS",
+    "sp_axis",
+    "sp_group",
+    "starts_from_positions",
+    "to_heads",
+    "to_seq",
+    "ulysses_attention",
+    "UlyssesAttention",
+]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from dtensor_ulysses.attention.dtensor_api import (
+        head_to_seq,
+        seq_to_head,
+        ulysses_attention,
+    )
+    from dtensor_ulysses.attention.local import (
+        BACKENDS,
+        DeferredQ,
+        LocalAttention,
+        flash_attn_available,
+        force_backend,
+        local_attention,
+        resolve_backend,
+        starts_from_positions,
+    )
+    from dtensor_ulysses.attention.ring import (
+        RING_AXIS,
+        RingAttention,
+        ring_attention,
+        ring_group,
+    )
+    from dtensor_ulysses.attention.ulysses import (
+        SP_AXIS,
+        UlyssesAttention,
+        check_head_chunks,
+        gather_doc_starts,
+        sp_axis,
+        sp_group,
+        to_heads,
+        to_seq,
+    )

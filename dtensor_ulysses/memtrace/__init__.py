@@ -1,0 +1,47 @@
+"""Memory of the real training step, traced with fake tensors on a fake process group.
+
+:mod:`.trace` has the results and :func:`trace_train_step`; the timeline of storage events is in
+``_timeline.py``, the fake world and the step's setup in ``_setup.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dtensor_ulysses._public import lazy_exports
+
+# public name -> the module that defines it (imported on first use)
+_EXPORTS = {
+    "CATEGORIES": "_results",
+    "extrapolate": "trace",
+    "PhasePeak": "_results",
+    "PHASES": "trace",
+    "StepTrace": "trace",
+    "trace_train_step": "trace",
+    "TraceUnavailable": "_results",
+}
+
+__all__ = [
+    "CATEGORIES",
+    "extrapolate",
+    "PhasePeak",
+    "PHASES",
+    "StepTrace",
+    "trace_train_step",
+    "TraceUnavailable",
+]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from dtensor_ulysses.memtrace._results import (
+        CATEGORIES,
+        PhasePeak,
+        TraceUnavailable,
+    )
+    from dtensor_ulysses.memtrace.trace import (
+        PHASES,
+        StepTrace,
+        extrapolate,
+        trace_train_step,
+    )

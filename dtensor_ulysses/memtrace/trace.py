@@ -1,0 +1,274 @@
+"""Memory of the real training step, traced with fake tensors on a fake process group.
+
+No device and no memory are used: the model is built on ``meta`` by
+:func:`dtensor_ulysses.train.build` (``parallelize``, every memory feature), materialized as
+*fake* tensors (shapes and dtypes only), and :func:`dtensor_ulysses.train.train_step` runs on one
+rank's sequence slice of a virtual world of ``dp * sp`` ranks (``torch.distributed``'s fake
+process group: collectives return at once). A dispatch mode sees every tensor each op creates and
+records a timeline of storage allocations and frees; the peaks are computed from it afterwards.
+
+What is counted, and how it maps to a CUDA run (see ``simulations/README.md``):
+
+* **bf16 compute, fp32 reduce**: FSDP2's CUDA policy (``MixedPrecisionPolicy(bf16, fp32)``) is
+  used although the fake tensors are CPU tensors.
+* **Steady state**: a warm-up step on a short sequence creates the optimizer states and FSDP2's
+  lazy state; the second step, at the requested length, is the one measured. Everything alive
+  when it starts (sharded parameters, optimizer states, ...) is in its baseline.
+* **Device or host**: every fake tensor is a CPU tensor, so the device is not told apart by
+  device type. A storage is *host* memory when (a) an op creates it while
+  :func:`dtensor_ulysses.memory.allocating_host` is true (``offload.py``'s one host allocator
+  ``host_empty`` and its CPU optimizer math ``host_compute``), (b) it is a sharded parameter,
+  gradient or optimizer state while FSDP2's ``CPUOffloadPolicy`` is on (``--offload-params``;
+  a gradient stays on the device until the block whose backward produced it is done, as on
+  CUDA, where the reduce-scatter output is copied to the host), or (c) the optimizer step of
+  ``--offload-params`` creates it (AdamW steps on host tensors there). Everything else is
+  device memory. Not seen on CPU: ``CPUOffloadPolicy``'s host-to-device copy of a block's
+  parameter shard before its all-gather (``.to(device)`` is a no-op when both are CPU), at most
+  one block's fp32 shard, transient.
+* ``.item()`` on a fake tensor has no value: the trace returns 1 (token counts, norms); the
+  bytes do not depend on it.
+* **CUDA's schedule**: the activation offloader's CPU path follows its CUDA path here
+  (:func:`dtensor_ulysses.memory.cuda_schedule_on_cpu`): restoring block ``i``'s input brings
+  block ``i-1``'s back at once, as the CUDA side stream does, so a block's backward holds two
+  block inputs, as on a GPU.
+
+Phases of the measured step: ``forward`` (embedding and blocks), ``loss`` (final norm, loss
+forward and backward, until the gradient of the final norm's output exists), ``backward``
+(blocks, gradient reduction, clipping) and ``optimizer`` (the step and ``zero_grad``). Each
+phase's device peak, with its composition, is reported; the step's peak is their maximum.
+
+Fewer blocks (``layers``): a model with ``L`` blocks holds, in every phase, per-block amounts
+(sharded states, checkpoints, gradients) times ``L`` plus amounts that do not depend on ``L``,
+and within a phase a block's memory is linear in its index except within two blocks of either
+end (FSDP2 prefetches the next block; the first and last have no neighbour). So the peak of
+each *segment class* (the two first blocks, the two last, the maximum over the blocks between,
+the phase's start) is linear in ``L``: :func:`extrapolate` takes two traces (``L`` and
+``L + 1`` blocks, ``L >= 5`` so that every class exists in both) to any depth; tests check that
+``L = 5, 6, 7`` give equal differences and that the extrapolation equals a full trace.
+
+Where the parts live: this module has the step's results (:class:`StepTrace`,
+:func:`extrapolate`) and :func:`trace_train_step`; the per-phase peak (:class:`PhasePeak`), the
+categories and :class:`TraceUnavailable` are in ``_results.py``, under everything else. The
+timeline of storage events and its peak replay are in ``_timeline.py``; :func:`fake_world`, its
+recording mode, the step's setup and its phase marks in :mod:`dtensor_ulysses.memtrace._setup`.
+Private torch APIs (fake process group, ``FakeTensorMode``, ``TorchDispatchMode``) come from
+:mod:`dtensor_ulysses._torch_private`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dtensor_ulysses.memory import cuda_schedule_on_cpu
+from dtensor_ulysses.memtrace._results import PhasePeak
+from dtensor_ulysses.memtrace._setup import (
+    CUDA_MIXED_PRECISION,
+    _batch,
+    _classify_states,
+    _config,
+    _n_layers,
+    _phase_hooks,
+    _temporary_preset,
+    fake_world,
+)
+from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
+from dtensor_ulysses.train import build, train_step
+
+__all__ = [
+    "extrapolate",
+    "PHASES",
+    "StepTrace",
+    "trace_train_step",
+]
+
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
+def _segment_class(phase: str, where: str, layers: int) -> str:
+    """``phase/class``: blocks within two of either end keep their position (``first0``,
+    ``first1``, ``last1``, ``last0``), the blocks between are ``mid`` (their maximum)."""
+    if not where.isdigit():
+        return f"{phase}/{where}"
+    i = int(where)
+    if i < 2:
+        return f"{phase}/first{i}"
+    if layers - 1 - i < 2:
+        return f"{phase}/last{layers - 1 - i}"
+    return f"{phase}/mid"
+
+
+MIN_EXTRAPOLATION_LAYERS = 5
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One traced training step of rank 0 (the busiest rank: it holds the most tokens and heads).
+
+    Attributes:
+        layers: blocks of the model traced (or extrapolated to).
+        seq_len, dp, sp: the workload.
+        segments: device peak per segment class (``forward/start``, ``forward/first0``, ...,
+            ``forward/mid``, ``forward/last0``, ``loss/-``, ``backward/start``, ``backward/...``,
+            ``optimizer/-``), each with what was alive at that moment by category.
+        host_bytes: largest host memory (offloaded copies) alive at once during the step.
+        traced_layers: the depths actually traced (two when extrapolated).
+        breakdown: with ``trace_train_step(..., breakdown=n)``, the ``n`` largest device
+            storages alive at the step's device peak (bytes, category, op, the library line
+            that allocated them); after :func:`extrapolate`, those of the deeper trace.
+    """
+
+    layers: int
+    seq_len: int
+    dp: int
+    sp: int
+    segments: dict[str, PhasePeak]
+    host_bytes: int
+    traced_layers: tuple[int, ...] = ()
+    features: dict[str, Any] = field(default_factory=dict)
+    breakdown: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_segments(
+        cls, layers: int, seq_len: int, dp: int, sp: int,
+        raw: dict[tuple[str, str], PhasePeak], host: int, **kw: Any,
+    ) -> StepTrace:  # fmt: skip
+        segs: dict[str, PhasePeak] = {}
+        for (phase, where), pk in raw.items():
+            key = _segment_class(phase, where, layers)
+            if key not in segs or pk.device > segs[key].device:
+                segs[key] = pk
+        return cls(layers, seq_len, dp, sp, segs, host, **kw)
+
+    @property
+    def phases(self) -> dict[str, PhasePeak]:
+        """Device peak per phase (the largest of its segments)."""
+        out: dict[str, PhasePeak] = {}
+        for key, pk in self.segments.items():
+            ph = key.split("/")[0]
+            if ph not in out or pk.device > out[ph].device:
+                out[ph] = pk
+        return {p: out[p] for p in PHASES if p in out}
+
+    @property
+    def peak_phase(self) -> str:
+        ph = self.phases
+        return max(ph, key=lambda p: ph[p].device)
+
+    @property
+    def device_peak_bytes(self) -> int:
+        return self.phases[self.peak_phase].device
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device_peak_bytes": self.device_peak_bytes,
+            "host_bytes": self.host_bytes,
+            "peak_phase": self.peak_phase,
+            "phases": {
+                p: {"device_peak_bytes": v.device, "by_category": dict(v.by_category)}
+                for p, v in self.phases.items()
+            },
+            "layers": self.layers,
+            "traced_layers": list(self.traced_layers),
+            **({"breakdown": self.breakdown} if self.breakdown else {}),
+        }
+
+
+def extrapolate(a: StepTrace, b: StepTrace, layers: int) -> StepTrace:
+    """The step of a ``layers``-block model from traces of ``a.layers`` and ``b.layers =
+    a.layers + 1`` blocks (at least :data:`MIN_EXTRAPOLATION_LAYERS`): every segment's peak
+    and component, and the host bytes, linearly in the depth."""
+    if b.layers != a.layers + 1 or a.layers < MIN_EXTRAPOLATION_LAYERS:
+        raise ValueError(
+            f"need traces of L and L + 1 blocks, L >= {MIN_EXTRAPOLATION_LAYERS}; got "
+            f"{a.layers} and {b.layers}"
+        )
+    if set(a.segments) != set(b.segments):
+        raise ValueError(f"segments differ: {sorted(set(a.segments) ^ set(b.segments))}")
+    k = layers - b.layers
+    segs = {key: b.segments[key].scaled(a.segments[key], k) for key in b.segments}
+    host = b.host_bytes + k * (b.host_bytes - a.host_bytes)
+    return dataclasses.replace(
+        b, layers=layers, segments=segs, host_bytes=host, traced_layers=(a.layers, b.layers)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the step
+# ----------------------------------------------------------------------------------------------
+FEATURES = (
+    "tiled_loss",
+    "tiled_mlp",
+    "head_chunks",
+    "offload_activations",
+    "offload_optimizer",
+    "offload_params",
+)
+
+
+def trace_train_step(
+    model: str,
+    seq_len: int,
+    *,
+    dp: int = 1,
+    sp: int = 1,
+    ac: bool = True,
+    layers: int | None = None,
+    warmup_seq_len: int | None = None,
+    breakdown: int = 0,
+    **features: Any,
+) -> StepTrace:
+    """Trace one steady-state training step of rank 0 (see the module docstring).
+
+    Args:
+        model: preset name.
+        seq_len: tokens per sequence ``S`` (micro-batch 1 per dp rank).
+        dp, sp: the layout; ``dp * sp`` fake ranks.
+        ac: activation checkpointing (every block).
+        layers: trace a model with this many blocks instead of the preset's.
+        warmup_seq_len: the warm-up step's length (default: the smallest that every feature
+            accepts, ``sp * 64``).
+        breakdown: list this many of the largest storages alive at the device peak (each
+            storage of at least 1 MiB records the library line that allocated it).
+        **features: :class:`~dtensor_ulysses.train.TrainConfig` fields (``tiled_loss``,
+            ``tiled_mlp``, ``head_chunks``, ``offload_*``, chunk sizes).
+
+    Raises:
+        NotImplementedError: a requested feature is not in the trainer.
+        TraceUnavailable: this torch lacks the private APIs.
+    """
+    offload_params = bool(features.get("offload_params"))
+    warm = warmup_seq_len or sp * 64
+    with _temporary_preset(model, layers) as name:
+        cfg = _config(name, seq_len, dp, sp, ac, features)
+        n_layers = (layers if layers is not None else None) or _n_layers(model)
+        with fake_world(dp * sp) as (fake_mode, make_recorder):
+            rec = make_recorder()
+            tl = rec.timeline
+            tl.where_min_bytes = 2**20 if breakdown else None
+            mesh = init_mesh(dp, sp, device_type="cpu")
+            group = flatten_dp_sp(mesh).get_group()
+            with fake_mode, rec, cuda_schedule_on_cpu():
+                net, optimizer, scheduler = build(
+                    cfg, mesh, torch.device("cpu"), init=False, mixed_precision=CUDA_MIXED_PRECISION
+                )
+                hooks = _phase_hooks(net, optimizer, rec, offload_params)
+                step = dict(group=group, grad_clip=cfg.grad_clip)
+                train_step(net, _batch(warm, sp), optimizer, scheduler, **step)
+                _classify_states(net, optimizer, tl, offload_params)
+                batch = _batch(seq_len, sp)
+                tl.mark("step")
+                train_step(net, batch, optimizer, scheduler, **step)
+                tl.mark("end")
+                for h in hooks:
+                    h.remove()
+            segments, host_peak = tl.peaks("step")
+            top = tl.live_at_peak("step", breakdown) if breakdown else []
+    used = {k: v for k, v in features.items() if v not in (None, False)}
+    return StepTrace.from_segments(
+        n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used,
+        breakdown=top,
+    )  # fmt: skip

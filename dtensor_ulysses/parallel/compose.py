@@ -1,0 +1,223 @@
+"""Apply the parallelisms to the built-in model from outside, in a fixed order.
+
+(The module is ``parallel``, not ``parallelize``: a submodule named like the function would
+replace ``du.parallelize`` with the module as soon as it is imported.)
+
+    1. Ulysses:  each block's ``attention.inner_attention`` (the local kernel) is wrapped in the
+                 Ulysses engine on the ``sp`` group (with ``head_chunks`` stages, if asked);
+                 everything else is token-wise and runs on the local sequence slice unchanged.
+                 Nothing to do when sp = 1 and there is one stage. On a ``("dp", "ring",
+                 "sp")`` mesh (Ulysses x Ring) the kernel the engine wraps is
+                 :class:`~dtensor_ulysses.attention.RingAttention` over the ``ring`` group (used
+                 directly when sp = 1 and there is one stage); the model passes the step's
+                 layout, whose document starts are global.
+    2. Activation checkpointing (optional): each block recomputes its activations in backward;
+                 with ``offload_activations`` the one input each block keeps lives on the host.
+                 After Ulysses, so the recomputed forward also repeats the block's all-to-alls
+                 (the checkpoint keeps only the block input, never head-sharded tensors).
+    3. ``torch.compile`` per block (optional): after checkpointing, so the recompute is part of
+       the compiled region; the all-to-alls run as functional collectives there (no graph break).
+    4. FSDP2 ``fully_shard`` on every block, then on the root, over the flattened ``dp x sp``
+       ranks (``dp x ring x sp`` with a ring): sp ranks hold the same weights but see different
+       tokens, so parameters, gradients and optimizer states shard over all ``dp * sp`` ranks
+       (on the host with ``offload_params``). Last, because it must see the final module
+       structure (its hooks wrap each block's forward, checkpointing included).
+
+The model is built on ``meta``, parallelized here, then materialized and initialized::
+
+    model = build_model("llama3-1b")                        # meta: no memory
+    parallelize(model, mesh, activation_checkpointing=True)
+    model.to_empty(device="cuda"); init_weights(model, seed=0)
+
+Gradients: the loss (:mod:`dtensor_ulysses.models.loss`) is each rank's token sum divided by the
+*global* token count, so the single-device gradient is the *sum* of the rank gradients. FSDP2's
+reduce-scatter would average over the ``dp x sp`` ranks; its divide factor is set to 1 so that
+it sums (as torchtitan does), and nothing is undone later. Both FSDP2 methods used for that
+(``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms``) are public.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from dtensor_ulysses.attention.local import LocalAttention
+from dtensor_ulysses.attention.ring import RingAttention
+from dtensor_ulysses.attention.ulysses import UlyssesAttention, check_head_chunks
+from dtensor_ulysses.memory.offload import fsdp_offload_policy
+from dtensor_ulysses.memory.recompute import checkpoint_module, offload_checkpoints
+from dtensor_ulysses.models.llama import Attention, Transformer
+from dtensor_ulysses.parallel.mesh import MESH_AXES, RING_MESH_AXES, flatten_dp_sp
+from dtensor_ulysses.plan.splits import check_sp_for_heads
+
+__all__ = ["checkpoint_blocks", "default_mixed_precision", "parallelize", "shard_blocks"]
+
+
+def default_mixed_precision(device_type: str) -> MixedPrecisionPolicy | None:
+    """bf16 compute with fp32 gradient reduction on CUDA; ``None`` (full fp32) elsewhere."""
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def parallelize(
+    model: Transformer,
+    mesh: DeviceMesh,
+    *,
+    activation_checkpointing: bool = False,
+    offload_activations: bool = False,
+    offload_params: bool = False,
+    head_chunks: int = 1,
+    overlap_comm: bool = False,
+    compile: bool | str = False,
+    mixed_precision: MixedPrecisionPolicy | None | str = "auto",
+    attention_backend: str = "auto",
+    allow_uneven_heads: bool = False,
+) -> Transformer:
+    """Ulysses -> activation checkpointing -> ``fully_shard(blocks)`` -> ``fully_shard(root)``.
+
+    Args:
+        model: a :class:`~dtensor_ulysses.models.Transformer`, ideally still on ``meta``, not yet
+            parallelized.
+        mesh: the ``("dp", "sp")`` mesh from :func:`~dtensor_ulysses.parallel.init_mesh`, or its
+            ``("dp", "ring", "sp")`` mesh (``init_mesh(dp, sp, ring=R)``) for Ulysses x Ring.
+        activation_checkpointing: recompute each block's activations in backward.
+        offload_activations: with checkpointing, keep each block's input in host memory until
+            its recompute (:mod:`dtensor_ulysses.memory.offload`).
+        offload_params: parameters, gradients and optimizer states on the host (FSDP2's
+            ``CPUOffloadPolicy``; the optimizer then steps on the CPU).
+        head_chunks: attention in this many stages per block (head-chunked Ulysses, see
+            :class:`~dtensor_ulysses.attention.UlyssesAttention`); must divide the heads per rank.
+        overlap_comm: hide the all-to-alls behind compute (``UlyssesAttention(overlap=True)``):
+            k and v move while q is projected, and with ``head_chunks > 1`` each stage's
+            all-to-alls overlap the neighbouring stages' attention; same values, more memory in
+            flight.
+        compile: ``torch.compile`` each block (``True``: the default backend, inductor; or a
+            backend name, e.g. ``"aot_eager"``).
+        mixed_precision: an FSDP2 ``MixedPrecisionPolicy``, ``None`` for full precision, or
+            ``"auto"`` (bf16 compute + fp32 reduce on CUDA, fp32 on CPU).
+        attention_backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"`` (with a ring, ``"sdpa"``
+            selects the ring's blockwise torch kernel: SDPA returns no log-sum-exp).
+        allow_uneven_heads: accept q heads not divisible by sp (ranks attend with ceil or floor
+            of ``N / sp`` heads; a warning reports the imbalance).
+
+    Returns:
+        The same model, modified in place.
+
+    Raises:
+        ValueError: the mesh is not ``("dp", "sp")`` or ``("dp", "ring", "sp")``; the q heads
+            are not divisible by sp (without ``allow_uneven_heads``) or fewer than sp;
+            ``head_chunks`` does not divide the heads per rank; ``offload_activations`` without
+            checkpointing; the model was parallelized before.
+    """
+    if mesh.mesh_dim_names not in (MESH_AXES, RING_MESH_AXES):
+        raise ValueError(
+            f"parallelize needs the {MESH_AXES} mesh from du.init_mesh (or {RING_MESH_AXES} "
+            f"from du.init_mesh(dp, sp, ring=R)), got axes {mesh.mesh_dim_names}"
+        )
+    if isinstance(model, FSDPModule):
+        raise ValueError("the model is already parallelized; build a new one (on meta)")
+    shape = model.shape
+    sp = mesh["sp"].size()
+    ring = mesh["ring"].size() if mesh.mesh_dim_names == RING_MESH_AXES else 1
+    check_sp_for_heads(
+        shape.n_heads, sp, what=f"heads of model {shape.name!r}", allow_uneven=allow_uneven_heads
+    )
+    if head_chunks != 1:
+        check_head_chunks(shape.n_heads, sp, head_chunks)
+    if offload_activations and not activation_checkpointing:
+        raise ValueError(
+            "offload_activations moves the input a checkpointed block keeps; it needs "
+            "activation_checkpointing=True (--activation-checkpointing)"
+        )
+
+    # 1. Ulysses: attention sees head-sharded, full-length q/k/v (the kernel keeps its choice);
+    #    with a ring axis the kernel is ring attention over it (Ulysses x Ring).
+    for block in model.layers:
+        attention: Attention = block.attention  # type: ignore[assignment]
+        kernel = attention.inner_attention
+        if ring > 1:
+            causal = getattr(kernel, "causal", True)
+            kernel = RingAttention(mesh, causal=causal, backend=attention_backend)
+            attention.inner_attention = kernel
+        elif isinstance(kernel, LocalAttention):
+            kernel.backend = attention_backend
+        if sp > 1 or head_chunks > 1:
+            attention.inner_attention = UlyssesAttention(
+                kernel, mesh["sp"], head_chunks=head_chunks, overlap=overlap_comm
+            )
+
+    # 2. Activation checkpointing, per block (parameter names are unchanged).
+    if activation_checkpointing:
+        checkpoint_blocks(model.layers, offload=offload_activations)
+
+    # 3. torch.compile per block (torchtitan's granularity: one graph per block).
+    if compile:
+        backend = "inductor" if compile is True else compile
+        for block in model.layers:
+            block.compile(backend=backend, fullgraph=True)
+
+    # 4. FSDP2 over the flattened dp x sp ranks: blocks, the embedding and the output head
+    #    each on their own (freed as soon as they are done), then the root (the final norm).
+    #    A tied output head is the embedding: it stays in the root's group, unsharded from
+    #    the embedding's forward to the loss's backward.
+    untied = model.output is not None
+    shard_blocks(
+        model, model.layers, mesh, mixed_precision=mixed_precision, offload_params=offload_params,
+        embedding=model.tok_embeddings if untied else None, head=model.output,
+    )  # fmt: skip
+    return model
+
+
+def checkpoint_blocks(blocks, *, offload: bool = False) -> None:
+    """Step 2: activation checkpointing on every block; with ``offload``, one offloader shared
+    by the blocks (block ``i``'s backward prefetches block ``i-1``'s input)."""
+    for block in blocks:
+        checkpoint_module(block)
+    if offload:
+        offload_checkpoints(blocks)
+
+
+def shard_blocks(
+    model: torch.nn.Module,
+    blocks,
+    mesh: DeviceMesh,
+    *,
+    mixed_precision: MixedPrecisionPolicy | None | str = "auto",
+    offload_params: bool = False,
+    embedding: torch.nn.Module | None = None,
+    head: torch.nn.Module | None = None,
+) -> None:
+    """Step 4: ``fully_shard`` each block, then the root, over the flattened ``dp x sp`` ranks
+    (``dp x ring x sp`` on a ring mesh),
+    with gradients *summed* (the loss is already normalized by the global token count).
+
+    ``embedding`` and ``head`` (untied only), when given, are units of their own: the
+    embedding is freed after its forward and gathered again for its backward (the last of the
+    step); the head, whose backward follows its forward at once, stays gathered until its
+    backward is done (``reshard_after_forward=False``), then frees its weight and reduces its
+    gradient. In the root's group both would stay gathered, with the head's gradient, through
+    the whole backward: ``2 V D`` bf16 bytes plus the gradient (3 GiB for llama3-8b).
+
+    Divide factor 1 with sum-only collectives is a plain SUM reduce-scatter (gloo has no
+    PREMUL_SUM, and on NCCL a pre-multiply by 1 is wasted work).
+    """
+    if mixed_precision == "auto":
+        mixed_precision = default_mixed_precision(mesh.device_type)
+    fsdp_kwargs: dict = {"mesh": flatten_dp_sp(mesh)}
+    if mixed_precision is not None:
+        fsdp_kwargs["mp_policy"] = mixed_precision
+    if offload_params:
+        fsdp_kwargs["offload_policy"] = fsdp_offload_policy(mesh)
+    for block in blocks:
+        fully_shard(block, **fsdp_kwargs)
+    if embedding is not None:
+        fully_shard(embedding, **fsdp_kwargs)
+    if head is not None:
+        fully_shard(head, reshard_after_forward=False, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

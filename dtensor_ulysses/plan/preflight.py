@@ -1,0 +1,237 @@
+"""Memory preflight: will this run fit on this machine? Answered before anything is allocated.
+
+:func:`estimate_memory` is a closed form (no torch, microseconds) of one rank's peak memory in a
+training step, from the model shape, the layout ``(dp, sp)``, the batch and the memory features;
+:func:`check_fits` compares it with the capacity of this machine (:func:`device_capacity`,
+:func:`host_capacity`) and, when it does not fit, says which of the trainer's memory flags would
+make it fit. The trainer runs it in ``validate`` (``--allow-oversubscribe`` skips the refusal).
+
+Why a closed form and not :mod:`dtensor_ulysses.memtrace.trace` (the real step under fake tensors):
+the trace of ``llama3-8b`` with 5 and 6 blocks plus its extrapolation takes about 9 s of one CPU
+core per rank, every rank would pay it before the run starts, and it traces the CUDA bf16 policy
+only. The closed form is meant to catch the runs that cannot fit by a wide margin (an 8B model
+on a laptop), not to find the last gigabyte: see ``docs/how-to/troubleshoot.md``.
+
+Per rank, with ``W = dp * sp`` ranks, ``P`` parameters (``n = P / W`` a rank), ``c`` bytes per
+compute element (2 with CUDA's bf16 policy, 4 on CPU), ``t = (G / dp) * ceil(S / sp)`` local
+tokens, ``L`` blocks, ``V`` vocabulary, ``D`` model dim, ``F`` MLP dim:
+
+* **states** (fp32 shards): parameters ``4n``, gradients ``4n``, AdamW ``8n``;
+  ``--offload-optimizer`` moves the AdamW states and a master copy to the host (``16n`` there,
+  ``8n`` left on the device); ``--offload-params`` moves all ``16n`` to the host.
+* **gathered weights**: two blocks unsharded in compute precision (the one running and FSDP2's
+  prefetch of the next), one block's unsharded fp32 gradients in backward, the final norm, and
+  (untied) the output head's fp32 reduce-scatter input, which waits for the next one; a tied
+  head stays gathered with the embedding for the whole step.
+* **activations**: what a block keeps for backward, per token, in compute precision:
+  ``4D + 4kv + 4q/K + 4F`` elements (norm inputs and outputs, q/k/v, the attention output and
+  its all-to-all, the SwiGLU intermediates), ``q = Nq * H``, ``kv = Nkv * H``, ``K`` the head
+  chunks; ``--tiled-mlp`` drops the ``4F``. ``--activation-checkpointing`` keeps only each
+  block's input ``D`` (``--offload-activations`` puts those on the host; in a block's backward
+  two are on the device, its own and the one before it, brought back meanwhile).
+* **the working set of one block's backward** (the peak of a checkpointed step):
+  ``3D + 3q`` (its input, the norm's output, q, the gradients of o, q and the residual stream)
+  ``+ 4kv'`` (the exchanged k, v and their gradients; ``kv'`` with kv heads replicated when sp
+  exceeds them) ``+ 5q/K`` (one head stage: q, d o, o, d q and the kernel's gradients; nothing
+  when nothing is exchanged; ``+ 6q/K`` with ``--overlap-comm``, the buffers in flight), or the
+  MLP's backward before it (``5D + 2q + 2kv'``, ``+ 7F`` without ``--tiled-mlp``).
+* **logits**: ``t * V * (c + 8)`` bytes (the logits, their fp32 log-softmax and its gradient);
+  ``--tiled-loss`` computes them a chunk of ``min(2048, t)`` tokens at a time.
+* **the peak**: the parameters and optimizer states plus the largest of the loss (kept
+  activations, logits, the final hidden states and their gradient), the last block's backward
+  (kept activations and the working set) and the end of backward (all gradients and the working
+  set). Against the fake-tensor trace of ``llama3-8b`` (sp 1, 4 and 8; 16K to 7.7M tokens;
+  with and without checkpointing, tiling, head chunks, overlap and offloading) this is within
+  -9% to +6%; ``tests/test_faults.py`` checks one case against the trace.
+* **runtime**: a fixed allowance for what a rank adds beyond importing torch (the data stream,
+  allocator slack): :data:`RUNTIME_BYTES`.
+
+On CPU, device and host are the same memory: the estimate is their sum, compared with the
+memory the machine has available, shared by the ranks on it. A run is refused when the estimate
+exceeds the capacity by more than :data:`TOLERANCE` (5%, the estimate's error).
+
+**Where the code lives.** This module holds the check (:func:`check_fits`, :class:`Preflight`)
+and the trainer's feature lists; the closed form (:func:`estimate_memory`, :class:`MemoryEstimate`,
+:func:`format_bytes`, :data:`RUNTIME_BYTES`) is in ``_preflight_estimate.py``, the capacity probes
+(:func:`device_capacity`, :func:`host_capacity`, :func:`parse_bytes` and the environment
+overrides) in ``_preflight_capacity.py``; import every public name from this module.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtensor_ulysses.plan._preflight_capacity import (
+    HOST_CAPACITY_ENV,  # noqa: F401  (not in __all__, but importable from here as before)
+    device_capacity,
+    host_capacity,
+)
+from dtensor_ulysses.plan._preflight_estimate import (
+    RUNTIME_BYTES,  # noqa: F401  (not in __all__, but importable from here as before)
+    MemoryEstimate,
+    estimate_memory,
+    format_bytes,
+)
+from dtensor_ulysses.plan.presets import ModelShape
+
+__all__ = [
+    "check_fits",
+    "FEATURE_FLAGS",
+    "MEMORY_FEATURES",
+    "Preflight",
+]
+
+# A run is refused only when the estimate exceeds the capacity by more than this fraction (the
+# estimate's error against the fake-tensor trace): the preflight stops runs that cannot fit, and
+# leaves the last few percent to the allocator.
+TOLERANCE = 0.05
+
+# The trainer's memory features: TrainConfig fields, also the trace's options (one list).
+MEMORY_FEATURES = (
+    "activation_checkpointing",
+    "tiled_loss",
+    "loss_chunk_tokens",
+    "tiled_mlp",
+    "mlp_chunk_tokens",
+    "head_chunks",
+    "offload_activations",
+    "offload_optimizer",
+    "offload_params",
+)
+
+# The trainer's memory flags, in the order suggestions list them; the second item says whether
+# the flag moves memory to the host (no help on CPU, where the host is the device).
+FEATURE_FLAGS: tuple[tuple[str, bool], ...] = (
+    ("activation_checkpointing", False),
+    ("tiled_loss", False),
+    ("tiled_mlp", False),
+    ("offload_activations", True),
+    ("offload_optimizer", True),
+    ("offload_params", True),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# the check
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Preflight:
+    """The outcome: the estimate, the capacities, and (when it does not fit) a message."""
+
+    estimate: MemoryEstimate
+    device_type: str
+    device_capacity: int | None
+    host_capacity: int | None
+    capacity_source: str = ""
+    suggestion: list[str] = field(default_factory=list)
+    problem: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+
+def _need(est: MemoryEstimate, device_type: str) -> tuple[int, int]:
+    """(device bytes, host bytes) to compare with the capacities; on CPU both are one memory."""
+    if device_type == "cuda":
+        return est.device_bytes, est.host_bytes
+    return est.device_bytes + est.host_bytes, 0
+
+
+def _fits(est: MemoryEstimate, device_type: str, dev_cap: int | None, host_cap: int | None):
+    need_dev, need_host = _need(est, device_type)
+    ok_dev = dev_cap is None or need_dev <= dev_cap * (1 + TOLERANCE)
+    ok_host = device_type != "cuda" or host_cap is None or need_host <= host_cap * (1 + TOLERANCE)
+    return ok_dev and ok_host
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_fits(
+    shape: ModelShape,
+    *,
+    device_type: str,
+    features: dict,
+    seq_len: int,
+    batch_size: int,
+    dp: int,
+    sp: int,
+    device_cap: int | None = None,
+    host_cap: int | None = None,
+    capacity_source: str = "",
+) -> Preflight:
+    """Estimate this rank's memory and compare it with the capacities given (or probed).
+
+    ``features``: the memory fields of a :class:`~dtensor_ulysses.train.TrainConfig`
+    (``activation_checkpointing``, ``tiled_loss``, ...). When the run does not fit, ``problem``
+    holds a message with the estimate, the capacity and the smallest set of flags that fits (or
+    that none does, and by how much the best falls short).
+    """
+    if device_cap is None and host_cap is None:
+        device_cap, capacity_source = device_capacity(device_type)
+        host_cap = host_capacity()[0] if device_type == "cuda" else device_cap
+    c = 2 if device_type == "cuda" else 4
+    kw: dict[str, Any] = dict(seq_len=seq_len, batch_size=batch_size, dp=dp, sp=sp, compute_bytes=c)
+    est = estimate_memory(shape, **kw, **features)
+    out = Preflight(est, device_type, device_cap, host_cap, capacity_source)
+    if _fits(est, device_type, device_cap, host_cap):
+        return out
+
+    # the smallest set of flags (then the smallest estimate) that fits
+    candidates = [
+        name for name, to_host in FEATURE_FLAGS
+        if not features.get(name) and (device_type == "cuda" or not to_host)
+    ]  # fmt: skip
+    best: tuple[int, int, tuple[str, ...]] | None = None
+    smallest: tuple[int, tuple[str, ...]] | None = None
+    for k in range(1, len(candidates) + 1):
+        for combo in itertools.combinations(candidates, k):
+            f = dict(features, **{name: True for name in combo})
+            if f.get("offload_activations") and not f.get("activation_checkpointing"):
+                continue
+            if f.get("offload_optimizer") and f.get("offload_params"):
+                continue
+            e = estimate_memory(shape, **kw, **f)
+            need = _need(e, device_type)[0]
+            if smallest is None or need < smallest[0]:
+                smallest = (need, combo)
+            if _fits(e, device_type, device_cap, host_cap):
+                key = (k, need, combo)
+                if best is None or key[:2] < best[:2]:
+                    best = key
+        if best is not None:
+            break
+
+    need_dev, need_host = _need(est, device_type)
+    where = "device" if device_type == "cuda" else "memory"
+    lines = [
+        f"this run needs about {format_bytes(need_dev)} of {where} per rank "
+        f"({est.describe('device')}"
+        + (f"; host {est.describe('host')}" if device_type != "cuda" and est.host else "")
+        + f") but a rank has {format_bytes(device_cap or 0)} ({capacity_source})"
+    ]
+    if device_type == "cuda" and host_cap is not None and need_host > host_cap:
+        lines[0] += (
+            f", and about {format_bytes(need_host)} of host memory per rank "
+            f"({est.describe('host')}) against {format_bytes(host_cap)}"
+        )
+    if best is not None:
+        flags = " ".join(_flag(n) for n in best[2])
+        out.suggestion = [_flag(n) for n in best[2]]
+        lines.append(f"add {flags} (about {format_bytes(best[1])} per rank)")
+    else:
+        n_more = need_dev / max(1, device_cap or 1)
+        floor = smallest[0] if smallest else need_dev
+        lines.append(
+            f"no combination of the memory flags fits (the smallest needs about "
+            f"{format_bytes(floor)}); use about {max(2, int(n_more + 0.999))}x the ranks, a "
+            f"smaller --model, --seq-len or --batch-size"
+            + (", or GPUs" if device_type != "cuda" else "")
+        )
+    lines.append("or pass --allow-oversubscribe to start anyway")
+    out.problem = "; ".join(lines)
+    return out

@@ -1,0 +1,223 @@
+"""The trainer's :func:`validate`: every check of a configuration before any process group
+exists, each bad combination refused as one :class:`~dtensor_ulysses.train.UsageError` with
+the numbers and the fix; the memory preflight comes last.
+
+The ``--hf-model`` checks and the corpora are in :mod:`dtensor_ulysses.train.inputs`, the
+``--resume`` checks in :mod:`dtensor_ulysses.train.resume`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dtensor_ulysses.attention.local import flash_attn_available
+from dtensor_ulysses.attention.ulysses import check_head_chunks
+from dtensor_ulysses.parallel.mesh import default_device_type
+from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
+from dtensor_ulysses.plan.presets import ModelShape, get_shape
+from dtensor_ulysses.plan.splits import check_ring_seq, check_sp_for_heads, nearby_multiples
+from dtensor_ulysses.train.cli import TrainConfig, UsageError, _warn
+from dtensor_ulysses.train.inputs import check_eval_corpus, validate_hf
+from dtensor_ulysses.train.resume import check_resumable, select_checkpoint
+from dtensor_ulysses.train.spec import model_spec
+
+__all__ = ["validate"]
+
+
+def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """Check the configuration before any process group exists; resolve ``sp`` (and ``model``:
+    ``"tiny"`` unless ``--hf-model`` is given).
+
+    Raises:
+        UsageError: with the numbers and the fix, for every bad combination.
+    """
+    if cfg.hf_model is not None and cfg.model is not None:
+        raise UsageError(
+            f"--hf-model and --model are exclusive: train the transformers model in "
+            f"{cfg.hf_model!r} or the preset {cfg.model!r}, not both"
+        )
+    if cfg.hf_model is None:
+        for flag, value in (("--tokenizer", cfg.tokenizer), ("--save-hf", cfg.save_hf)):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} applies to --hf-model only; this run trains the built-in model"
+                )
+        cfg.model = cfg.model or "tiny"
+    for name in ("dp", "ring", "seq_len", "batch_size", "steps"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
+    if cfg.keep_last is not None and cfg.keep_last < 1:
+        raise UsageError(f"--keep-last {cfg.keep_last} must be >= 1 (omit it to keep all)")
+    if cfg.eval_every < 0:
+        raise UsageError(f"--eval-every {cfg.eval_every} must be >= 0 (0: only at the end)")
+    if cfg.eval_every and not cfg.eval_data:
+        raise UsageError("--eval-every needs --eval-data (the held-out files)")
+    if cfg.sp is None:
+        if world_size % (cfg.dp * cfg.ring):
+            what = f"--dp {cfg.dp}" + (f" x --ring {cfg.ring}" if cfg.ring > 1 else "")
+            raise UsageError(f"{what} does not divide the world size {world_size}")
+        cfg.sp = world_size // (cfg.dp * cfg.ring)
+    if cfg.sp < 1:
+        raise UsageError(f"--sp={cfg.sp} must be >= 1")
+    if cfg.ring > 1:
+        if cfg.dp * cfg.ring * cfg.sp != world_size:
+            raise UsageError(
+                f"--dp {cfg.dp} x --ring {cfg.ring} x --sp {cfg.sp} = "
+                f"{cfg.dp * cfg.ring * cfg.sp} but torchrun started {world_size} processes; "
+                f"make dp * ring * sp equal --nproc-per-node x --nnodes"
+            )
+        if cfg.hf_model is not None or cfg.eval_data:
+            raise UsageError("--ring applies to the built-in model without --eval-data for now")
+        try:
+            check_ring_seq(cfg.seq_len, cfg.ring)
+        except ValueError as e:
+            raise UsageError(f"--seq-len: {e}") from None
+    elif cfg.dp * cfg.sp != world_size:
+        raise UsageError(
+            f"--dp {cfg.dp} x --sp {cfg.sp} = {cfg.dp * cfg.sp} but torchrun started "
+            f"{world_size} processes; make dp * sp equal --nproc-per-node x --nnodes"
+        )
+    shape = validate_hf(cfg) if cfg.hf_model is not None else _validate_preset(cfg)
+    device_type = _validate_device(cfg, shape)
+    if (cfg.seq_len // cfg.ring) % cfg.sp and cfg.strict_seq_len:
+        raise UsageError(
+            f"--seq-len {cfg.seq_len} is not divisible by sp={cfg.sp}; use a multiple of "
+            f"{cfg.sp}, e.g. {nearby_multiples(cfg.seq_len, cfg.sp)} (or drop --strict-seq-len)"
+        )
+    if cfg.batch_size % cfg.dp:
+        raise UsageError(
+            f"--batch-size {cfg.batch_size} (global) is not divisible by dp={cfg.dp}; use a "
+            f"multiple of {cfg.dp}, e.g. {nearby_multiples(cfg.batch_size, cfg.dp)}"
+        )
+    _validate_memory_features(cfg, shape)
+    if cfg.resume and not cfg.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir (where to find the checkpoint)")
+    try:  # reads and checks the data files now; the corpora are cached for train()
+        spec = model_spec(cfg)
+        spec.corpus(cfg, cfg.data, "--data")
+        if cfg.eval_data:
+            check_eval_corpus(cfg, spec.corpus(cfg, cfg.eval_data, "--eval-data"))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if cfg.resume:
+        assert cfg.checkpoint_dir is not None
+        cfg.resume_from = str(select_checkpoint(cfg.checkpoint_dir))
+        try:
+            check_resumable(Path(cfg.resume_from), cfg)  # before any model is built
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if shape is None:
+        _warn(
+            f"memory preflight skipped: the config of {cfg.hf_model!r} is not a Llama-style "
+            f"decoder shape the estimate knows"
+        )
+    else:
+        _preflight(cfg, shape, device_type)  # last: the run is otherwise valid
+    return cfg
+
+
+def _validate_preset(cfg: TrainConfig) -> ModelShape:
+    assert cfg.model is not None and cfg.sp is not None
+    try:
+        shape = get_shape(cfg.model)
+        check_sp_for_heads(
+            shape.n_heads, cfg.sp, what=f"heads of model {cfg.model!r}",
+            allow_uneven=cfg.allow_uneven_heads, uneven_option="--allow-uneven-heads",
+        )  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return shape
+
+
+def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
+    """The device type the run uses; refuses a device or kernel this machine lacks."""
+    device_type = cfg.device or default_device_type()
+    if device_type == "cuda" and not torch.cuda.is_available():
+        why = (
+            "this PyTorch is built without CUDA"
+            if torch.version.cuda is None
+            else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+        )
+        raise UsageError(f"--device cuda: {why}; drop --device cuda to train on the CPU")
+    if cfg.attention_backend == "flash_attn":
+        if device_type != "cuda":
+            raise UsageError(
+                "--attention-backend flash_attn runs on CUDA only and this run is on the CPU; "
+                "use --attention-backend sdpa (or auto)"
+            )
+        if not flash_attn_available():
+            raise UsageError(
+                "--attention-backend flash_attn: the flash-attn package is not importable; "
+                "pip install 'dtensor-ulysses[flash]', or use --attention-backend sdpa (or auto)"
+            )
+        head_dim = shape.head_dim if shape is not None else 0
+        if head_dim > 256:
+            raise UsageError(
+                f"--attention-backend flash_attn supports head dim <= 256; model "
+                f"{cfg.model or cfg.hf_model!r} "
+                f"has {head_dim}; use --attention-backend sdpa"
+            )
+    return device_type
+
+
+def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
+    """Refuse a run whose estimated per-rank memory exceeds this machine's (``preflight.py``)."""
+    assert cfg.sp is not None
+    features = {name: getattr(cfg, name) for name in MEMORY_FEATURES}
+    features["overlap_comm"] = cfg.overlap_comm  # not a memory feature, but it costs memory
+    try:
+        result = check_fits(
+            shape, device_type=device_type, features=features,
+            seq_len=cfg.seq_len // cfg.ring,  # a ring rank's sp group sees S / ring tokens
+            batch_size=cfg.batch_size, dp=cfg.dp, sp=cfg.sp,
+        )  # fmt: skip
+    except ValueError as e:  # a bad capacity override
+        raise UsageError(f"memory preflight: {e}") from None
+    if result.fits:
+        return
+    if cfg.allow_oversubscribe:
+        _warn(f"memory preflight: {result.problem} (starting anyway: --allow-oversubscribe)")
+        return
+    raise UsageError(f"memory preflight: {result.problem}")
+
+
+def _validate_memory_features(cfg: TrainConfig, shape: ModelShape | None) -> None:
+    local = cfg.local_tokens()
+    for flag, on, chunk in (
+        ("loss", cfg.tiled_loss, cfg.loss_chunk_tokens),
+        ("mlp", cfg.tiled_mlp, cfg.mlp_chunk_tokens),
+    ):
+        if chunk is None:
+            continue
+        if not on:
+            raise UsageError(f"--{flag}-chunk-tokens {chunk} needs --tiled-{flag}")
+        if chunk < 1 or chunk > local:
+            raise UsageError(
+                f"--{flag}-chunk-tokens {chunk} must be between 1 and the {local} tokens a rank "
+                f"holds (batch {cfg.batch_size} / dp {cfg.dp} x ceil(seq-len {cfg.seq_len} / "
+                + (f"(ring {cfg.ring} x sp {cfg.sp})" if cfg.ring > 1 else f"sp {cfg.sp}")
+                + f")); a chunk of all of them is --tiled-{flag} off"
+            )
+    if cfg.head_chunks != 1:
+        if cfg.head_chunks < 1:
+            raise UsageError(f"--head-chunks {cfg.head_chunks} must be >= 1 (1: off)")
+        assert cfg.sp is not None
+        try:
+            if shape is not None:  # else the engine checks it when the model is built
+                check_head_chunks(shape.n_heads, cfg.sp, cfg.head_chunks, name="--head-chunks ")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if cfg.overlap_comm and cfg.hf_model:
+        raise UsageError("--overlap-comm applies to the built-in model only, not to --hf-model")
+    if cfg.offload_activations and not cfg.activation_checkpointing:
+        raise UsageError(
+            "--offload-activations moves the one input a checkpointed block keeps to the host; "
+            "add --activation-checkpointing"
+        )
+    if cfg.offload_optimizer and cfg.offload_params:
+        raise UsageError(
+            "--offload-params already keeps the optimizer states on the host; pass one of "
+            "--offload-params and --offload-optimizer"
+        )

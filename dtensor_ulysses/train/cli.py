@@ -1,0 +1,310 @@
+"""The trainer's command line: :class:`TrainConfig`, :func:`parse_args` and :class:`UsageError`
+(import them from :mod:`dtensor_ulysses.train`), and the one
+``warning:`` line the checks print from rank 0.
+
+torch-free: parsing a command line (and ``--help``) imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import NoReturn
+
+from dtensor_ulysses.plan import local_tokens
+
+__all__ = ["TrainConfig", "UsageError", "parse_args"]
+
+
+class UsageError(ValueError):
+    """A bad command line or configuration, found before training; ``main`` prints it as one
+    ``error:`` line from rank 0 and exits with status 2."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on (the command line, parsed)."""
+
+    dp: int = 1
+    sp: int | None = None
+    ring: int = 1
+    model: str | None = None  # a preset; None: "tiny" (validate() fills it in), or --hf-model
+    seq_len: int = 512
+    batch_size: int = 8
+    steps: int = 40
+    seed: int = 0
+    data: list[str] | None = None
+    metrics_file: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    decay_steps: int = 1000
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    activation_checkpointing: bool = False
+    attention_backend: str = "auto"
+    pack_docs: bool = False
+    strict_seq_len: bool = False
+    allow_uneven_heads: bool = False
+    tiled_loss: bool = False
+    loss_chunk_tokens: int | None = None  # None: plan.default_loss_chunk(local tokens)
+    tiled_mlp: bool = False
+    mlp_chunk_tokens: int | None = None  # None: the model dim (ALST's choice), capped
+    head_chunks: int = 1
+    overlap_comm: bool = False  # all-to-alls behind compute (k/v during q; head stages)
+    compile: str | None = None  # a torch.compile backend, per block (None: eager)
+    offload_activations: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    device: str | None = None
+    collective_timeout_s: float = 600.0
+    keep_last: int | None = None  # None: keep every checkpoint
+    allow_oversubscribe: bool = False
+    resume_from: str | None = None  # set by validate(): the checkpoint --resume loads
+    hf_model: str | None = None  # a transformers model directory instead of a preset
+    tokenizer: str | None = None  # None: the --hf-model directory
+    save_hf: str | None = None
+    eval_data: list[str] | None = None
+    eval_every: int = 0  # steps; 0: only at the end
+
+    def local_tokens(self) -> int:
+        """Tokens of the busiest rank's slice (:func:`dtensor_ulysses.plan.local_tokens`)."""
+        assert self.sp is not None, "validate() resolves sp"
+        return local_tokens(self.batch_size, self.dp, self.seq_len, self.sp, self.ring)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help once: not when the help already speaks of
+    its default, nor for flags (off unless given) and options without a default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or isinstance(action, argparse._HelpAction)
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are :class:`UsageError` (one ``error:`` line from rank 0
+    and status 2 on every rank, like every other bad input), and whose ``--help`` is printed by
+    rank 0 only."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see --help)")
+
+    def print_help(self, file=None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super().print_help(file)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    p = _Parser(
+        prog="python -m dtensor_ulysses.train",
+        description="FSDP2 + Ulysses training (launch with torchrun).",
+        formatter_class=_HelpFormatter,
+    )
+    d = TrainConfig()
+    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree")
+    p.add_argument(
+        "--sp", type=int, default=None, help="Ulysses degree (default: world / (dp x ring))"
+    )
+    p.add_argument(
+        "--ring",
+        type=int,
+        default=d.ring,
+        help="ring-attention degree: Ulysses x Ring, ring across, sp inside a node (1: off)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="preset: tiny (the default), llama3-1b, llama3-8b, ...; not with --hf-model",
+    )
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="GLOBAL batch (sequences)")
+    p.add_argument(
+        "--steps", type=int, default=d.steps, help="train until this many steps are done"
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="weights and data order")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=None,
+        help="UTF-8 text or JSONL files (default: the Python standard library's sources)",
+    )
+    p.add_argument("--metrics-file", default=None, help="JSONL, one line per step")
+    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints are written and read")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end")
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        help="keep the newest N checkpoints, deleting older ones once a newer one is complete "
+        "(default: keep all)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest intact checkpoint in --checkpoint-dir",
+    )
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup")
+    p.add_argument("--decay-steps", type=int, default=d.decay_steps, help="cosine horizon")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global norm; 0: off")
+    p.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute each block in backward"
+    )
+    p.add_argument("--attention-backend", default=d.attention_backend,
+                   choices=["auto", "flash_attn", "sdpa"],
+                   help="flash_attn needs CUDA and the flash-attn package; auto: flash_attn "
+                        "when it can run, else sdpa")  # fmt: skip
+    p.add_argument(
+        "--pack-docs",
+        action="store_true",
+        help="attention and positions restart at each document (packed documents)",
+    )
+    p.add_argument(
+        "--strict-seq-len",
+        action="store_true",
+        help="refuse a --seq-len not divisible by sp (default: uneven sp slices, exact)",
+    )
+    p.add_argument(
+        "--allow-uneven-heads",
+        action="store_true",
+        help="accept q heads not divisible by sp (ranks get ceil/floor heads)",
+    )
+    mem = p.add_argument_group("memory (million-token training; each is exact)")
+    mem.add_argument(
+        "--tiled-loss",
+        action="store_true",
+        help="compute the loss in chunks of tokens: no [B, s, V] logits",
+    )
+    mem.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=None,
+        help="tokens per loss chunk (default: 2048, or all local tokens if fewer)",
+    )
+    mem.add_argument(
+        "--tiled-mlp",
+        action="store_true",
+        help="run the MLP in chunks of tokens, each recomputed in backward",
+    )
+    mem.add_argument(
+        "--mlp-chunk-tokens",
+        type=int,
+        default=None,
+        help="tokens per MLP chunk (default: the model dim)",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile each block (fullgraph; BACKEND: inductor when omitted, or e.g. "
+        "aot_eager)",
+    )
+    mem.add_argument(
+        "--head-chunks",
+        type=int,
+        default=d.head_chunks,
+        help="attention in K stages of heads (UPipe); K divides the heads per rank",
+    )
+    mem.add_argument(
+        "--overlap-comm",
+        action="store_true",
+        help="hide all-to-alls behind compute: k, v move while q is projected; with "
+        "--head-chunks, stage c+1 moves while stage c attends (same values; costs the "
+        "in-flight buffers: ~13%% shorter longest sequence with head chunks)",
+    )
+    mem.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="keep each checkpointed block's input on the host (needs --activation-checkpointing)",
+    )
+    mem.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="optimizer states and fp32 master weights on the host; AdamW steps on the CPU",
+    )
+    mem.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="parameters, gradients and optimizer states on the host (FSDP2 CPU offload)",
+    )
+    p.add_argument(
+        "--eval-data",
+        nargs="+",
+        default=None,
+        help="held-out text or JSONL files: loss and perplexity with the sequence sharded",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="evaluate every N steps (needs --eval-data; default 0: only after the last step)",
+    )
+    hf = p.add_argument_group(
+        "Hugging Face models (pip install 'dtensor-ulysses[hf]')",
+        '--data also takes chat JSONL ({"messages": [...]}, loss on assistant tokens only); '
+        "the memory preflight estimates a Llama-style decoder of the config's shape",
+    )
+    hf.add_argument(
+        "--hf-model",
+        default=None,
+        metavar="DIR",
+        help="a local transformers model directory (config.json + safetensors) to fine-tune, "
+        "loaded straight into the FSDP2 shards; not with --model",
+    )
+    hf.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the tokenizer's directory (default: the --hf-model directory)",
+    )
+    hf.add_argument(
+        "--save-hf",
+        default=None,
+        metavar="DIR",
+        help="at the end, write the trained model (and tokenizer) for from_pretrained",
+    )
+    p.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="start even when the memory preflight estimates that the run does not fit",
+    )
+    p.add_argument(
+        "--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available"
+    )
+    p.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=d.collective_timeout_s,
+        help="a collective waiting longer fails the run",
+    )
+    args = p.parse_args(argv)
+    return TrainConfig(**{k: v for k, v in vars(args).items()})
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _warn(message: str) -> None:
+    """One ``warning:`` line on stderr, from rank 0 (before the process group exists)."""
+    if _is_rank0():
+        print(f"warning: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,310 @@
+"""Train a Llama-style decoder with FSDP2 + Ulysses sequence parallelism on a ``(dp, sp)`` mesh.
+
+Run (CPU with gloo, or GPUs with NCCL — the same command)::
+
+    # 2 processes, Ulysses over both, the tiny preset on the built-in data (Python's stdlib sources)
+    torchrun --standalone --nproc-per-node 2 -m dtensor_ulysses.train --dp 1 --sp 2 --steps 40
+
+    # 8 GPUs: 2 data-parallel groups x 4-way sequence parallelism, 32K tokens per sequence
+    torchrun --standalone --nproc-per-node 8 -m dtensor_ulysses.train --dp 2 --sp 4 \\
+        --model llama3-1b --seq-len 32768 --batch-size 2 --steps 100 --activation-checkpointing
+
+    # a Hugging Face checkpoint (config.json + safetensors) on chat JSONL, saved for from_pretrained
+    torchrun --standalone --nproc-per-node 8 -m dtensor_ulysses.train --dp 1 --sp 8 \\
+        --hf-model /models/Qwen3-8B --data sft.jsonl --seq-len 32768 --batch-size 8 \\
+        --activation-checkpointing --tiled-loss --eval-data heldout.jsonl --save-hf runs/final
+
+    # multi-node (run on every node; NODE0 is the first node's address)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0:29500 \\
+        -m dtensor_ulysses.train --dp 2 --sp 8 --model llama3-8b --seq-len 131072
+
+``--batch-size`` is the *global* batch: any (dp, sp) with the same global batch, seed and data
+trains on the same tokens and gives the same losses (up to floating-point reduction order).
+
+The shape of the trainer: ``parse_args -> validate -> build -> train_step -> train`` (the loop),
+and ``main``, the only place that turns a :class:`UsageError` into one ``error:`` line; any other
+exception keeps its traceback and ends every rank with a non-zero status. The subpackage's
+modules, each with one concern:
+
+* ``cli.py``: :class:`TrainConfig`, :func:`parse_args` and :class:`UsageError`;
+* ``checks.py``: :func:`validate`, every check before a process group exists (the memory
+  preflight last);
+* ``inputs.py``: the ``--hf-model`` directory (config, weights, tokenizer), read while
+  validating and cached for the run;
+* ``spec.py``: the model spec (build, corpus, batches, FLOPs, export) of the built-in model and
+  of ``--hf-model``, and the optimizer with its schedule;
+* ``resume.py`` and ``checkpoint.py``: the checkpoint ``--resume`` loads, whether it fits this
+  run, and writing one atomically; ``metrics.py``: the progress line and the metrics file;
+* this file: :func:`build`, :func:`train_step`, the loop (:func:`train`) and :func:`main`.
+
+Per step (:func:`train_step`): each rank reads its ``[b, S/sp]`` slice of the global batch and
+the step's sequence layout (``data.get_batch``), the model runs on it (attention through
+Ulysses), the loss is the token-weighted cross entropy over the whole global batch
+(:mod:`dtensor_ulysses.models.loss`),
+FSDP2 reduce-scatters (sums) gradients, the global gradient norm is clipped, and AdamW steps with
+a linear-warmup + cosine schedule. The schedule depends on ``--warmup-steps`` and
+``--decay-steps`` only, never on ``--steps``, so ``--steps 4`` equals ``--steps 2`` followed by
+``--steps 4 --resume``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtensor_ulysses._exit import leave_together
+from dtensor_ulysses.data import Batch
+from dtensor_ulysses.parallel import (
+    default_device_type,
+    flatten_dp_sp,
+    global_valid_tokens,
+    init_mesh,
+)
+from dtensor_ulysses.train import checkpoint as ckpt
+from dtensor_ulysses.train.checks import validate
+from dtensor_ulysses.train.cli import TrainConfig, UsageError, parse_args
+from dtensor_ulysses.train.metrics import StepLogger
+from dtensor_ulysses.train.resume import checkpoint_meta, save_checkpoint
+from dtensor_ulysses.train.spec import make_optimizer, model_spec
+
+__all__ = [
+    "StepResult",
+    "build",
+    "forward_backward",
+    "main",
+    "train",
+    "train_step",
+]
+
+
+def build(
+    cfg: TrainConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    init: bool = True,
+    mixed_precision: Any = "auto",
+):
+    """The model of ``cfg`` (its :func:`~dtensor_ulysses.train.model_spec`), sharded and
+    materialized, with AdamW and its schedule: ``(model, optimizer, scheduler)``.
+
+    Args:
+        cfg: a validated configuration.
+        mesh: the ``("dp", "sp")`` mesh.
+        device: where the model computes.
+        init: draw the initial weights of the built-in model (``False`` leaves them
+            uninitialized: for memory tracing under fake tensors, where values do not matter).
+        mixed_precision: FSDP2's policy (``"auto"``: bf16 compute + fp32 reduce on CUDA, fp32
+            elsewhere; the memory tracer passes the CUDA policy explicitly).
+    """
+    model = model_spec(cfg).build(cfg, mesh, device, init, mixed_precision)
+    return (model, *make_optimizer(cfg, model))
+
+
+@dataclass
+class StepResult:
+    """What one training step reports (the same on every rank)."""
+
+    loss: float  # mean cross entropy over the global batch's valid tokens
+    tokens: int  # valid tokens in the global batch
+    grad_norm: float | None  # global gradient norm before clipping (None: no clipping)
+
+
+def forward_backward(
+    model: torch.nn.Module, batch: Batch, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, int]:
+    """Forward and backward of this rank's slice; returns ``(local loss sum, global tokens)``.
+
+    The value differentiated is ``local_sum / global_tokens``: the rank losses add up to the
+    global-batch mean and FSDP2 sums their gradients, so the gradients equal the single-device
+    ones. ``group``: the ``dp x sp`` ranks that share the batch.
+    """
+    local_sum = model(batch.input_ids, batch.position_ids, layout=batch.layout, labels=batch.labels)
+    n_valid = global_valid_tokens(batch.labels, group)
+    (local_sum / n_valid).backward()
+    return local_sum.detach(), n_valid
+
+
+def train_step(
+    model: torch.nn.Module,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    group: dist.ProcessGroup | None = None,
+    grad_clip: float = 1.0,
+) -> StepResult:
+    """One optimizer step on the global batch of which ``batch`` is this rank's slice."""
+    local_sum, n_valid = forward_backward(model, batch, group)
+    grad_norm = None
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = local_sum.reshape(1)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(loss_sum, group=group)
+    return StepResult(loss_sum.item() / n_valid, n_valid, grad_norm)
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Train in this process's group (created here from the torchrun environment if needed).
+
+    Returns the per-step records; every rank returns the same (loss and counts are reduced).
+    A step with an evaluation (``--eval-every``, and the last step with ``--eval-data``) also
+    holds ``eval_loss``, ``eval_perplexity`` and ``eval_tokens``.
+    """
+    return _train(cfg)[0]
+
+
+def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
+    """:func:`train`, also returning the trained (sharded) model."""
+    device_type = cfg.device or default_device_type()
+    assert cfg.sp is not None, "call validate(cfg, world_size) first: it resolves sp"
+    mesh = init_mesh(
+        cfg.dp, cfg.sp, ring=cfg.ring, device_type=device_type, timeout_s=cfg.collective_timeout_s
+    )
+    rank = dist.get_rank()
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(device_type)
+    dp_rank, sp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
+    ring_kw = {"ring": cfg.ring, "ring_rank": mesh.get_local_rank("ring")} if cfg.ring > 1 else {}
+    group = flatten_dp_sp(mesh).get_group()
+
+    spec = model_spec(cfg)
+    corpus = spec.corpus(cfg, cfg.data, "--data")
+    eval_corpus = spec.corpus(cfg, cfg.eval_data, "--eval-data") if cfg.eval_data else None
+    model, optimizer, scheduler = build(cfg, mesh, device)
+    meta = checkpoint_meta(cfg)
+    start, path = 0, None
+    if cfg.resume:  # validate() chose the newest intact checkpoint
+        assert cfg.checkpoint_dir is not None
+        if cfg.resume_from:
+            path = Path(cfg.resume_from)
+        else:  # train() called without validate()'s choice
+            path = ckpt.select_resume(cfg.checkpoint_dir)[0]
+        if path is None:
+            raise UsageError(f"--resume: no intact checkpoint in {cfg.checkpoint_dir!r}")
+        try:
+            start = ckpt.load(path, model, optimizer, scheduler)["step"]
+        except Exception as e:  # damage that verify() cannot see (e.g. bytes overwritten)
+            raise UsageError(
+                f"--resume: checkpoint {path} cannot be loaded ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}); move it aside to resume from an older one"
+            ) from None
+    name, n_params, flops_per_token = spec.describe(cfg, model)
+    if rank == 0:
+        print(
+            f"model {name} ({n_params / 1e6:.2f}M params) | mesh dp={cfg.dp} x "
+            + (f"ring={cfg.ring} x " if cfg.ring > 1 else "")
+            + f"sp={cfg.sp} on {device_type} | seq {cfg.seq_len}, global batch {cfg.batch_size} | "
+            f"data: {'stdlib sources' if not cfg.data else ', '.join(cfg.data)} "
+            f"({corpus.n_tokens / 1e6:.1f}M tokens, {len(corpus)} windows) | pack-docs "
+            f"{'on' if cfg.pack_docs else 'off'} | steps {start}->"
+            f"{cfg.steps}" + (f" | resumed from {path}" if path else ""),
+            flush=True,
+        )
+    logger = StepLogger(
+        total_steps=cfg.steps,
+        flops_per_token=flops_per_token,
+        n_gpus=mesh.size(),
+        device=device,
+        metrics_file=cfg.metrics_file,
+        is_main=rank == 0,
+    )
+    records = []
+    saved = start if cfg.resume else None
+    model.train()
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        batch = spec.get_batch(
+            corpus, step, global_batch_size=cfg.batch_size, dp_rank=dp_rank, dp=cfg.dp,
+            sp_rank=sp_rank, sp=cfg.sp, seed=cfg.seed, pack_docs=cfg.pack_docs, uneven=True,
+            **ring_kw,
+        ).to(device)  # fmt: skip
+        result = train_step(
+            model, batch, optimizer, scheduler, group=group, grad_clip=cfg.grad_clip
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - t0
+        extra: dict = {"lr": scheduler.get_last_lr()[0]}
+        if result.grad_norm is not None:
+            extra["grad_norm"] = result.grad_norm
+        done = step + 1
+        if eval_corpus is not None and (
+            done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)
+        ):
+            extra.update(_evaluate(cfg, model, eval_corpus, dp_rank, sp_rank, group, device))
+        records.append(logger.log(done, result.loss, result.tokens, elapsed, **extra))
+        if "eval_loss" in extra and rank == 0:
+            print(
+                f"eval after step {done} | loss {extra['eval_loss']:.4f} | perplexity "
+                f"{extra['eval_perplexity']:.2f} | {extra['eval_tokens']} tokens",
+                flush=True,
+            )
+        if cfg.checkpoint_dir and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+            save_checkpoint(cfg, done, model, optimizer, scheduler, meta)
+            saved = done
+    if cfg.checkpoint_dir and saved != cfg.steps:  # always leave a checkpoint of the final step
+        save_checkpoint(cfg, cfg.steps, model, optimizer, scheduler, meta)
+    if spec.export is not None:
+        spec.export(cfg, model)
+    return records, model
+
+
+def _evaluate(cfg: TrainConfig, model, corpus, dp_rank: int, sp_rank: int, group, device) -> dict:
+    """Held-out loss over every full global batch of ``corpus``, the sequence sharded."""
+    from dtensor_ulysses.hf.data import eval_batches, evaluate
+
+    assert cfg.sp is not None
+    batches = eval_batches(
+        corpus, global_batch_size=cfg.batch_size, dp_rank=dp_rank, dp=cfg.dp, sp_rank=sp_rank,
+        sp=cfg.sp, pack_docs=cfg.pack_docs,
+    )  # fmt: skip
+    out = evaluate(model, batches, group, device)
+    return {f"eval_{k}": v for k, v in out.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status: 0 done, 2 bad input, 1 anything else.
+
+    Only a :class:`UsageError` becomes one ``error:`` line (from rank 0); any other exception is
+    a bug or an environment failure and prints its full traceback on the rank where it happened.
+    """
+    if "RANK" not in os.environ:  # plain `python -m dtensor_ulysses.train`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))  # fmt: skip
+    rank = int(os.environ["RANK"])
+    try:
+        cfg = validate(parse_args(argv), int(os.environ["WORLD_SIZE"]))
+        train(cfg)  # creates the process group (init_mesh), the one place that does
+        code = 0
+    except UsageError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    return leave_together(code, rank)
