@@ -3,7 +3,7 @@
 For each size, every rank holds ``x[1, s, N, H]`` (its sequence slice, all heads) and moves it to
 ``[1, S, N/P, H]`` (``Shard(1) -> Shard(2)`` on sp) two ways:
 
-* ``ulysses``: the library's exchange (``dtensor_ulysses.comm.all_to_all``): the pack into
+* ``ulysses``: the library's exchange (``dtensor_ulysses.comm.alltoall``): the pack into
   one send buffer, ``all_to_all_single``, the unpack into the layout the kernel reads
   (``[B, N, S, H]`` for SDPA);
 * ``raw``: ``torch.distributed.all_to_all_single`` on a ready, contiguous buffer of the same bytes

@@ -228,7 +228,7 @@ def block_backward_transients(w: Workload, g: RankGeometry) -> dict[str, float]:
     # and dV per q head); ring attention: its k,v blocks and dK,dV accumulators in flight
     stages["attention_working"] = sum(_kernel_backward(w, g))
     if w.a2a_degree > 1:
-        # dtensor_ulysses.comm.all_to_all, backward d(q,k,v): the head-sharded gradients and the
+        # dtensor_ulysses.comm.alltoall, backward d(q,k,v): the head-sharded gradients and the
         # packed send buffer, the receive buffer and the unpacked sequence-sharded outputs
         qkv_seq = e * (N + 2 * _kernel_kv_heads(w)) * H * tokens
         stages["all_to_all_buffers"] = 2 * qkv_heads + 2 * qkv_seq

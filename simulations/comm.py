@@ -228,7 +228,7 @@ def _ulysses(w: Workload, P: int, group: str, span: int) -> list[Collective]:
     equal when ``P`` divides the q heads and the sequence and the kv heads split evenly). Packed
     documents add nothing: the trainer passes the step's layout, no position ids travel."""
     if P == 1:
-        return []  # dtensor_ulysses.comm.all_to_all returns early for a one-rank group
+        return []  # dtensor_ulysses.comm.alltoall returns early for a one-rank group
     m = w.shape
     ranks = ulysses_bytes_by_rank(
         m.n_heads, m.n_kv_heads, m.head_dim, P, ulysses_rank_tokens(w), w.e

@@ -106,7 +106,7 @@ def train_three_steps(rank: int, world: int, model_dirs: dict, layouts: list, pa
         for dp, sp in layouts:
             mesh = init_mesh(dp, sp, device_type="cpu")
             cfg = _cfg(model_dir, dp, sp, **kw)
-            model, opt, sched = hf.build(cfg, mesh, torch.device("cpu"))
+            model, opt, sched = du_train.build(cfg, mesh, torch.device("cpu"))
             b = G // dp
             rows = slice(mesh.get_local_rank("dp") * b, (mesh.get_local_rank("dp") + 1) * b)
             batch = {"input_ids": ids[rows], "labels": labels[rows], "position_ids": pos[rows]}
@@ -244,7 +244,7 @@ def hf_features(rank: int, world: int, dirs: dict, out_dir: str, tok_dir: str, d
 
     # one step through the trainer pieces, then save and reload
     cfg = _cfg(dirs["llama"], 1, world, activation_checkpointing=True)
-    model, opt, sched = hf.build(cfg, mesh, torch.device("cpu"))
+    model, opt, sched = du_train.build(cfg, mesh, torch.device("cpu"))
     group = flatten_dp_sp(mesh).get_group()
     sb = hf.shard_batch({"input_ids": ids, "position_ids": pos}, mesh)
     du_train.train_step(model, sb, opt, sched, group=group)

@@ -316,6 +316,7 @@ def test_public_names_survive_importing_every_submodule():
     code = (
         "import importlib, pkgutil, types, dtensor_ulysses as du\n"
         "mods = [m.name for m in pkgutil.walk_packages(du.__path__, 'dtensor_ulysses.')]\n"
+        "mods = [m for m in mods if not m.endswith('.__main__')]\n"
         "for m in mods:\n"
         "    importlib.import_module(m)\n"
         "bad = []\n"

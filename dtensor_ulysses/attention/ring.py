@@ -188,8 +188,11 @@ class RingAttention(nn.Module):
 
     Args:
         mesh: a mesh with a ``"ring"`` axis, or the ring process group.
-        causal, order, softmax_scale, backend: defaults for :func:`ring_attention`; a call's
-            keyword arguments override them.
+        causal: default for :func:`ring_attention` (a call's keyword arguments override the
+            four defaults).
+        order: default ``order`` of :func:`ring_attention`.
+        softmax_scale: default ``softmax_scale`` of :func:`ring_attention`.
+        backend: default ``backend`` of :func:`ring_attention`.
     """
 
     global_doc_starts = True

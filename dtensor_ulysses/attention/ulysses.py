@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ulysses.attention._head_stages import StageExchange, run_head_stages
 from dtensor_ulysses.attention.local import DeferredQ, starts_from_positions
-from dtensor_ulysses.comm.all_to_all import AllToAllInFlight, all_to_all
+from dtensor_ulysses.comm.alltoall import AllToAllInFlight, all_to_all
 from dtensor_ulysses.plan import (
     HEAD_DIM,
     SEQ_DIM,

@@ -10,14 +10,14 @@ from dtensor_ulysses._public import lazy_exports
 
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
-    "all_to_all": "all_to_all",
-    "AllToAllInFlight": "all_to_all",
-    "dim_order": "all_to_all",
-    "even_sizes": "all_to_all",
-    "PendingExchange": "all_to_all",
+    "all_to_all": "alltoall",
+    "AllToAllInFlight": "alltoall",
+    "dim_order": "alltoall",
+    "even_sizes": "alltoall",
+    "PendingExchange": "alltoall",
     "ring_shift": "p2p",
     "RingShift": "p2p",
-    "start_exchange": "all_to_all",
+    "start_exchange": "alltoall",
 }
 
 __all__ = [
@@ -34,15 +34,15 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from dtensor_ulysses.comm.all_to_all import (
-        AllToAllInFlight,
-        PendingExchange,
+    from dtensor_ulysses.comm.alltoall import (
         all_to_all,
+        AllToAllInFlight,
         dim_order,
         even_sizes,
+        PendingExchange,
         start_exchange,
     )
     from dtensor_ulysses.comm.p2p import (
-        RingShift,
         ring_shift,
+        RingShift,
     )

@@ -1,4 +1,4 @@
-"""Training data: a byte tokenizer, packed documents, deterministic dp sampling, sp slicing.
+"""One step's batch: deterministic dp sampling, sp slicing, labels, and the step's sequence layout.
 
 Legend (``X_sp`` means "dim X split over the ``sp`` mesh axis"):
 

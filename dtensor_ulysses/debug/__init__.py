@@ -60,8 +60,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         CommCounter,
     )
     from dtensor_ulysses.debug.layout import (
-        Chunk,
         a2a_plan,
+        Chunk,
         describe,
         describe_placements,
         head_ranges,

@@ -1,4 +1,4 @@
-"""Debugging layouts and communication: count collectives, and say who holds which slice.
+"""Layout helpers: who holds which slice of ``x[B, S, N, H]`` under a placement, and the all-to-all.
 
 * :class:`CommCounter` - a ``TorchDispatchMode`` that records every c10d and functional
   collective (including those issued by DTensor, FSDP2 and autograd backward): kind, group, input

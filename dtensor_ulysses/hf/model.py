@@ -1,4 +1,4 @@
-"""transformers models in the trainer: the model-call adapter, parallelize, safetensors in and out.
+"""transformers models under Ulysses + FSDP2: the model-call adapter, parallelize, safetensors.
 
 * :class:`HFCausalLM` gives a transformers causal LM the call the trainer makes,
   ``model(input_ids, position_ids, layout=, labels=) -> float32 loss sum`` over this rank's

@@ -51,7 +51,11 @@ class HostOffloadAdamW(torch.optim.Optimizer):
     ``16n`` bytes; device memory saved ``8n`` bytes.
 
     Args:
-        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        params: as ``torch.optim.AdamW``.
+        lr: as ``torch.optim.AdamW``.
+        betas: as ``torch.optim.AdamW``.
+        eps: as ``torch.optim.AdamW``.
+        weight_decay: as ``torch.optim.AdamW``.
         foreach: the CPU math with foreach kernels (default True; bit-identical on CPU).
         pin_memory: pinned host buffers (``None``: when the parameter is on CUDA).
     """

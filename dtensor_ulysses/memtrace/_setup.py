@@ -1,4 +1,4 @@
-"""The memory trace's world and the traced step's setup, for :mod:`dtensor_ulysses.memtrace.trace`.
+"""The memory trace's fake world and the traced step's setup and bookkeeping.
 
 * :func:`fake_world`: ``torch.distributed``'s fake process group, a ``FakeTensorMode`` and
   recording modes that feed a ``_Timeline`` (``_timeline.py``) with every storage an op creates

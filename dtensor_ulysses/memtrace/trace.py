@@ -226,7 +226,8 @@ def trace_train_step(
     Args:
         model: preset name.
         seq_len: tokens per sequence ``S`` (micro-batch 1 per dp rank).
-        dp, sp: the layout; ``dp * sp`` fake ranks.
+        dp: data-parallel degree (``dp * sp`` fake ranks).
+        sp: sequence-parallel degree.
         ac: activation checkpointing (every block).
         layers: trace a model with this many blocks instead of the preset's.
         warmup_seq_len: the warm-up step's length (default: the smallest that every feature

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtensor_ulysses.plan.presets import ModelShape
+from dtensor_ulysses.plan.splits import default_loss_chunk, local_tokens
 
 __all__ = ["RUNTIME_BYTES", "MemoryEstimate", "estimate_memory", "format_bytes"]
 
@@ -71,17 +72,20 @@ def estimate_memory(
 
     Args:
         shape: the model.
-        seq_len, batch_size: tokens per sequence and the *global* batch.
-        dp, sp: the layout.
+        seq_len: tokens per sequence.
+        batch_size: the *global* batch.
+        dp: data-parallel degree.
+        sp: sequence-parallel degree.
         compute_bytes: bytes per element of compute (2: bf16 on CUDA; 4: fp32 on CPU).
-        the rest: the trainer's memory features, as in
-            :class:`~dtensor_ulysses.train.TrainConfig`.
+
+    The other keyword arguments are the trainer's memory features, as in
+    :class:`~dtensor_ulysses.train.TrainConfig`.
     """
     W = dp * sp
     c = compute_bytes
     D, F, L, V = shape.dim, shape.ffn_dim, shape.n_layers, shape.vocab_size
     q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-    t = (batch_size // dp) * -(-seq_len // sp)
+    t = local_tokens(batch_size, dp, seq_len, sp)
     root_params = V * D * (1 if shape.tie_embeddings else 2) + D
     block_params = (shape.n_params - root_params) // max(1, L)
     n = -(-shape.n_params // W)
@@ -134,7 +138,7 @@ def estimate_memory(
     else:
         act["activations"] = (L - 1) * saved * t * c
         work = (saved + max(attn_bwd, mlp_bwd)) * t * c
-    loss_tokens = min(t, loss_chunk_tokens or min(2048, t)) if tiled_loss else t
+    loss_tokens = min(t, loss_chunk_tokens or default_loss_chunk(t)) if tiled_loss else t
     logits = loss_tokens * V * (c + 8)
     # Gradients fill up in backward as activations are freed: the step's peak is the larger of
     # the loss (all kept activations, the logits, the final hidden states and their gradient),

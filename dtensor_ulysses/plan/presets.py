@@ -1,4 +1,4 @@
-"""Model shapes, torch-free: the one table read by the model (``model.py``) and the simulator.
+"""Model shapes, torch-free: the one table read by the model and the simulator.
 
 Importing this module does not import torch, so ``simulations/`` stays a pure-Python cost model.
 Shapes follow the published configs of each model family.

@@ -1,4 +1,4 @@
-"""Train a Llama-style decoder with FSDP2 + Ulysses sequence parallelism on a ``(dp, sp)`` mesh.
+"""The training loop: build, one step (:func:`train_step`), the loop and :func:`main`.
 
 Run (CPU with gloo, or GPUs with NCCL — the same command)::
 
