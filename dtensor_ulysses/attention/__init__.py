@@ -66,34 +66,34 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from dtensor_ulysses.attention.local import (
-        BACKENDS,
-        DeferredQ,
-        flash_attn_available,
-        force_backend,
-        local_attention,
-        LocalAttention,
-        resolve_backend,
-        starts_from_positions,
-    )
-    from dtensor_ulysses.attention.ulysses import (
-        check_head_chunks,
-        gather_doc_starts,
-        SP_AXIS,
-        sp_axis,
-        sp_group,
-        to_heads,
-        to_seq,
-        UlyssesAttention,
-    )
-    from dtensor_ulysses.attention.ring import (
-        ring_attention,
-        RING_AXIS,
-        ring_group,
-        RingAttention,
-    )
     from dtensor_ulysses.attention.dtensor_api import (
         head_to_seq,
         seq_to_head,
         ulysses_attention,
+    )
+    from dtensor_ulysses.attention.local import (
+        BACKENDS,
+        DeferredQ,
+        LocalAttention,
+        flash_attn_available,
+        force_backend,
+        local_attention,
+        resolve_backend,
+        starts_from_positions,
+    )
+    from dtensor_ulysses.attention.ring import (
+        RING_AXIS,
+        RingAttention,
+        ring_attention,
+        ring_group,
+    )
+    from dtensor_ulysses.attention.ulysses import (
+        SP_AXIS,
+        UlyssesAttention,
+        check_head_chunks,
+        gather_doc_starts,
+        sp_axis,
+        sp_group,
+        to_heads,
+        to_seq,
     )

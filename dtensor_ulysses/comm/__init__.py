@@ -35,14 +35,14 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from dtensor_ulysses.comm.alltoall import (
-        all_to_all,
         AllToAllInFlight,
+        PendingExchange,
+        all_to_all,
         dim_order,
         even_sizes,
-        PendingExchange,
         start_exchange,
     )
     from dtensor_ulysses.comm.p2p import (
-        ring_shift,
         RingShift,
+        ring_shift,
     )

@@ -44,22 +44,22 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from dtensor_ulysses.data.read import (
-        default_corpus_paths,
-        read_documents,
-    )
-    from dtensor_ulysses.data.corpus import (
-        decode,
-        encode,
-        PackedCorpus,
-        SEP_ID,
-        VOCAB_SIZE,
-    )
     from dtensor_ulysses.data.batch import (
+        IGNORE_INDEX,
         Batch,
         document_positions,
         get_batch,
-        IGNORE_INDEX,
         sample_index,
         starts_from_separators,
+    )
+    from dtensor_ulysses.data.corpus import (
+        SEP_ID,
+        VOCAB_SIZE,
+        PackedCorpus,
+        decode,
+        encode,
+    )
+    from dtensor_ulysses.data.read import (
+        default_corpus_paths,
+        read_documents,
     )

@@ -60,8 +60,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         CommCounter,
     )
     from dtensor_ulysses.debug.layout import (
-        a2a_plan,
         Chunk,
+        a2a_plan,
         describe,
         describe_placements,
         head_ranges,

@@ -56,13 +56,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         is_host,
         to_host,
     )
+    from dtensor_ulysses.memory.host_adamw import (
+        HostOffloadAdamW,
+    )
     from dtensor_ulysses.memory.offload import (
         ActivationOffloader,
         cuda_schedule_on_cpu,
         fsdp_offload_policy,
-    )
-    from dtensor_ulysses.memory.host_adamw import (
-        HostOffloadAdamW,
     )
     from dtensor_ulysses.memory.recompute import (
         activation_offloader,

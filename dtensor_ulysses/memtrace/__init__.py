@@ -40,8 +40,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         TraceUnavailable,
     )
     from dtensor_ulysses.memtrace.trace import (
-        extrapolate,
         PHASES,
         StepTrace,
+        extrapolate,
         trace_train_step,
     )

@@ -55,28 +55,28 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from dtensor_ulysses.models.layers import (
-        apply_rope,
         FeedForward,
         OutputHead,
         RMSNorm,
+        apply_rope,
         rope_cos_sin,
+    )
+    from dtensor_ulysses.models.llama import (
+        Attention,
+        Transformer,
+        TransformerBlock,
+        build_model,
+        model_flops_per_token,
+        set_tiling,
     )
     from dtensor_ulysses.models.loss import (
         cross_entropy_sum,
         tiled_cross_entropy_sum,
     )
     from dtensor_ulysses.models.weights import (
+        INIT_STD,
         bare_name,
         copy_full_,
-        INIT_STD,
         init_std,
         init_weights,
-    )
-    from dtensor_ulysses.models.llama import (
-        Attention,
-        build_model,
-        model_flops_per_token,
-        set_tiling,
-        Transformer,
-        TransformerBlock,
     )

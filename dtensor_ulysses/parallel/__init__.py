@@ -36,6 +36,12 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs
+    from dtensor_ulysses.parallel.compose import (
+        checkpoint_blocks,
+        default_mixed_precision,
+        parallelize,
+        shard_blocks,
+    )
     from dtensor_ulysses.parallel.mesh import (
         default_device_type,
         flatten_dp_sp,
@@ -44,10 +50,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     )
     from dtensor_ulysses.parallel.tokens import (
         global_valid_tokens,
-    )
-    from dtensor_ulysses.parallel.compose import (
-        checkpoint_blocks,
-        default_mixed_precision,
-        parallelize,
-        shard_blocks,
     )

@@ -109,59 +109,59 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from dtensor_ulysses.plan.splits import (
-        check_ring_mesh,
-        check_ring_seq,
-        check_sp_for_heads,
-        contiguous_stride,
-        default_loss_chunk,
-        DEFAULT_LOSS_CHUNK_TOKENS,
-        divisors,
-        HEAD_DIM,
-        head_plan,
-        head_split,
-        HeadPlan,
-        kv_head_index,
-        local_tokens,
-        nearby_multiples,
-        ring_chunks,
-        ring_closed_form,
-        RING_ORDERS,
-        ring_seq_sizes,
-        SEQ_DIM,
-        seq_split,
-        SeqLayout,
-        ulysses_bytes_by_rank,
-        zigzag_permutation,
-        zigzag_positions,
+    from dtensor_ulysses.plan._preflight_capacity import (
+        CAPACITY_ENV,
+        HOST_CAPACITY_ENV,
+        device_capacity,
+        host_capacity,
+        parse_bytes,
     )
-    from dtensor_ulysses.plan.presets import (
-        get_shape,
-        ModelShape,
-        PRESETS,
-        training_flops_per_token,
+    from dtensor_ulysses.plan._preflight_estimate import (
+        RUNTIME_BYTES,
+        MemoryEstimate,
+        estimate_memory,
+        format_bytes,
     )
     from dtensor_ulysses.plan.hardware import (
         GPU_SPECS,
         GpuSpec,
         spec_for_device,
     )
-    from dtensor_ulysses.plan._preflight_capacity import (
-        CAPACITY_ENV,
-        device_capacity,
-        host_capacity,
-        HOST_CAPACITY_ENV,
-        parse_bytes,
-    )
-    from dtensor_ulysses.plan._preflight_estimate import (
-        estimate_memory,
-        format_bytes,
-        MemoryEstimate,
-        RUNTIME_BYTES,
-    )
     from dtensor_ulysses.plan.preflight import (
-        check_fits,
         FEATURE_FLAGS,
         MEMORY_FEATURES,
         Preflight,
+        check_fits,
+    )
+    from dtensor_ulysses.plan.presets import (
+        PRESETS,
+        ModelShape,
+        get_shape,
+        training_flops_per_token,
+    )
+    from dtensor_ulysses.plan.splits import (
+        DEFAULT_LOSS_CHUNK_TOKENS,
+        HEAD_DIM,
+        RING_ORDERS,
+        SEQ_DIM,
+        HeadPlan,
+        SeqLayout,
+        check_ring_mesh,
+        check_ring_seq,
+        check_sp_for_heads,
+        contiguous_stride,
+        default_loss_chunk,
+        divisors,
+        head_plan,
+        head_split,
+        kv_head_index,
+        local_tokens,
+        nearby_multiples,
+        ring_chunks,
+        ring_closed_form,
+        ring_seq_sizes,
+        seq_split,
+        ulysses_bytes_by_rank,
+        zigzag_permutation,
+        zigzag_positions,
     )

@@ -52,25 +52,25 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from dtensor_ulysses.train.cli import (
-        parse_args,
-        TrainConfig,
-        UsageError,
-    )
     from dtensor_ulysses.train.checks import (
         validate,
     )
-    from dtensor_ulysses.train.spec import (
-        lr_lambda,
-        make_optimizer,
-        model_spec,
-        ModelSpec,
+    from dtensor_ulysses.train.cli import (
+        TrainConfig,
+        UsageError,
+        parse_args,
     )
     from dtensor_ulysses.train.loop import (
+        StepResult,
         build,
         forward_backward,
         main,
-        StepResult,
         train,
         train_step,
+    )
+    from dtensor_ulysses.train.spec import (
+        ModelSpec,
+        lr_lambda,
+        make_optimizer,
+        model_spec,
     )
