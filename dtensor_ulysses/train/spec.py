@@ -160,7 +160,8 @@ def _describe_hf(cfg: TrainConfig, model: torch.nn.Module) -> tuple[str, int, fl
     embedding = hf.get_input_embeddings().weight
     head = hf.get_output_embeddings()
     n_matmul = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not embedding)
-    n_matmul += head.weight.numel() if head is not None else embedding.numel()
+    if head is None or head.weight is embedding:  # tied: the head multiplies by the embedding
+        n_matmul += embedding.numel()
     text = hf.config.get_text_config()
     n_heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // n_heads)
