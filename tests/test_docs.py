@@ -118,14 +118,16 @@ def site() -> Path:
 # build
 # ---------------------------------------------------------------------------------------------
 def test_build_strict(site):
-    for page in ("index.html", "concepts/all-to-all/index.html", "reference/api/ulysses/index.html",
-                 "concepts/formulas/index.html", "404.html"):  # fmt: skip
+    for page in ("index.html", "concepts/all-to-all/index.html", "concepts/formulas/index.html",
+                 "reference/api/attention/index.html", "404.html"):  # fmt: skip
         assert (site / page).is_file(), page
-    for page, names in (("ulysses", ("UlyssesAttention", "to_heads")),
-                        ("dtensor_api", ("seq_to_head", "ulysses_attention")),
-                        ("plan", ("kv_head_index", "SeqLayout"))):  # fmt: skip
+    for page, module, names in (
+        ("attention", "attention.ulysses", ("UlyssesAttention", "to_heads")),
+        ("attention", "attention.dtensor_api", ("seq_to_head", "ulysses_attention")),
+        ("plan", "plan.splits", ("kv_head_index", "SeqLayout")),
+    ):  # one API page per subpackage, a section per module
         api = (site / f"reference/api/{page}/index.html").read_text(encoding="utf-8")
-        assert all(f'id="dtensor_ulysses.{page}.{n}"' in api for n in names), page  # docstrings
+        assert all(f'id="dtensor_ulysses.{module}.{n}"' in api for n in names), module  # docstrings
     formulas = (site / "concepts/formulas/index.html").read_text(encoding="utf-8")
     assert formulas.count("<math") > 10 and 'class="arithmatex"' not in formulas  # all rendered
 
