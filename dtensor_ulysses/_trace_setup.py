@@ -3,8 +3,9 @@
 * :func:`fake_world` (re-exported by ``memtrace``): ``torch.distributed``'s fake process group,
   a ``FakeTensorMode`` and recording modes that feed a :class:`~dtensor_ulysses._timeline._Timeline`
   with every storage an op creates (host when :func:`dtensor_ulysses.offload.allocating_host`).
-* The step's setup: a preset with fewer blocks, FSDP2's CUDA mixed precision on the CPU, the
-  offloader's CUDA schedule, the ``TrainConfig`` and the batch of one rank.
+* The step's setup: a preset with fewer blocks, the offloader's CUDA schedule, the
+  ``TrainConfig`` and the batch of one rank (the mixed-precision policy of the traced device is
+  passed to ``train.build`` by :func:`dtensor_ulysses.memtrace.trace_train_step`).
 * The step's bookkeeping: the phase and block marks (:func:`_phase_hooks`) and the sharded
   parameters and optimizer states alive from the warm-up step on (:func:`_classify_states`).
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -140,23 +140,6 @@ def _temporary_preset(name: str, layers: int | None) -> Iterator[str]:
         yield tmp
     finally:
         PRESETS.pop(tmp, None)
-
-
-@contextlib.contextmanager
-def _bf16_policy() -> Iterator[None]:
-    """FSDP2's CUDA mixed precision (bf16 params, fp32 reduce) for the CPU fake world."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    import dtensor_ulysses as du
-
-    par: Any = importlib.import_module(du.parallelize.__module__)  # where parallelize looks it up
-    orig = par.default_mixed_precision
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    par.default_mixed_precision = lambda device_type: policy
-    try:
-        yield
-    finally:
-        par.default_mixed_precision = orig
 
 
 def _config(model: str, seq_len: int, dp: int, sp: int, ac: bool, features: dict[str, Any]):

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dtensor_ulysses import checkpoint as ckpt
 from dtensor_ulysses._exit import exit_process, leave_together
@@ -89,7 +90,14 @@ __all__ = [
 ]
 
 
-def build(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, *, init: bool = True):
+def build(
+    cfg: TrainConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    init: bool = True,
+    mixed_precision: MixedPrecisionPolicy | None | str = "auto",
+):
     """Model on meta -> tiling -> parallelize -> materialize -> init; AdamW and its schedule.
 
     Args:
@@ -98,6 +106,9 @@ def build(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, *, init: boo
         device: where the model computes.
         init: draw the initial weights (``False`` leaves them uninitialized: for memory tracing
             under fake tensors, where values do not matter).
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy``, ``None`` for fp32, or ``"auto"`` (the
+            mesh's device type decides: bf16 + fp32 reduce on CUDA, fp32 elsewhere); the memory
+            trace passes the policy of the run it describes.
 
     With ``cfg.hf_model`` this is :func:`dtensor_ulysses.hf.model.build`: the transformers model
     from its directory, each rank loading only its FSDP2 shards.
@@ -125,6 +136,7 @@ def build(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, *, init: boo
         compile=cfg.compile or False,
         attention_backend=cfg.attention_backend,
         allow_uneven_heads=cfg.allow_uneven_heads,
+        mixed_precision=mixed_precision,
     )
     # with FSDP2's CPU offload the sharded parameters live on the host (it copies them over)
     model.to_empty(device="cpu" if cfg.offload_params else device)
