@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 MiB = 2**20
-TOLERANCE = 0.10  # |real growth / traced growth - 1|
+TOLERANCE = 0.10  # |real growth / traced growth - 1|, the widest held (CheckConfig.tolerance)
 MMAP_THRESHOLD = 65536  # bytes: glibc serves allocations from this size on by mmap
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "trace_check.json"
@@ -60,6 +60,7 @@ class CheckConfig:
     ac: bool
     seq_lens: tuple[int, int]
     features: dict[str, Any] = field(default_factory=dict)
+    tolerance: float = 0.03  # |real / traced - 1| held; see CONFIGS for the wider one
 
     def label(self) -> str:
         feats = [k if v is True else f"{k}={v}" for k, v in self.features.items()]
@@ -68,11 +69,24 @@ class CheckConfig:
         )
 
 
+# ``ac+tiled`` is held to TOLERANCE, the others to 3%: with checkpointing and tiled loss and MLP
+# the step's peak falls inside an RMSNorm (``_layers.py``), whose output / gradient buffer is
+# ``torch.empty_like`` and written only after its one chunk's temporaries are computed; the trace
+# (like CUDA's caching allocator) counts it when allocated, the kernel counts its pages when
+# written, so the real growth is 4-7% below the trace there (zero-filling those buffers at
+# allocation brings it to 1.01-1.04x; simulations/README.md, "checked against a real allocator").
 CONFIGS = (
     CheckConfig("plain", 1, False, (2048, 8192)),
-    CheckConfig("ac+tiled", 1, True, (2048, 10240), {"tiled_loss": True, "tiled_mlp": True}),
-    CheckConfig("head-chunks", 2, True, (2048, 10240), {"head_chunks": 2}),
-    CheckConfig("offload-act", 1, True, (2048, 10240), {"offload_activations": True}),
+    CheckConfig(
+        "ac+tiled",
+        1,
+        True,
+        (2048, 8192),
+        {"tiled_loss": True, "tiled_mlp": True},
+        tolerance=TOLERANCE,
+    ),
+    CheckConfig("head-chunks", 2, True, (2048, 8192), {"head_chunks": 2}),
+    CheckConfig("offload-act", 1, True, (2048, 8192), {"offload_activations": True}),
 )
 
 
@@ -94,7 +108,7 @@ def _force_mmap() -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc: the environment variable is all there is
         return
-    libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    libc.mallopt(_M_MMAP_THRESHOLD, int(os.environ.get("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)))
 
 
 def _rank_step(rank: int, world: int, cfg_d: dict[str, Any], seq_len: int) -> dict[str, int]:
@@ -161,8 +175,8 @@ def _by_name(name: str) -> CheckConfig:
     raise ValueError(f"no check configuration {name!r}; use one of {names}")
 
 
-def _run(args: list[str], timeout: int) -> Any:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), OMP_NUM_THREADS="1")
+def _run(args: list[str], timeout: int, mmap_threshold: int = MMAP_THRESHOLD) -> Any:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(mmap_threshold), OMP_NUM_THREADS="1")
     r = subprocess.run(
         [sys.executable, "-m", "simulations.trace_check", *args], capture_output=True,
         text=True, timeout=timeout, env=env,
@@ -172,10 +186,12 @@ def _run(args: list[str], timeout: int) -> Any:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def measure_real(c: CheckConfig, seq_len: int, *, timeout: int = 300) -> list[dict[str, int]]:
-    """The real step of ``c`` at ``seq_len`` in a fresh process per rank; per rank
-    ``{"rss_before", "hwm", "peak"}`` bytes."""
-    return _run(["--worker", c.name, str(seq_len)], timeout)
+def measure_real(
+    c: CheckConfig, seq_len: int, *, timeout: int = 300, mmap_threshold: int = MMAP_THRESHOLD
+) -> list[dict[str, int]]:
+    """The real step of ``c`` at ``seq_len`` in a fresh process per rank (glibc's mmap threshold
+    ``mmap_threshold`` bytes); per rank ``{"rss_before", "hwm", "peak"}`` bytes."""
+    return _run(["--worker", c.name, str(seq_len)], timeout, mmap_threshold)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,13 +221,15 @@ def measure_traced(configs: tuple[CheckConfig, ...], *, timeout: int = 300) -> d
 # ----------------------------------------------------------------------------------------------
 # the comparison
 # ----------------------------------------------------------------------------------------------
-def compare(configs: tuple[CheckConfig, ...] = CONFIGS) -> list[dict[str, Any]]:
+def compare(
+    configs: tuple[CheckConfig, ...] = CONFIGS, *, mmap_threshold: int = MMAP_THRESHOLD
+) -> list[dict[str, Any]]:
     """One row per configuration: rank 0's real and traced peak growth from ``S1`` to ``S2``."""
     traced = measure_traced(configs)
     rows = []
     for c in configs:
         s1, s2 = c.seq_lens
-        real = {s: measure_real(c, s) for s in (s1, s2)}
+        real = {s: measure_real(c, s, mmap_threshold=mmap_threshold) for s in (s1, s2)}
         real_growth = real[s2][0]["peak"] - real[s1][0]["peak"]
         t = traced[c.name]
         traced_growth = t[str(s2)]["peak_bytes"] - t[str(s1)]["peak_bytes"]
@@ -219,7 +237,7 @@ def compare(configs: tuple[CheckConfig, ...] = CONFIGS) -> list[dict[str, Any]]:
             {
                 "config": c.name, "label": c.label(), "sp": c.sp, "S1": s1, "S2": s2,
                 "real_growth_bytes": real_growth, "traced_growth_bytes": traced_growth,
-                "ratio": real_growth / traced_growth,
+                "ratio": real_growth / traced_growth, "tolerance": c.tolerance,
                 "real": {str(s): v for s, v in real.items()}, "traced": t,
             }
         )  # fmt: skip
@@ -229,14 +247,14 @@ def compare(configs: tuple[CheckConfig, ...] = CONFIGS) -> list[dict[str, Any]]:
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """The Markdown table of :func:`compare`'s rows."""
     out = [
-        "| config | S1 -> S2 | real growth | traced growth | real / traced |",
-        "|---|---|---:|---:|---:|",
+        "| config | S1 -> S2 | real growth | traced growth | real / traced | held |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         out.append(
             f"| {r['label']} | {r['S1']:,} -> {r['S2']:,} | "
             f"{r['real_growth_bytes'] / MiB:.1f} MiB | {r['traced_growth_bytes'] / MiB:.1f} MiB "
-            f"| {r['ratio']:.3f} |"
+            f"| {r['ratio']:.3f} | {r['tolerance']:.0%} |"
         )
     return "\n".join(out)
 
@@ -247,16 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", default=None,
                     help=f"one of {', '.join(c.name for c in CONFIGS)} (default: all)")  # fmt: skip
     ap.add_argument("--json-out", default=str(RESULTS), help="write the rows here ('' : no file)")
+    ap.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
+                    help="glibc serves allocations of this many bytes or more by mmap")  # fmt: skip
     a = ap.parse_args(argv)
     configs = tuple(_by_name(n) for n in a.config) if a.config else CONFIGS
-    rows = compare(configs)
+    if a.mmap_threshold < 4096:
+        raise ValueError(f"--mmap-threshold={a.mmap_threshold}: use at least one page (4096)")
+    rows = compare(configs, mmap_threshold=a.mmap_threshold)
     print(format_rows(rows))
-    bad = [r["config"] for r in rows if abs(r["ratio"] - 1) > TOLERANCE]
-    verdict = f"OUTSIDE for {', '.join(bad)}" if bad else "all within"
-    print(f"tolerance {TOLERANCE:.0%}: {verdict}")
+    bad = [r["config"] for r in rows if abs(r["ratio"] - 1) > r["tolerance"]]
+    held = ", ".join(f"{r['config']} {r['tolerance']:.0%}" for r in rows)
+    print(f"tolerance ({held}): " + (f"OUTSIDE for {', '.join(bad)}" if bad else "all within"))
     if a.json_out:
         Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-        meta = {"tolerance": TOLERANCE, "mmap_threshold": MMAP_THRESHOLD, "rows": rows}
+        meta = {"tolerance": TOLERANCE, "mmap_threshold": a.mmap_threshold, "rows": rows}
         Path(a.json_out).write_text(json.dumps(meta, indent=2) + "\n")
     return 1 if bad else 0
 
