@@ -4,7 +4,8 @@ The tracing engine is the library's :mod:`dtensor_ulysses.memtrace`: the model i
 ``dtensor_ulysses.train.build`` (``du.parallelize`` and every memory feature), and
 ``train.train_step`` (forward with the loss, backward, clipping, the optimizer step) runs on fake
 tensors on a fake process group of ``dp * sp`` ranks, bf16 parameters with fp32 gradient
-reduction, micro-batch 1. This module adds what the simulator needs around it:
+reduction (``TraceCase.device == "cpu"``: fp32, as the trainer on a CPU), micro-batch 1. This
+module adds what the simulator needs around it:
 
 * :func:`trace` - one :class:`TraceCase` (``n_layers`` blocks traced, or two depths traced and
   extrapolated to the preset's; per-block cost is exactly linear, a test checks it);

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -198,24 +199,25 @@ def measure_real(
 # the trace (a fresh process: the trace owns the fake default process group)
 # ----------------------------------------------------------------------------------------------
 def _traced(argv: list[str]) -> None:
+    """``python -m simulations.trace_check --traced NAME:S ...``: the CPU traces, JSON."""
     from dtensor_ulysses import memtrace as mt
 
     out: dict[str, dict[str, Any]] = {}
-    for name in argv:
+    for item in argv:
+        name, s = item.split(":")
         c = _by_name(name)
-        out[name] = {}
-        for s in c.seq_lens:
-            t = mt.trace_train_step("tiny", s, sp=c.sp, ac=c.ac, device="cpu", **c.features)
-            out[name][str(s)] = {
-                "peak_bytes": t.peak_bytes, "device_peak_bytes": t.device_peak_bytes,
-                "host_bytes": t.host_bytes, "peak_phase": t.peak_phase,
-            }  # fmt: skip
+        t = mt.trace_train_step("tiny", int(s), sp=c.sp, ac=c.ac, device="cpu", **c.features)
+        out.setdefault(name, {})[s] = {
+            "peak_bytes": t.peak_bytes, "device_peak_bytes": t.device_peak_bytes,
+            "host_bytes": t.host_bytes, "peak_phase": t.peak_phase,
+        }  # fmt: skip
     print(json.dumps(out))
 
 
 def measure_traced(configs: tuple[CheckConfig, ...], *, timeout: int = 300) -> dict[str, Any]:
-    """``{name: {str(S): {"peak_bytes", ...}}}``: the CPU trace of every configuration."""
-    return _run(["--traced", *(c.name for c in configs)], timeout)
+    """``{name: {str(S): {"peak_bytes", ...}}}``: the CPU trace of every configuration at both
+    of its lengths."""
+    return _run(["--traced", *(f"{c.name}:{s}" for c in configs for s in c.seq_lens)], timeout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,10 +267,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", default=None,
                     help=f"one of {', '.join(c.name for c in CONFIGS)} (default: all)")  # fmt: skip
     ap.add_argument("--json-out", default=str(RESULTS), help="write the rows here ('' : no file)")
+    ap.add_argument("--seq-lens", type=int, nargs=2, default=None, metavar=("S1", "S2"),
+                    help="both lengths, for every configuration (default: its own)")  # fmt: skip
     ap.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
                     help="glibc serves allocations of this many bytes or more by mmap")  # fmt: skip
     a = ap.parse_args(argv)
     configs = tuple(_by_name(n) for n in a.config) if a.config else CONFIGS
+    if a.seq_lens is not None:
+        s1, s2 = a.seq_lens
+        if not 128 <= s1 < s2 or s1 % 2 or s2 % 2:
+            raise ValueError(
+                f"--seq-lens {s1} {s2}: give 128 <= S1 < S2, both even (sp=2 halves them), "
+                f"e.g. --seq-lens 8192 32768"
+            )
+        configs = tuple(dataclasses.replace(c, seq_lens=(s1, s2)) for c in configs)
     if a.mmap_threshold < 4096:
         raise ValueError(f"--mmap-threshold={a.mmap_threshold}: use at least one page (4096)")
     rows = compare(configs, mmap_threshold=a.mmap_threshold)
