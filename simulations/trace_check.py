@@ -164,7 +164,7 @@ def _worker(argv: list[str]) -> None:
             out = [fn(0, 1, cfg_d, seq_len)]
             dist.destroy_process_group()
     else:
-        out = run_local_world(fn, c.sp, cfg_d, seq_len, timeout_s=300)
+        out = run_local_world(fn, c.sp, cfg_d, seq_len, timeout_s=3600)  # the parent bounds it
     print(json.dumps(out))
 
 
@@ -178,10 +178,16 @@ def _by_name(name: str) -> CheckConfig:
 
 def _run(args: list[str], timeout: int, mmap_threshold: int = MMAP_THRESHOLD) -> Any:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(mmap_threshold), OMP_NUM_THREADS="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "simulations.trace_check", *args], capture_output=True,
-        text=True, timeout=timeout, env=env,
-    )  # fmt: skip
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "simulations.trace_check", *args], capture_output=True,
+            text=True, timeout=timeout, env=env,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"trace_check {' '.join(args)} took more than {timeout} s (a loaded machine or long "
+            f"sequences); give --timeout with more seconds, or shorter --seq-lens"
+        ) from None
     if r.returncode != 0:
         raise RuntimeError(f"trace_check {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -224,14 +230,20 @@ def measure_traced(configs: tuple[CheckConfig, ...], *, timeout: int = 300) -> d
 # the comparison
 # ----------------------------------------------------------------------------------------------
 def compare(
-    configs: tuple[CheckConfig, ...] = CONFIGS, *, mmap_threshold: int = MMAP_THRESHOLD
+    configs: tuple[CheckConfig, ...] = CONFIGS,
+    *,
+    mmap_threshold: int = MMAP_THRESHOLD,
+    timeout: int = 300,
 ) -> list[dict[str, Any]]:
-    """One row per configuration: rank 0's real and traced peak growth from ``S1`` to ``S2``."""
-    traced = measure_traced(configs)
+    """One row per configuration: rank 0's real and traced peak growth from ``S1`` to ``S2``
+    (``timeout``: seconds for each process)."""
+    traced = measure_traced(configs, timeout=timeout)
     rows = []
     for c in configs:
         s1, s2 = c.seq_lens
-        real = {s: measure_real(c, s, mmap_threshold=mmap_threshold) for s in (s1, s2)}
+        real = {
+            s: measure_real(c, s, mmap_threshold=mmap_threshold, timeout=timeout) for s in (s1, s2)
+        }
         real_growth = real[s2][0]["peak"] - real[s1][0]["peak"]
         t = traced[c.name]
         traced_growth = t[str(s2)]["peak_bytes"] - t[str(s1)]["peak_bytes"]
@@ -269,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=str(RESULTS), help="write the rows here ('' : no file)")
     ap.add_argument("--seq-lens", type=int, nargs=2, default=None, metavar=("S1", "S2"),
                     help="both lengths, for every configuration (default: its own)")  # fmt: skip
+    ap.add_argument("--timeout", type=int, default=300, help="seconds for each process")
     ap.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
                     help="glibc serves allocations of this many bytes or more by mmap")  # fmt: skip
     a = ap.parse_args(argv)
@@ -283,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         configs = tuple(dataclasses.replace(c, seq_lens=(s1, s2)) for c in configs)
     if a.mmap_threshold < 4096:
         raise ValueError(f"--mmap-threshold={a.mmap_threshold}: use at least one page (4096)")
-    rows = compare(configs, mmap_threshold=a.mmap_threshold)
+    if a.timeout < 1:
+        raise ValueError(f"--timeout={a.timeout}: give seconds >= 1, e.g. --timeout 900")
+    rows = compare(configs, mmap_threshold=a.mmap_threshold, timeout=a.timeout)
     print(format_rows(rows))
     bad = [r["config"] for r in rows if abs(r["ratio"] - 1) > r["tolerance"]]
     held = ", ".join(f"{r['config']} {r['tolerance']:.0%}" for r in rows)
