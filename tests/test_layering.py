@@ -21,7 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ROOT / "dtensor_ulysses"
 SIMULATIONS = ROOT / "simulations"
 NOT_IN_LIBRARY = ("simulations", "matplotlib", "ipywidgets")
-MEASUREMENT_MODULES = {"simulations/_measure.py", "simulations/_trace.py"}
+MEASUREMENT_MODULES = {
+    "simulations/_measure.py",
+    "simulations/_trace.py",
+    "simulations/trace_check.py",
+}
 
 
 def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
