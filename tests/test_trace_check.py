@@ -69,6 +69,7 @@ def test_cli_trace_device_cpu_json():
     assert obj["phases"]["forward"]["by_category"]["parameters"] == 4 * get_shape("tiny").n_params
 
 
+@pytest.mark.timeout(900)
 def test_real_cpu_step_peak_growth_matches_trace():
     # the real step in fresh processes (glibc mmap for >= 64 KiB, VmHWM) against the CPU trace:
     # plain, checkpointing + tiled loss and MLP, head chunks at sp=2, offloaded activations
