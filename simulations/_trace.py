@@ -4,7 +4,8 @@ The tracing engine is the library's :mod:`dtensor_ulysses.memtrace`: the model i
 ``dtensor_ulysses.train.build`` (``du.parallelize`` and every memory feature), and
 ``train.train_step`` (forward with the loss, backward, clipping, the optimizer step) runs on fake
 tensors on a fake process group of ``dp * sp`` ranks, bf16 parameters with fp32 gradient
-reduction, micro-batch 1. This module adds what the simulator needs around it:
+reduction (``TraceCase.device == "cpu"``: fp32, as the trainer on a CPU), micro-batch 1. This
+module adds what the simulator needs around it:
 
 * :func:`trace` - one :class:`TraceCase` (``n_layers`` blocks traced, or two depths traced and
   extrapolated to the preset's; per-block cost is exactly linear, a test checks it);
@@ -70,6 +71,7 @@ class TraceCase:
     features: tuple[tuple[str, Any], ...] = ()
     extrapolate_from: int | None = None
     gpu: str = "h100"
+    device: str = "cuda"  # "cpu": the step as the trainer runs it on a CPU (fp32, gloo)
 
     def feature_dict(self) -> dict[str, Any]:
         return dict(self.features)
@@ -79,9 +81,11 @@ class TraceCase:
         feats = "".join(
             f" +{k}" if v is True else f" {k}={v}" for k, v in self.features if v not in (None,)
         )
+        on = " on cpu" if self.device == "cpu" else ""
         return (
             f"{self.model}{layers} S={self.seq_len:,} dp={self.dp} sp={self.sp} ac={self.ac}"
             + feats
+            + on
         )
 
     @property
@@ -97,6 +101,8 @@ class TraceCase:
         if self.n_layers:
             shape = shape.with_(n_layers=self.n_layers)
         opts = {k: v for k, v in self.features if v is not None}
+        if self.device == "cpu":  # the CPU trainer: fp32 compute and reduction
+            opts.update(dtype="fp32", reduce_dtype="fp32")
         return Workload(
             shape, self.seq_len, dp=self.dp, sp=self.sp, ac=self.ac, gpu=get_gpu(self.gpu),
             **opts,
@@ -140,6 +146,8 @@ def trace(case: TraceCase, *, breakdown: int = 0) -> Any:
     ``breakdown=n``, the ``n`` largest storages alive at its device peak as well."""
     mt = _memtrace()
     kw: dict[str, Any] = dict(dp=case.dp, sp=case.sp, ac=case.ac == "full", **case.feature_dict())
+    if case.device != "cuda":
+        kw["device"] = case.device
     if breakdown:
         kw["breakdown"] = breakdown
     try:
@@ -176,6 +184,9 @@ def report(case: TraceCase, *, traced: Any = None, breakdown: int = 0) -> dict[s
         "reserve_bytes": gpu.reserved_bytes,
         "fits": t.device_peak_bytes <= gpu.usable_bytes,
     }
+    if case.device == "cpu":  # a CPU run: no GPU, host and device are one memory
+        out.update(gpu=None, device="cpu", dtype="fp32", capacity_bytes=None,
+                   device_memory_bytes=None, reserve_bytes=None, fits=None)  # fmt: skip
     out.update({k: v for k, v in t.to_dict().items() if k not in out})
     out["extrapolated"] = len(t.traced_layers) == 2
     out["predicted"] = {

@@ -10,6 +10,8 @@ Kept in one file (~450 lines): the parser of every subcommand and its text outpu
     python -m simulations trace --model llama3-8b --seq-len 131072 --dp 1 --sp 8 --gpu h100 \
         --tiled-loss --tiled-mlp --layers 2 --json          # the real step, fake tensors
     python -m simulations trace --model llama3-8b --sp 8 --gpu h100 --find-max [features] --json
+    python -m simulations trace --model tiny --seq-len 8192 --dp 1 --sp 1 --device cpu --json
+    python -m simulations trace-check [--config plain]   # the CPU trace against a real run
 
 Bad input prints ``error: <what and how to fix it>`` and exits 2 (no traceback).
 """
@@ -111,6 +113,11 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
         "--breakdown", type=int, default=0, metavar="N",
         help="list the N largest tensors alive at the device peak (with --seq-len)",
     )  # fmt: skip
+    p.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"),
+        help="the run traced: cuda (bf16 mixed precision, the default) or cpu (the trainer on a "
+        "CPU: fp32, gloo; checked against a real run by `trace-check`)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -161,6 +168,10 @@ def _parser() -> argparse.ArgumentParser:
         "trace", help="trace the real training step with fake tensors: device peak, host bytes"
     )
     _trace_parser(p)
+    sub.add_parser(
+        "trace-check", add_help=False,
+        help="the CPU trace against the real CPU step's peak memory (VmHWM); --help for more",
+    )  # fmt: skip
     return ap
 
 
@@ -363,6 +374,10 @@ def _trace_case(a):
         raise ValueError(
             "--breakdown N lists one step's peak: use it with --seq-len, not --find-max"
         )
+    if a.find_max and a.device == "cpu":
+        raise ValueError(
+            "--find-max bisects against a GPU's memory; with --device cpu give --seq-len S"
+        )
     if a.breakdown < 0:
         raise ValueError(f"--breakdown={a.breakdown} must be >= 0 (a number of tensors)")
     feats = tuple(
@@ -377,7 +392,7 @@ def _trace_case(a):
         )
     case = _trace.TraceCase(
         a.model, a.seq_len or 1024 * a.sp, a.dp, a.sp, ac=a.ac, features=feats,
-        extrapolate_from=a.layers, gpu=a.gpu,
+        extrapolate_from=a.layers, gpu=a.gpu, device=a.device,
     )  # fmt: skip
     Workload(**{**_workload_kwargs(case)})  # validate the options (clear errors) before tracing
     return case
@@ -391,8 +406,9 @@ def _workload_kwargs(case) -> dict[str, Any]:
 
 
 def _format_trace(obj: dict) -> str:
+    on = obj["gpu"] or "cpu (fp32)"
     head = (
-        f"{obj['model']} S={obj['seq_len']:,} dp={obj['dp']} sp={obj['sp']} on {obj['gpu']} "
+        f"{obj['model']} S={obj['seq_len']:,} dp={obj['dp']} sp={obj['sp']} on {on} "
         f"(features: {', '.join(obj['features']) or 'none'}; layers {obj['layers']}, traced "
         f"{obj['traced_layers']})"
     )
@@ -402,11 +418,18 @@ def _format_trace(obj: dict) -> str:
     ]
     cats = tuple(next(iter(obj["phases"].values()))["by_category"])
     out = [head, _table(rows, ("phase", "device peak", *cats)), ""]
-    out.append(
-        f"device peak {_b(obj['device_peak_bytes'])} ({obj['peak_phase']}) of "
-        f"{_b(obj['capacity_bytes'])} usable: {'fits' if obj['fits'] else 'DOES NOT FIT'}; "
-        f"host {_b(obj['host_bytes'])}; simulator {_b(obj['predicted']['device_peak_bytes'])}"
-    )
+    if obj["gpu"] is None:
+        out.append(
+            f"peak {_b(obj['peak_bytes'])} (device + host alive at once: one memory on a CPU); "
+            f"device peak {_b(obj['device_peak_bytes'])} ({obj['peak_phase']}), host "
+            f"{_b(obj['host_bytes'])}"
+        )
+    else:
+        out.append(
+            f"device peak {_b(obj['device_peak_bytes'])} ({obj['peak_phase']}) of "
+            f"{_b(obj['capacity_bytes'])} usable: {'fits' if obj['fits'] else 'DOES NOT FIT'}; "
+            f"host {_b(obj['host_bytes'])}; simulator {_b(obj['predicted']['device_peak_bytes'])}"
+        )
     if "max_seq_len" in obj:
         out.append(
             f"longest fitting sequence: {obj['max_seq_len']:,} (grid {obj['granularity']:,})"
@@ -443,7 +466,16 @@ def _cmd_trace(a) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for bad input)."""
-    a = _parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["trace-check"]:  # its own options (simulations/trace_check.py)
+        from simulations.trace_check import main as trace_check
+
+        try:
+            return trace_check(args[1:])
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    a = _parser().parse_args(args)
     cmd = {
         "predict": _cmd_predict,
         "compare": _cmd_compare,

@@ -31,7 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ROOT / "dtensor_ulysses"
 SIMULATIONS = ROOT / "simulations"
 NOT_IN_LIBRARY = ("simulations", "matplotlib", "ipywidgets")
-MEASUREMENT_MODULES = {"simulations/_measure.py", "simulations/_trace.py"}
+MEASUREMENT_MODULES = {
+    "simulations/_measure.py",
+    "simulations/_trace.py",
+    "simulations/trace_check.py",
+}
 
 # The layer contract, bottom first: a unit (a subpackage, or a module in the package root) imports
 # only from itself and from units of lower layers. The root's private helpers serve every layer;

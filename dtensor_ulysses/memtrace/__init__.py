@@ -16,7 +16,10 @@ _EXPORTS = {
     "extrapolate": "trace",
     "PhasePeak": "_results",
     "PHASES": "trace",
+    "rank0_batch": "_setup",
     "StepTrace": "trace",
+    "trace_config": "_setup",
+    "TRACE_DEVICES": "trace",
     "trace_train_step": "trace",
     "TraceUnavailable": "_results",
 }
@@ -26,7 +29,10 @@ __all__ = [
     "extrapolate",
     "PhasePeak",
     "PHASES",
+    "rank0_batch",
     "StepTrace",
+    "trace_config",
+    "TRACE_DEVICES",
     "trace_train_step",
     "TraceUnavailable",
 ]
@@ -39,8 +45,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         PhasePeak,
         TraceUnavailable,
     )
+    from dtensor_ulysses.memtrace._setup import (
+        rank0_batch,
+        trace_config,
+    )
     from dtensor_ulysses.memtrace.trace import (
         PHASES,
+        TRACE_DEVICES,
         StepTrace,
         extrapolate,
         trace_train_step,

@@ -3,8 +3,9 @@
 * :func:`fake_world`: ``torch.distributed``'s fake process group, a ``FakeTensorMode`` and
   recording modes that feed a ``_Timeline`` (``_timeline.py``) with every storage an op creates
   (host when :func:`dtensor_ulysses.memory.allocating_host`).
-* The step's setup: a preset with fewer blocks, FSDP2's CUDA mixed precision (passed to the
-  trainer's ``build``), the offloader's CUDA schedule, the ``TrainConfig`` and one rank's batch.
+* The step's setup: a preset with fewer blocks, the ``TrainConfig`` and one rank's batch (the
+  traced device's mixed-precision policy and offload schedule are chosen by
+  :func:`dtensor_ulysses.memtrace.trace_train_step` and passed to the trainer's ``build``).
 * The step's bookkeeping: the phase and block marks (:func:`_phase_hooks`) and the sharded
   parameters and optimizer states alive from the warm-up step on (:func:`_classify_states`).
 
@@ -21,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dtensor_ulysses._torch_private import TorchDispatchMode, fake_world_classes, tree_flatten
 from dtensor_ulysses.data import Batch
@@ -31,8 +31,7 @@ from dtensor_ulysses.memtrace._timeline import _Timeline
 from dtensor_ulysses.plan import PRESETS, SeqLayout, get_shape
 from dtensor_ulysses.train import TrainConfig
 
-# FSDP2's CUDA policy (bf16 compute, fp32 reduce), which the GPU trace describes on CPU tensors
-CUDA_MIXED_PRECISION = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+__all__ = ["rank0_batch", "trace_config"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,7 +113,13 @@ def _temporary_preset(name: str, layers: int | None) -> Iterator[str]:
         PRESETS.pop(tmp, None)
 
 
-def _config(model: str, seq_len: int, dp: int, sp: int, ac: bool, features: dict[str, Any]):
+def trace_config(model: str, seq_len: int, dp: int, sp: int, ac: bool, features: dict[str, Any]):
+    """The :class:`~dtensor_ulysses.train.TrainConfig` of a traced step (micro-batch 1 per dp
+    rank, SDPA, uneven heads allowed) with ``features`` (its memory-feature fields).
+
+    Raises:
+        NotImplementedError: a feature the trainer does not have.
+    """
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     missing = [k for k, v in features.items() if v not in (None, False, 1) and k not in names]
     if missing:
@@ -129,7 +134,9 @@ def _config(model: str, seq_len: int, dp: int, sp: int, ac: bool, features: dict
     )  # fmt: skip
 
 
-def _batch(seq_len: int, sp: int, micro_batch: int = 1):
+def rank0_batch(seq_len: int, sp: int, micro_batch: int = 1) -> Batch:
+    """Rank 0's slice of a ``[micro_batch, seq_len]`` batch of zeros split over ``sp`` ranks
+    (token values do not change the memory)."""
     layout = SeqLayout.split(seq_len, sp)
     s = layout.seq_sizes[0]
     ids = torch.zeros(micro_batch, s, dtype=torch.long)

@@ -40,6 +40,7 @@ class _Timeline:
         self.op: dict[int, str] = {}  # uid -> the op that created it (diagnostics)
         self.where: dict[int, str] = {}  # uid -> the library line that allocated it
         self.where_min_bytes: int | None = None  # record ``where`` from this size on (None: off)
+        self.total_peak = 0  # set by peaks(): device + host bytes alive at once (CPU: both)
 
     # -- recording --
     def uid(self, t: torch.Tensor) -> int | None:
@@ -145,6 +146,7 @@ class _Timeline:
         phase: tuple[str, str] | None = None
         out: dict[tuple[str, str], PhasePeak] = {}
         host_peak = 0
+        self.total_peak = 0
 
         def place(uid: int) -> str:
             if uid in self.host:
@@ -211,6 +213,7 @@ class _Timeline:
                 if cur is None or total > cur.device:
                     out[phase] = PhasePeak(total, dict(dev_now))
                 host_peak = max(host_peak, host_now)
+                self.total_peak = max(self.total_peak, total + host_now)
         return out, host_peak
 
 

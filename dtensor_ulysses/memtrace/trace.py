@@ -10,7 +10,11 @@ records a timeline of storage allocations and frees; the peaks are computed from
 What is counted, and how it maps to a CUDA run (see ``simulations/README.md``):
 
 * **bf16 compute, fp32 reduce**: FSDP2's CUDA policy (``MixedPrecisionPolicy(bf16, fp32)``) is
-  used although the fake tensors are CPU tensors.
+  used although the fake tensors are CPU tensors (passed to ``train.build``, nothing patched).
+* **Or the CPU run** (``device="cpu"``): the step as the trainer runs it on a CPU (fp32, no
+  mixed-precision policy, the offloader's CPU schedule), so that a real CPU run checks the trace
+  (``simulations/trace_check.py``). Host and device are one memory there: ``peak_bytes`` is
+  the largest device + host total alive at once, what the process's resident set grows by.
 * **Steady state**: a warm-up step on a short sequence creates the optimizer states and FSDP2's
   lazy state; the second step, at the requested length, is the one measured. Everything alive
   when it starts (sharded parameters, optimizer states, ...) is in its baseline.
@@ -57,6 +61,7 @@ Private torch APIs (fake process group, ``FakeTensorMode``, ``TorchDispatchMode`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,26 +71,27 @@ import torch
 from dtensor_ulysses.memory import cuda_schedule_on_cpu
 from dtensor_ulysses.memtrace._results import PhasePeak
 from dtensor_ulysses.memtrace._setup import (
-    CUDA_MIXED_PRECISION,
-    _batch,
     _classify_states,
-    _config,
     _n_layers,
     _phase_hooks,
     _temporary_preset,
     fake_world,
+    rank0_batch,
+    trace_config,
 )
-from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
+from dtensor_ulysses.parallel import default_mixed_precision, flatten_dp_sp, init_mesh
 from dtensor_ulysses.train import build, train_step
 
 __all__ = [
     "extrapolate",
     "PHASES",
     "StepTrace",
+    "TRACE_DEVICES",
     "trace_train_step",
 ]
 
 PHASES = ("forward", "loss", "backward", "optimizer")
+TRACE_DEVICES = ("cuda", "cpu")
 
 
 def _segment_class(phase: str, where: str, layers: int) -> str:
@@ -130,6 +136,8 @@ class StepTrace:
     traced_layers: tuple[int, ...] = ()
     features: dict[str, Any] = field(default_factory=dict)
     breakdown: list[dict[str, Any]] = field(default_factory=list)
+    device: str = "cuda"
+    peak_bytes: int = 0
 
     @classmethod
     def from_segments(
@@ -166,6 +174,8 @@ class StepTrace:
         return {
             "device_peak_bytes": self.device_peak_bytes,
             "host_bytes": self.host_bytes,
+            "peak_bytes": self.peak_bytes,
+            "traced_device": self.device,
             "peak_phase": self.peak_phase,
             "phases": {
                 p: {"device_peak_bytes": v.device, "by_category": dict(v.by_category)}
@@ -191,9 +201,11 @@ def extrapolate(a: StepTrace, b: StepTrace, layers: int) -> StepTrace:
     k = layers - b.layers
     segs = {key: b.segments[key].scaled(a.segments[key], k) for key in b.segments}
     host = b.host_bytes + k * (b.host_bytes - a.host_bytes)
+    both = b.peak_bytes + k * (b.peak_bytes - a.peak_bytes)
     return dataclasses.replace(
-        b, layers=layers, segments=segs, host_bytes=host, traced_layers=(a.layers, b.layers)
-    )
+        b, layers=layers, segments=segs, host_bytes=host, traced_layers=(a.layers, b.layers),
+        peak_bytes=both,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,6 +231,7 @@ def trace_train_step(
     layers: int | None = None,
     warmup_seq_len: int | None = None,
     breakdown: int = 0,
+    device: str = "cuda",
     **features: Any,
 ) -> StepTrace:
     """Trace one steady-state training step of rank 0 (see the module docstring).
@@ -234,17 +247,25 @@ def trace_train_step(
             accepts, ``sp * 64``).
         breakdown: list this many of the largest storages alive at the device peak (each
             storage of at least 1 MiB records the library line that allocated it).
+        device: the run to trace: ``"cuda"`` (FSDP2's bf16 compute with fp32 reduction, the
+            activation offloader's CUDA schedule) or ``"cpu"`` (as the trainer runs on a CPU
+            with gloo: fp32, no mixed-precision policy, the offloader's CPU schedule).
         **features: :class:`~dtensor_ulysses.train.TrainConfig` fields (``tiled_loss``,
             ``tiled_mlp``, ``head_chunks``, ``offload_*``, chunk sizes).
 
     Raises:
         NotImplementedError: a requested feature is not in the trainer.
         TraceUnavailable: this torch lacks the private APIs.
+        ValueError: ``device`` is neither ``"cuda"`` nor ``"cpu"``.
     """
+    if device not in TRACE_DEVICES:
+        raise ValueError(f"device={device!r}: trace one of {', '.join(TRACE_DEVICES)}")
+    policy = default_mixed_precision(device)  # the trainer's policy on that device
+    schedule = cuda_schedule_on_cpu() if device == "cuda" else contextlib.nullcontext()
     offload_params = bool(features.get("offload_params"))
     warm = warmup_seq_len or sp * 64
     with _temporary_preset(model, layers) as name:
-        cfg = _config(name, seq_len, dp, sp, ac, features)
+        cfg = trace_config(name, seq_len, dp, sp, ac, features)
         n_layers = (layers if layers is not None else None) or _n_layers(model)
         with fake_world(dp * sp) as (fake_mode, make_recorder):
             rec = make_recorder()
@@ -252,24 +273,26 @@ def trace_train_step(
             tl.where_min_bytes = 2**20 if breakdown else None
             mesh = init_mesh(dp, sp, device_type="cpu")
             group = flatten_dp_sp(mesh).get_group()
-            with fake_mode, rec, cuda_schedule_on_cpu():
+            with fake_mode, rec, schedule:
+                cpu = torch.device("cpu")
                 net, optimizer, scheduler = build(
-                    cfg, mesh, torch.device("cpu"), init=False, mixed_precision=CUDA_MIXED_PRECISION
+                    cfg, mesh, cpu, init=False, mixed_precision=policy
                 )
                 hooks = _phase_hooks(net, optimizer, rec, offload_params)
                 step = dict(group=group, grad_clip=cfg.grad_clip)
-                train_step(net, _batch(warm, sp), optimizer, scheduler, **step)
+                train_step(net, rank0_batch(warm, sp), optimizer, scheduler, **step)
                 _classify_states(net, optimizer, tl, offload_params)
-                batch = _batch(seq_len, sp)
+                batch = rank0_batch(seq_len, sp)
                 tl.mark("step")
                 train_step(net, batch, optimizer, scheduler, **step)
                 tl.mark("end")
                 for h in hooks:
                     h.remove()
             segments, host_peak = tl.peaks("step")
+            both = tl.total_peak
             top = tl.live_at_peak("step", breakdown) if breakdown else []
     used = {k: v for k, v in features.items() if v not in (None, False)}
     return StepTrace.from_segments(
         n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used,
-        breakdown=top,
+        breakdown=top, device=device, peak_bytes=both,
     )  # fmt: skip

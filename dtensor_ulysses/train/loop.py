@@ -104,8 +104,9 @@ def build(
         device: where the model computes.
         init: draw the initial weights of the built-in model (``False`` leaves them
             uninitialized: for memory tracing under fake tensors, where values do not matter).
-        mixed_precision: FSDP2's policy (``"auto"``: bf16 compute + fp32 reduce on CUDA, fp32
-            elsewhere; the memory tracer passes the CUDA policy explicitly).
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy``, ``None`` for fp32, or ``"auto"`` (the
+            mesh's device type decides: bf16 + fp32 reduce on CUDA, fp32 elsewhere); the memory
+            trace passes the policy of the run it describes. Both model families take it.
     """
     model = model_spec(cfg).build(cfg, mesh, device, init, mixed_precision)
     return (model, *make_optimizer(cfg, model))
