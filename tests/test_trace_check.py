@@ -26,7 +26,7 @@ def _run(code: str, timeout: int = 120) -> str:
 CPU_TRACE = """
 import json
 from dtensor_ulysses import memtrace as mt
-from dtensor_ulysses.presets import get_shape
+from dtensor_ulysses.plan.presets import get_shape
 m = get_shape("tiny")
 S, sp = 4096, 2
 s = S // sp
@@ -64,7 +64,7 @@ def test_cli_trace_device_cpu_json():
     assert obj["peak_bytes"] >= obj["device_peak_bytes"] > 0
     assert obj["device_peak_bytes"] == max(p["device_peak_bytes"] for p in obj["phases"].values())
     # the parameters are fp32 shards on the CPU: 4 bytes a parameter of the tiny model
-    from dtensor_ulysses.presets import get_shape
+    from dtensor_ulysses.plan import get_shape
 
     assert obj["phases"]["forward"]["by_category"]["parameters"] == 4 * get_shape("tiny").n_params
 
