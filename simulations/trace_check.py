@@ -16,7 +16,7 @@ gloo's buffers, parameters and optimizer states, allocator slack) cancels, and w
 what the tracer claims to know, the step's tensors. The traced growth is the difference of
 :attr:`~dtensor_ulysses.memtrace.StepTrace.peak_bytes` (device + host alive at once: one memory
 on a CPU). ``python -m simulations trace-check`` prints the table and writes
-``benchmarks/results/trace_check.json``; ``tests/test_trace_check.py`` holds it to
+``benchmarks/results/trace_check.json``; ``tests/memtrace/test_trace_check.py`` holds it to
 :data:`TOLERANCE`.
 """
 

@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_hf_train.py (spawned processes import them by module path)."""
+"""Per-rank functions for tests/train/test_train_hf.py (spawned processes import them by path)."""
 
 from __future__ import annotations
 

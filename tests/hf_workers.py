@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_hf.py (spawned processes import them by module path), and
+"""Per-rank functions for tests/hf/test_hf.py (spawned processes import them by module path), and
 the small random-init transformers models they use (saved locally, no downloads)."""
 
 from __future__ import annotations

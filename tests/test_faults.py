@@ -26,7 +26,7 @@ import torch
 
 from dtensor_ulysses.plan import check_fits, estimate_memory, get_shape, parse_bytes
 from dtensor_ulysses.train import checkpoint as ckpt
-from tests.test_train import _descendants
+from tests.train.test_train import _descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--seq-len", "64", "--batch-size", "2"]

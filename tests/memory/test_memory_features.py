@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from dtensor_ulysses.launch import run_local_world
 from tests import feature_workers
-from tests.test_long_context import _heads, _kv_sent
+from tests.attention.test_long_context import _heads, _kv_sent
 
 E = 8  # float64
 
@@ -82,7 +82,7 @@ WORLDS = {1: [(1, 1)], 2: [(1, 2)], 4: [(1, 4), (2, 2)]}
 
 @pytest.fixture(scope="module")
 def reference():
-    from tests.test_train import _reference
+    from tests.train.test_train import _reference
 
     return _reference(3)
 
@@ -91,7 +91,7 @@ def reference():
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_each_feature_gives_the_single_device_loss_and_gradients(world_size, reference):
     from tests import train_workers
-    from tests.test_train import CFG
+    from tests.train.test_train import CFG
 
     ref_loss, ref_grads, _ = reference
     runs = [(WORLDS[world_size], dict(CFG, **kw)) for kw in FEATURES.values()]
@@ -114,7 +114,7 @@ def test_three_steps_and_resume_with_every_feature(reference, tmp_path):
     """Three steps of losses equal the plain run for each feature set at (dp, sp) = (2, 2);
     with everything on, 3 steps straight equal 2 steps + a new run resumed for 1 more."""
     from tests import train_workers
-    from tests.test_train import CFG
+    from tests.train.test_train import CFG
 
     _, _, ref_losses = reference
     runs = [dict(CFG, dp=2, sp=2, steps=3, **kw) for kw in FEATURES.values()]
@@ -285,7 +285,7 @@ def test_trainer_compile_gives_the_single_device_losses(reference):
     """``--compile aot_eager`` (each block compiled, fullgraph): three steps of losses equal the
     plain single-process run at (dp, sp) = (1, 2)."""
     from tests import train_workers
-    from tests.test_train import CFG
+    from tests.train.test_train import CFG
 
     _, _, ref = reference
     runs = [dict(CFG, dp=1, sp=2, steps=3, compile="aot_eager", activation_checkpointing=True)]

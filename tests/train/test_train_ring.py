@@ -174,7 +174,7 @@ def test_trainer_ring_2_x_sp_2_gives_the_single_device_losses():
     """The trainer itself (``--ring 2 --sp 2``): three steps of losses equal the plain
     single-process run, as ``--sp 4`` does."""
     from tests import train_workers
-    from tests.test_train import CFG, _reference
+    from tests.train.test_train import CFG, _reference
 
     _, _, ref = _reference(3)
     runs = [dict(CFG, dp=1, ring=2, sp=2, steps=3), dict(CFG, dp=1, sp=4, steps=3)]

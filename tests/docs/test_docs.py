@@ -42,7 +42,7 @@ import pytest
 
 from tests import _docs_snippets as docs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build"
 SITE = BUILD / "docs-site"
 SCREENSHOTS = BUILD / "screenshots"

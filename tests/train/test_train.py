@@ -27,7 +27,7 @@ from dtensor_ulysses.launch import run_local_world
 from dtensor_ulysses.models import build_model, init_weights
 from tests import train_workers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CFG = dict(model="tiny", seq_len=64, batch_size=4, seed=0, lr=3e-3, warmup_steps=2, decay_steps=8)
 LAYOUTS = {2: [(1, 2), (2, 1)], 4: [(1, 4), (2, 2)]}
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ulysses import debug
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 sys.path.insert(0, str(NOTEBOOKS))  # `tutorial`, as the notebooks (cwd notebooks/) see it
 
 from tutorial import checks  # noqa: E402
