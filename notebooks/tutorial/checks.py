@@ -1,8 +1,9 @@
 """What a real run on local ranks reports, compared with the plan and the closed form.
 
 The notebooks (and ``tests/debug/test_layout_helpers.py``) run the library on a gloo world and get
-plain data back from every rank; these functions check it against :mod:`dtensor_ulysses.debug`: the cells each
-rank holds, the all-to-alls and bytes ``du.CommCounter`` saw, the heads the kernel received.
+plain data back from every rank; these functions check it against :mod:`dtensor_ulysses.debug`:
+the cells each rank holds, the all-to-alls and bytes ``du.CommCounter`` saw, the heads the kernel
+received.
 """
 
 from __future__ import annotations
