@@ -47,6 +47,8 @@ _EXPORTS = {
     "evaluate": "data",
     "get_batch": "data",
     "load_corpus": "data",
+    "UnsupportedTrainerError": "trainer",
+    "with_ulysses": "trainer",
 }
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "TokenCorpus",
     "UnroutedAttentionError",
     "UnsupportedModelError",
+    "UnsupportedTrainerError",
     "apply_ulysses",
     "attention_modules",
     "build",
@@ -72,6 +75,7 @@ __all__ = [
     "parallelize",
     "save_pretrained",
     "shard_batch",
+    "with_ulysses",
 ]
 
 
@@ -115,3 +119,4 @@ if TYPE_CHECKING:
         attention_modules,
         check_supported,
     )
+    from dtensor_ulysses.hf.trainer import UnsupportedTrainerError, with_ulysses
