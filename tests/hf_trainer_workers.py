@@ -58,7 +58,7 @@ def build(spec: dict) -> Any:
         learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, lr_scheduler_type="linear",
         weight_decay=0.1, seed=0, report_to=[], save_strategy=spec.get("save", "no"),
         save_steps=spec.get("save_steps", 2), use_cpu=True, disable_tqdm=True,
-        dataloader_drop_last=True, **spec.get("args", {}),
+        dataloader_drop_last=True, bf16=False, **spec.get("args", {}),
     )  # fmt: skip
     collator = None
     if kind == "trainer":
