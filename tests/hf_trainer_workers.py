@@ -33,6 +33,12 @@ def _data(kind: str, tok: Any, n: int | None = None):
 
     if kind == "trainer":
         rows = [{"input_ids": tok(t)["input_ids"]} for t in TEXTS]
+    elif kind == "masked":  # 10 tokens, the first 6 without loss: sp rank 0 of 2 has no target
+        rows = []
+        for t in TEXTS:
+            ids = tok(t)["input_ids"][:10]
+            assert len(ids) == 10, len(ids)
+            rows.append({"input_ids": ids, "labels": [-100] * 6 + ids[6:]})
     elif kind == "sft_chat":
         rows = [{"messages": m} for m in CONVS]
     else:  # packed text
@@ -61,9 +67,13 @@ def build(spec: dict) -> Any:
         dataloader_drop_last=True, bf16=False, **spec.get("args", {}),
     )  # fmt: skip
     collator = None
-    if kind == "trainer":
+    if kind in ("trainer", "masked"):
         args = tf.TrainingArguments(**common)
-        collator = tf.DataCollatorForLanguageModeling(tok, mlm=False)
+        collator = (
+            tf.DataCollatorForLanguageModeling(tok, mlm=False)
+            if kind == "trainer"
+            else tf.DataCollatorForSeq2Seq(tok, padding=True)
+        )
         cls: Any = tf.Trainer
     elif kind == "sft_chat":
         args = trl.SFTConfig(**common, assistant_only_loss=True, max_length=40)
