@@ -19,13 +19,18 @@ TEXTS = [
     "ranks hold slices of the sequence and all heads of it",
     "quick brown foxes read long sequences",
 ] * 4
+
+
+def _conv(*turns: str) -> list[dict]:
+    return [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+
+
 CONVS = [
-    [{"role": "user", "content": "the quick fox"}, {"role": "assistant", "content": "jumps over the lazy dog"}],
-    [{"role": "user", "content": "a long context"}, {"role": "assistant", "content": "model"},
-     {"role": "user", "content": "reads every"}, {"role": "assistant", "content": "token of the sequence"}],
-    [{"role": "user", "content": "sequence parallel attention"}, {"role": "assistant", "content": "splits the sequence"}],
-    [{"role": "user", "content": "the heads"}, {"role": "assistant", "content": "inside attention are split too"}],
-] * 8  # fmt: skip
+    _conv("the quick fox", "jumps over the lazy dog"),
+    _conv("a long context", "model", "reads every", "token of the sequence"),
+    _conv("sequence parallel attention", "splits the sequence"),
+    _conv("the heads", "inside attention are split too"),
+] * 8
 
 
 def _data(kind: str, tok: Any, n: int | None = None):
@@ -33,12 +38,12 @@ def _data(kind: str, tok: Any, n: int | None = None):
 
     if kind == "trainer":
         rows = [{"input_ids": tok(t)["input_ids"]} for t in TEXTS]
-    elif kind == "masked":  # 10 tokens, the first 6 without loss: sp rank 0 of 2 has no target
+    elif kind == "masked":  # 8 tokens, the first 5 without loss: sp rank 0 of 2 has no target
         rows = []
         for t in TEXTS:
-            ids = tok(t)["input_ids"][:10]
-            assert len(ids) == 10, len(ids)
-            rows.append({"input_ids": ids, "labels": [-100] * 6 + ids[6:]})
+            ids = tok(t)["input_ids"][:8]
+            assert len(ids) == 8, len(ids)
+            rows.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
     elif kind == "sft_chat":
         rows = [{"messages": m} for m in CONVS]
     else:  # packed text

@@ -87,8 +87,9 @@ def world2(assets):
         _spec(assets, "trainer", "rs2", sp=2, resume=str(r / "ck2" / "checkpoint-2")),
         _spec(assets, "sft_chat", "l2", sp=2, lora=True),
         _spec(assets, "masked", "m2", sp=2),
-        _spec(assets, "trainer", "u2", sp=2, model="uneven",
-              options={"allow_uneven_heads": True}),  # fmt: skip
+        _spec(
+            assets, "trainer", "u2", sp=2, model="uneven", options={"allow_uneven_heads": True}
+        ),  # fmt: skip
         _spec(assets, "trainer", "bad", sp=3, expect_error=True),
     ]
     names = ["trainer", "sft_chat", "sft_packed", "ga", "ckpt", "resume", "lora", "masked",
@@ -176,7 +177,7 @@ def test_sharded_eval_and_metrics(world2, refs):
 
 @pytest.mark.timeout(600)
 def test_slice_without_targets_is_finite(world2, refs):
-    """Rows whose first 6 of 10 labels are -100: sp rank 0 holds no target (no NaN)."""
+    """Rows whose first 5 of 8 labels are -100: sp rank 0 holds no target (no NaN)."""
     _close(world2["masked"], refs["masked"])
 
 

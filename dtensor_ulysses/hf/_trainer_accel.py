@@ -9,9 +9,9 @@ place, to a subclass that overrides three public methods:
   sampler, ``set_epoch``, ``skip_first_batches`` on resume, even batches) is unchanged.
 * ``prepare_model``: the model is already FSDP2-sharded: autocast and compile only, never DDP.
 * ``clip_grad_norm_``: the norm of DTensor gradients as a plain tensor (logged as a float).
-
-:func:`dp_gather` replaces the Trainer's ``gather_function`` (evaluation losses, logits and
-labels): across the dp ranks only, since the sp ranks of a group hold the same rows.
+* ``gather_for_metrics`` (the Trainer's ``gather_function``: evaluation losses, logits,
+  labels): :func:`dp_gather`, across the dp ranks only, since the sp ranks of a group hold the
+  same rows.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ class _UlyssesAccelerator:
             return super().prepare_data_loader(data_loader, *args, **kwargs)  # type: ignore[misc]
         finally:
             accelerator_module.prepare_data_loader = original
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        return dp_gather(input_data, group=self._du_mesh["dp"].get_group())
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2):
         self.unscale_gradients()  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 __all__ = [
+    "base_model",
     "full_model_state",
     "is_peft",
     "load_model_files",
@@ -42,6 +43,11 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (or ``model`` itself)."""
+    return model.get_base_model() if is_peft(model) else model  # type: ignore[operator]
+
+
 def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside accelerate's ``AcceleratedOptimizer``."""
     return getattr(optimizer, "optimizer", optimizer)
@@ -49,7 +55,7 @@ def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every full tensor on rank 0 (host), ``{}`` elsewhere; call on every rank."""
-    return get_model_state_dict(model, options=_GATHER)
+    return get_model_state_dict(model, options=_GATHER)  # type: ignore[return-value]
 
 
 def optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -109,4 +115,5 @@ def load_model_files(model: nn.Module, directory: str | Path) -> None:
         missing = [k for k in own if k not in saved and "lm_head" not in k]
         if missing:
             raise ValueError(f"{str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, dict(full), options=options)

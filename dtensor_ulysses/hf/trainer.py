@@ -1,4 +1,4 @@
-"""``with_ulysses``: a ``transformers.Trainer`` / TRL ``SFTTrainer`` that trains with Ulysses on FSDP2.
+"""``with_ulysses``: a ``transformers.Trainer`` / TRL ``SFTTrainer`` training with Ulysses on FSDP2.
 
 ::
 
@@ -41,8 +41,9 @@ gradients (the loss is already divided by the global token count) and the shard 
 puts Ulysses (and checkpointing) before ``fully_shard``. The plugin also turns on accelerate's
 FSDP paths in the Trainer (its own state-dict types, optimizer saving, ``cp_size`` handling)
 whose behaviour with an sp axis is not defined. Applied directly, the Trainer sees a
-non-FSDP multi-process run, and only three accelerator methods change (see
-:mod:`~dtensor_ulysses.hf._trainer_accel`): data by dp rank, no DDP wrap, the DTensor norm.
+non-FSDP multi-process run, and only four accelerator methods change (see
+:mod:`~dtensor_ulysses.hf._trainer_accel`): data by dp rank, no DDP wrap, the DTensor norm,
+metrics gathered over dp.
 Every other piece of the Trainer's loop (schedules, logging, callbacks, checkpoint cadence,
 RNG files) is the stock one.
 
@@ -56,7 +57,6 @@ iterable datasets, ``save_on_each_node``.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -215,7 +215,7 @@ class _UlyssesTrainer:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module):
-            check_supported(model.get_base_model() if _trainer_state.is_peft(model) else model)
+            check_supported(_trainer_state.base_model(model))
         opts = kwargs.get("optimizers")
         if opts is not None and any(o is not None for o in opts):
             raise UnsupportedTrainerError(
@@ -267,15 +267,13 @@ class _UlyssesTrainer:
         self._du_mesh = init_mesh(world // self._du_sp, self._du_sp,
                                   device_type=self.args.device.type)  # fmt: skip
         _trainer_accel.install(self.accelerator, self._du_mesh)
-        self.gather_function = functools.partial(
-            _trainer_accel.dp_gather, group=self._du_mesh["dp"].get_group()
-        )
+        self.gather_function = self.accelerator.gather_for_metrics
 
     def _du_parallelize(self, model: nn.Module) -> nn.Module:
         if isinstance(model, FSDPModule):
             return model
         o = self._du_options
-        hf = model.get_base_model() if _trainer_state.is_peft(model) else model
+        hf = _trainer_state.base_model(model)
         apply_ulysses(hf, self._du_mesh["sp"], head_chunks=o["head_chunks"],
                       backend=o["attention_backend"],
                       allow_uneven_heads=o["allow_uneven_heads"])  # fmt: skip
