@@ -259,6 +259,12 @@ class _UlyssesTrainer:
                 f"--nproc-per-node P with P a multiple of {self._du_sp}"
             )
         world = dist.get_world_size()
+        if self.args.world_size != world:
+            raise ValueError(
+                f"accelerate sees {self.args.world_size} process(es) of the {world}-rank launch "
+                f"(its distributed type is {kind or 'NO'}); on CPU pass use_cpu=True in the "
+                f"training arguments so that it runs multi-process"
+            )
         if world % self._du_sp:
             raise ValueError(
                 f"sp={self._du_sp} does not divide the {world} ranks; launch a multiple of "
