@@ -91,9 +91,19 @@ def world2(assets):
             assets, "trainer", "u2", sp=2, model="uneven", options={"allow_uneven_heads": True}
         ),  # fmt: skip
         _spec(assets, "trainer", "bad", sp=3, expect_error=True),
+        _spec(assets, "sft_chat", "lck2", sp=2, lora=True, save="steps", save_steps=2),
+        _spec(assets, "sft_chat", "lrs2", sp=2, lora=True, resume=str(r / "lck2" / "checkpoint-2")),
+        _spec(
+            assets,
+            "trainer",
+            "ac2",
+            sp=2,
+            args={"gradient_checkpointing": True},
+            options={"head_chunks": 2},
+        ),  # fmt: skip
     ]
     names = ["trainer", "sft_chat", "sft_packed", "ga", "ckpt", "resume", "lora", "masked",
-             "uneven", "sp3"]  # fmt: skip
+             "uneven", "sp3", "lora_ckpt", "lora_resume", "checkpointing"]  # fmt: skip
     return dict(zip(names, run_local_world(T.run_specs, 2, specs, timeout_s=400)[0]))
 
 
@@ -139,6 +149,20 @@ def test_resume_continues_same_losses(world2, refs):
     assert rs["loss"][-1] == pytest.approx(refs["trainer"]["loss"][-1], rel=RTOL)
     assert rs["grad_norm"][-1] == pytest.approx(refs["trainer"]["grad_norm"][-1], rel=RTOL)
     assert rs["loss"][-1] == pytest.approx(ck["loss"][-1], rel=RTOL)
+
+
+@pytest.mark.timeout(600)
+def test_lora_resume_continues_same_losses(world2, refs):
+    """The same with a LoRA adapter: the checkpoint holds adapter_model.safetensors only."""
+    assert world2["lora_resume"]["loss"][-1] == pytest.approx(refs["lora"]["loss"][-1], rel=RTOL)
+    _close(world2["lora_ckpt"], refs["lora"])
+
+
+@pytest.mark.timeout(600)
+def test_checkpointing_and_head_chunks(world2, refs):
+    """``gradient_checkpointing=True`` (our per-layer checkpointing inside FSDP2) and
+    ``head_chunks=2`` change nothing in the losses."""
+    _close(world2["checkpointing"], refs["trainer"])
 
 
 @pytest.mark.timeout(600)
