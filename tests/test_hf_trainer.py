@@ -118,10 +118,11 @@ def world2(assets):
 @pytest.fixture(scope="module")
 def world4(assets):
     specs = [
-        _spec(assets, kind, f"{kind}_{dp}_{sp}", sp=sp, batch=4 // dp)
+        _spec(assets, kind, f"{kind}_{dp}_{sp}", sp=sp, batch=4 // dp, eval_batch=4 // dp,
+              **(EVAL if (kind, dp) == ("trainer", 2) else {}))
         for dp, sp in ((2, 2), (1, 4))
         for kind in ("trainer", "sft_chat", "sft_packed")
-    ]
+    ]  # fmt: skip
     runs = run_local_world(T.run_specs, 4, specs, timeout_s=500)[0]
     return {(s["kind"], 4 // s["sp"], s["sp"]): r for s, r in zip(specs, runs)}
 
@@ -205,6 +206,16 @@ def test_sharded_eval_and_metrics(world2, refs):
     ``compute_metrics`` sees the full logits and the collator's ``labels`` (same accuracy and
     label count)."""
     got, ref = world2["trainer"], refs["trainer"]
+    for when in ("eval", "eval_after"):
+        for k in ("eval_loss", "eval_acc", "eval_n_labels"):
+            assert got[when][k] == pytest.approx(ref[when][k], rel=RTOL), (when, k)
+
+
+@pytest.mark.timeout(600)
+def test_sharded_eval_and_metrics_dp2(world4, refs):
+    """The same at (dp, sp) = (2, 2): eval batches of 2 rows per dp rank, metrics gathered
+    over dp only."""
+    got, ref = world4[("trainer", 2, 2)], refs["trainer"]
     for when in ("eval", "eval_after"):
         for k in ("eval_loss", "eval_acc", "eval_n_labels"):
             assert got[when][k] == pytest.approx(ref[when][k], rel=RTOL), (when, k)

@@ -112,7 +112,9 @@ def load_model_files(model: nn.Module, directory: str | Path) -> None:
         if saved is None:
             raise ValueError(f"{str(path)!r} has no model.safetensors to resume from")
         full = {k: v for k, v in saved.items() if k in own}
-        missing = [k for k in own if k not in saved and "lm_head" not in k]
+        cfg = getattr(base_model(model), "config", None)
+        tied = bool(getattr(cfg.get_text_config(), "tie_word_embeddings", False)) if cfg else False
+        missing = [k for k in own if k not in saved and not (tied and "lm_head" in k)]
         if missing:
             raise ValueError(f"{str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
     options = StateDictOptions(full_state_dict=True, strict=False)
