@@ -275,6 +275,10 @@ class _UlyssesTrainer:
         _trainer_accel.install(self.accelerator, self._du_mesh)
         self.gather_function = self.accelerator.gather_for_metrics
 
+    def _move_model_to_device(self, model: nn.Module, device: Any) -> None:
+        """Nothing: ``fully_shard`` moves each rank's shards to its device (no full copy of
+        the model on every device first)."""
+
     def _du_parallelize(self, model: nn.Module) -> nn.Module:
         if isinstance(model, FSDPModule):
             return model
