@@ -13,10 +13,15 @@ For your own training loop::
     b = hf.shard_batch({"input_ids": ids, "labels": ids}, mesh)   # this rank's slice
     (lm(b.input_ids, b.position_ids, layout=b.layout, labels=b.labels) / b.n_valid).backward()
 
+For a ``transformers.Trainer`` or TRL ``SFTTrainer`` script (launched with torchrun)::
+
+    Trainer = hf.with_ulysses(trl.SFTTrainer, sp=4)   # then construct and train as before
+
 Pieces: :mod:`~dtensor_ulysses.hf.routing` (``apply_ulysses``: every attention layer through the
 one engine, refusals, the first-step guard), :mod:`~dtensor_ulysses.hf.batch` (``shard_batch``),
 :mod:`~dtensor_ulysses.hf.model` (``HFCausalLM``, ``parallelize``, safetensors in and out, the
-trainer's ``build``), :mod:`~dtensor_ulysses.hf.data` (tokenized and chat corpora, evaluation).
+trainer's ``build``), :mod:`~dtensor_ulysses.hf.data` (tokenized and chat corpora, evaluation),
+:mod:`~dtensor_ulysses.hf.trainer` (``with_ulysses``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ _EXPORTS = {
     "evaluate": "data",
     "get_batch": "data",
     "load_corpus": "data",
+    "UnsupportedTrainerError": "trainer",
+    "with_ulysses": "trainer",
 }
 
 __all__ = [
@@ -57,6 +64,7 @@ __all__ = [
     "TokenCorpus",
     "UnroutedAttentionError",
     "UnsupportedModelError",
+    "UnsupportedTrainerError",
     "apply_ulysses",
     "attention_modules",
     "check_model_dir",
@@ -74,6 +82,7 @@ __all__ = [
     "parallelize",
     "save_pretrained",
     "shard_batch",
+    "with_ulysses",
 ]
 
 
@@ -118,3 +127,4 @@ if TYPE_CHECKING:
         attention_modules,
         check_supported,
     )
+    from dtensor_ulysses.hf.trainer import UnsupportedTrainerError, with_ulysses

@@ -87,7 +87,7 @@ def _runs(mask_BS: torch.Tensor) -> list[list[int]]:
     return out
 
 
-def shard_batch(batch: Any, mesh: DeviceMesh) -> ShardedBatch:
+def shard_batch(batch: Any, mesh: DeviceMesh, *, count_valid: bool = True) -> ShardedBatch:
     """This rank's slice of a ``[B, S]`` batch; call on every rank (one all-reduce).
 
     Args:
@@ -97,6 +97,9 @@ def shard_batch(batch: Any, mesh: DeviceMesh) -> ShardedBatch:
             (global; restarting at 0 per packed document). Every sp rank of a dp group passes
             the same batch.
         mesh: the ``("dp", "sp")`` mesh.
+        count_valid: count the batch's valid labels over ``dp x sp`` (the all-reduce; raises
+            when there are none); ``False``: no collective, ``n_valid`` is 0 (the caller
+            counts, e.g. over a gradient-accumulation window).
 
     Returns:
         A :class:`ShardedBatch` on the device of ``input_ids``.
@@ -133,7 +136,7 @@ def shard_batch(batch: Any, mesh: DeviceMesh) -> ShardedBatch:
     lo = layout.offset(me)
     hi = lo + layout.seq_sizes[me]
     out_labels = shifted[:, lo:hi].contiguous()
-    n_valid = global_valid_tokens(out_labels, flatten_dp_sp(mesh).get_group())
+    n_valid = global_valid_tokens(out_labels, flatten_dp_sp(mesh).get_group()) if count_valid else 0
     return ShardedBatch(
         ids[:, lo:hi].contiguous(), out_labels, pos[:, lo:hi].contiguous(), layout, n_valid
     )

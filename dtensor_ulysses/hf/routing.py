@@ -446,6 +446,10 @@ def _ulysses_attention(
     if problems:
         raise UnsupportedModelError(f"{name}: " + "; ".join(problems))
     layout = kwargs.get("ulysses_layout")
+    if not query.dtype == key.dtype == value.dtype:  # autocast: RoPE promoted q, k to fp32
+        dev = query.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     extra = {}
     if layout is None and kwargs.get("position_ids") is not None:

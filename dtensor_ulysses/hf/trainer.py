@@ -1,0 +1,416 @@
+"""``with_ulysses``: a ``transformers.Trainer`` / TRL ``SFTTrainer`` training with Ulysses on FSDP2.
+
+::
+
+    from dtensor_ulysses.hf import with_ulysses
+    Trainer = with_ulysses(trl.SFTTrainer, sp=4)   # or transformers.Trainer, or a subclass
+    trainer = Trainer(model=..., args=SFTConfig(...), train_dataset=..., processing_class=tok)
+    trainer.train()                                 # torchrun --nproc-per-node P (P = dp * sp)
+
+What the returned subclass does on ``P = dp x sp`` ranks:
+
+* **Mesh**: the ``("dp", "sp")`` mesh, ``dp = P / sp``.
+* **Model**: after the base ``__init__`` (so a model TRL loaded from a name or wrapped in a PEFT
+  adapter is the one prepared): every attention layer through the engine
+  (:func:`~dtensor_ulysses.hf.apply_ulysses`, with its refusals and first-step guard), optional
+  activation checkpointing, then ``fully_shard`` of each decoder layer and of the root over the
+  flattened ``dp x sp`` ranks with gradients *summed* (:func:`~dtensor_ulysses.parallel.compose.
+  shard_blocks`, the settings of :func:`~dtensor_ulysses.hf.parallelize`).
+* **Data**: the loaders are sharded over the dp ranks only: every rank of an sp group reads the
+  same rows (accelerate's sampler, epochs and resume skipping unchanged). The global batch is
+  ``per_device_train_batch_size x dp x gradient_accumulation_steps``. Each rank then feeds the
+  model its sequence slice (:func:`~dtensor_ulysses.hf.shard_batch`): labels shifted over the
+  full row before slicing, global position ids, padding and packed documents (position ids
+  restarting at 0, as ``padding_free`` collators give) as the engine's document layout.
+* **Loss**: ``sum of the slice's cross entropy / N`` with ``N`` the valid targets of the whole
+  optimizer step (all micro-batches, all dp ranks; ``-100`` and assistant / completion masks
+  respected), so the summed gradients are the single-process gradients and gradient
+  accumulation needs no rescaling. The value handed back to the Trainer (logged, averaged over
+  ranks) is the all-reduced global one. A slice with no valid target contributes ``0``.
+* **Evaluation**: sharded at the training length (no fallback to one rank): the eval loss of a
+  batch is its global token mean; with ``compute_metrics`` the logits are gathered over sp to
+  the full sequence and ``labels`` are the collator's, so metrics see what they see on one
+  process.
+* **Files**: ``save_model`` / checkpoints write the files of a single-process run (full weights
+  gathered one by one to rank 0, full optimizer state keyed by parameter name); resume reads
+  them on every rank, each keeping its shard.
+
+Why FSDP2 is applied directly and not through accelerate's FSDP2 plugin: the plugin shards over
+the whole world with gradients *averaged* and wraps by its own policy; exactness needs summed
+gradients (the loss is already divided by the global token count) and the shard order that
+puts Ulysses (and checkpointing) before ``fully_shard``. The plugin also turns on accelerate's
+FSDP paths in the Trainer (its own state-dict types, optimizer saving, ``cp_size`` handling)
+whose behaviour with an sp axis is not defined. Applied directly, the Trainer sees a
+non-FSDP multi-process run, and only four accelerator methods change (see
+:mod:`~dtensor_ulysses.hf._trainer_accel`): data by dp rank, no DDP wrap, the DTensor norm,
+metrics gathered over dp.
+Every other piece of the Trainer's loop (schedules, logging, callbacks, checkpoint cadence,
+RNG files) is the stock one.
+
+Refused at construction, with the reason: models the engine cannot run exactly (sliding
+window, ...), trainers that build their inputs by generation (GRPO, RLOO, online DPO, ...) or
+whose loss is not the token cross entropy (DPO, KTO, reward, ...), DeepSpeed or accelerate's
+FSDP also enabled, a ``parallelism_config`` with ``cp_size``, ``sp_size`` or ``tp_size > 1``,
+a ``compute_loss_func``, label smoothing, optimizers passed in (built before sharding),
+iterable datasets, ``save_on_each_node``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from dtensor_ulysses.data import IGNORE_INDEX
+from dtensor_ulysses.hf import _trainer_accel, _trainer_state
+from dtensor_ulysses.hf.batch import shard_batch
+from dtensor_ulysses.hf.routing import apply_ulysses, check_supported, decoder_layers
+from dtensor_ulysses.models import cross_entropy_sum
+from dtensor_ulysses.parallel import checkpoint_blocks, flatten_dp_sp, init_mesh, shard_blocks
+
+__all__ = ["UnsupportedTrainerError", "with_ulysses"]
+
+OPTIONS = {
+    "activation_checkpointing": False,
+    "offload_activations": False,
+    "offload_params": False,
+    "head_chunks": 1,
+    "attention_backend": "auto",
+    "allow_uneven_heads": False,
+    "mixed_precision": "auto",
+}
+# trainers whose inputs come from generation, or whose loss is not the token cross entropy
+_GENERATION = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "GKDTrainer",
+               "NashMDTrainer", "XPOTrainer", "GOLDTrainer")  # fmt: skip
+# batch keys the slicing reads, and keys it replaces (varlen kwargs of the local slice)
+_READ = {"input_ids", "labels", "attention_mask", "position_ids"}
+_DROPPED = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+            "use_cache", "num_items_in_batch", "return_loss"}  # fmt: skip
+
+
+class UnsupportedTrainerError(ValueError):
+    """A trainer, argument or model that :func:`with_ulysses` cannot make exact; the message
+    names it and the reason."""
+
+
+def with_ulysses(cls: type, sp: int, **options: Any) -> type:
+    """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer`` or a subclass of
+    either) that trains with Ulysses sequence parallelism of degree ``sp`` on FSDP2.
+
+    Args:
+        cls: the trainer class.
+        sp: the Ulysses degree; the launch's world size ``P`` must be a multiple (``dp = P/sp``).
+        **options: ``activation_checkpointing`` (also turned on by the arguments'
+            ``gradient_checkpointing``), ``offload_activations``, ``offload_params``,
+            ``head_chunks``, ``attention_backend`` (``"auto"``, ``"flash_attn"``, ``"sdpa"``),
+            ``allow_uneven_heads`` (q heads that sp does not divide), ``mixed_precision`` (an
+            FSDP2 ``MixedPrecisionPolicy``, ``None``, or ``"auto"``: bf16 on CUDA).
+
+    Returns:
+        The subclass; construct it as ``cls``.
+
+    Raises:
+        UnsupportedTrainerError: a trainer whose inputs come from generation or whose loss is
+            not the token cross entropy.
+        ValueError: bad ``sp`` or an unknown option.
+    """
+    from transformers import Trainer
+
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise TypeError(f"with_ulysses takes a transformers.Trainer subclass, got {cls!r}")
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+        raise ValueError(f"sp={sp!r} is not a positive int; use sp >= 1 (e.g. sp=4)")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown with_ulysses options {unknown}; known: {sorted(OPTIONS)}")
+    names = [c.__name__ for c in cls.__mro__]
+    generation = [n for n in names if n in _GENERATION]
+    if generation:
+        raise UnsupportedTrainerError(
+            f"{cls.__name__} ({generation[0]}) builds its training inputs by generation, which "
+            f"needs the whole sequence on one rank (a KV cache) and a loss that is not the "
+            f"token cross entropy; with_ulysses supports transformers.Trainer and TRL's "
+            f"SFTTrainer (and their subclasses)"
+        )
+    is_trl = any(c.__module__.split(".")[0] == "trl" for c in cls.__mro__)
+    if is_trl and "SFTTrainer" not in names:
+        raise UnsupportedTrainerError(
+            f"{cls.__name__} computes its own loss (not the token-weighted cross entropy that "
+            f"with_ulysses makes exact across sequence slices); supported: transformers.Trainer "
+            f"and trl.SFTTrainer"
+        )
+    attrs = {"_du_sp": sp, "_du_options": {**OPTIONS, **options}, "__module__": __name__}
+    return type(f"Ulysses{cls.__name__}", (_UlyssesTrainer, cls), attrs)
+
+
+def _refuse_args(args: Any, sp: int) -> None:
+    problems = []
+    if getattr(args, "deepspeed", None):
+        problems.append(
+            "DeepSpeed is enabled (args.deepspeed): it shards and reduces the model itself; "
+            "with_ulysses shards with FSDP2 - drop the DeepSpeed config"
+        )
+    if getattr(args, "fsdp", None):
+        problems.append(
+            "accelerate's FSDP is enabled (args.fsdp): with_ulysses applies FSDP2 itself over "
+            "dp x sp with summed gradients - drop args.fsdp / fsdp_config"
+        )
+    pc = getattr(args, "parallelism_config", None)
+    for name in ("cp_size", "sp_size", "tp_size"):
+        size = getattr(pc, name, 1) or 1
+        if pc is not None and size > 1:
+            problems.append(
+                f"parallelism_config.{name}={size}: a second sequence / tensor parallelism "
+                f"cannot run with Ulysses (sp={sp}) here; set {name}=1"
+            )
+    if float(getattr(args, "label_smoothing_factor", 0.0) or 0.0) > 0:
+        problems.append(
+            f"label_smoothing_factor={args.label_smoothing_factor}: the sharded loss is the "
+            f"plain token cross entropy; set it to 0"
+        )
+    loss_type = getattr(args, "loss_type", None)
+    if loss_type not in (None, "nll"):
+        problems.append(f"loss_type={loss_type!r}: only 'nll' is made exact; set loss_type='nll'")
+    if getattr(args, "save_on_each_node", False):
+        problems.append("save_on_each_node=True: the full weights are gathered to rank 0 only")
+    if problems:
+        raise UnsupportedTrainerError(
+            "with_ulysses cannot run this exactly: " + "; ".join(problems)
+        )
+
+
+def _targets(batch: dict) -> int:
+    """Valid targets of a full-length batch, as :func:`~dtensor_ulysses.hf.shard_batch` shifts
+    them (the label of the next token, none from or into padding)."""
+    labels = batch.get("labels")
+    labels = batch["input_ids"] if labels is None else labels
+    valid = labels[:, 1:] != IGNORE_INDEX
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        mask = mask.bool()
+        valid &= mask[:, 1:] & mask[:, :-1]
+    return int(valid.sum())
+
+
+class _UlyssesTrainer:
+    """Mixin placed before the user's trainer class by :func:`with_ulysses`."""
+
+    _du_sp: int
+    _du_options: dict[str, Any]
+    _du_mesh: Any
+    # provided by transformers.Trainer
+    args: Any
+    model: Any
+    model_wrapped: Any
+    accelerator: Any
+    optimizer: Any
+    lr_scheduler: Any
+    state: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, nn.Module):
+            check_supported(_trainer_state.base_model(model))
+        opts = kwargs.get("optimizers")
+        if opts is not None and any(o is not None for o in opts):
+            raise UnsupportedTrainerError(
+                "optimizers=(...) were built on the unsharded parameters; let the trainer build "
+                "them (args.optim, learning_rate, lr_scheduler_type) after FSDP2 sharding"
+            )
+        if kwargs.get("compute_loss_func") is not None:
+            raise UnsupportedTrainerError(
+                "compute_loss_func: the loss over sequence slices is the token-weighted cross "
+                "entropy computed by with_ulysses; a custom loss cannot be made exact"
+            )
+        for key in ("train_dataset", "eval_dataset"):
+            if isinstance(kwargs.get(key), torch.utils.data.IterableDataset):
+                raise UnsupportedTrainerError(
+                    f"{key} is an IterableDataset: accelerate dispatches its batches over all "
+                    f"ranks, not per dp group; pass a map-style dataset (datasets.Dataset)"
+                )
+        super().__init__(*args, **kwargs)
+        if self.args.gradient_checkpointing:  # ours, per decoder layer, inside FSDP2
+            self._du_options = {**self._du_options, "activation_checkpointing": True}
+            self.args.gradient_checkpointing = False
+        self.model_accepts_loss_kwargs = True  # the loss below is normalized over the step
+        self.loss_is_scaled_for_ga = True
+        self.model = self.model_wrapped = self._du_parallelize(self.model)
+
+    # ------------------------------------------------------------------------------------------
+    # construction
+    # ------------------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        _refuse_args(self.args, self._du_sp)
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        kind = str(getattr(self.accelerator, "distributed_type", ""))
+        if "DEEPSPEED" in kind or kind.endswith("FSDP"):
+            raise UnsupportedTrainerError(
+                f"the accelerator runs {kind} (from the accelerate config): with_ulysses shards "
+                f"with FSDP2 itself; launch with a plain multi-process config (torchrun)"
+            )
+        if not dist.is_initialized():
+            raise ValueError(
+                f"with_ulysses(sp={self._du_sp}) needs a distributed launch: torchrun "
+                f"--nproc-per-node P with P a multiple of {self._du_sp}"
+            )
+        world = dist.get_world_size()
+        if self.args.world_size != world:
+            raise ValueError(
+                f"accelerate sees {self.args.world_size} process(es) of the {world}-rank launch "
+                f"(its distributed type is {kind or 'NO'}); on CPU pass use_cpu=True in the "
+                f"training arguments so that it runs multi-process"
+            )
+        if world % self._du_sp:
+            raise ValueError(
+                f"sp={self._du_sp} does not divide the {world} ranks; launch a multiple of "
+                f"{self._du_sp} ranks or choose sp among the divisors of {world}"
+            )
+        self._du_mesh = init_mesh(world // self._du_sp, self._du_sp,
+                                  device_type=self.args.device.type)  # fmt: skip
+        _trainer_accel.install(self.accelerator, self._du_mesh)
+        self.gather_function = self.accelerator.gather_for_metrics
+
+    def _move_model_to_device(self, model: nn.Module, device: Any) -> None:
+        """Nothing: ``fully_shard`` moves each rank's shards to its device (no full copy of
+        the model on every device first)."""
+
+    def _du_parallelize(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, FSDPModule):
+            return model
+        o = self._du_options
+        hf = _trainer_state.base_model(model)
+        apply_ulysses(hf, self._du_mesh["sp"], head_chunks=o["head_chunks"],
+                      backend=o["attention_backend"],
+                      allow_uneven_heads=o["allow_uneven_heads"])  # fmt: skip
+        _, layers = decoder_layers(hf)
+        if o["activation_checkpointing"]:
+            checkpoint_blocks(layers, offload=o["offload_activations"])
+        elif o["offload_activations"]:
+            raise ValueError("offload_activations needs activation_checkpointing=True")
+        shard_blocks(model, layers, self._du_mesh, mixed_precision=o["mixed_precision"],
+                     offload_params=o["offload_params"])  # fmt: skip
+        return model
+
+    def create_optimizer(self, *args: Any, **kwargs: Any):
+        # a forward before training (evaluate) leaves the root unsharded; the optimizer must
+        # hold the sharded parameters
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------------------------------
+    # loss
+    # ------------------------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any):
+        batches, _ = super().get_batch_samples(  # type: ignore[misc]
+            epoch_iterator, num_batches, device
+        )
+        if not batches:
+            return batches, None
+        count = torch.tensor([sum(_targets(b) for b in batches)], dtype=torch.int64)
+        count = count.to(device)
+        if self._du_mesh["dp"].size() > 1:  # sp ranks hold the same rows: count over dp
+            dist.all_reduce(count, group=self._du_mesh["dp"].get_group())
+        return batches, count[0]
+
+    def _du_forward(self, model: nn.Module, inputs: dict, num_items: Any):
+        extra = sorted(
+            k for k, v in inputs.items()
+            if k not in _READ | _DROPPED and isinstance(v, torch.Tensor)
+        )  # fmt: skip
+        if extra:
+            raise UnsupportedTrainerError(
+                f"batch keys {extra} cannot be cut into sequence slices by with_ulysses (it "
+                f"reads {sorted(_READ)}); remove them from the collator's output"
+            )
+        mesh = self._du_mesh
+        sb = shard_batch(inputs, mesh, count_valid=False)
+        group = flatten_dp_sp(mesh).get_group()
+        if num_items is None:  # evaluation: this batch's global count
+            n = (sb.labels != IGNORE_INDEX).sum().reshape(1).to(torch.int64)
+            dist.all_reduce(n, group=group)
+            num_items = n[0]
+        n_valid = max(int(num_items), 1)
+        out = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
+                    ulysses_layout=sb.layout, use_cache=False)  # fmt: skip
+        logits = out.logits
+        local = cross_entropy_sum(logits, sb.labels) / n_valid
+        total = local.detach().clone()
+        dist.all_reduce(total, group=group)
+        # the value is the global loss (what the Trainer logs), the gradient this rank's part
+        return total + (local - local.detach()), logits, sb
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: Any = None):  # fmt: skip
+        loss, logits, _ = self._du_forward(model, inputs, num_items_in_batch)
+        return (loss, {"loss": loss, "logits": logits}) if return_outputs else loss
+
+    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool,
+                        ignore_keys: Any = None):  # fmt: skip
+        inputs = self._prepare_inputs(inputs)  # type: ignore[attr-defined]
+        with torch.no_grad():
+            loss, logits, sb = self._du_forward(model, inputs, None)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, _gather_seq(logits, sb.layout, self._du_mesh), inputs.get("labels")
+
+    # ------------------------------------------------------------------------------------------
+    # files
+    # ------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = _trainer_state.full_model_state(self.model)  # collective
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)  # type: ignore[attr-defined]
+        dist.barrier()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")  # type: ignore[attr-defined]
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        state = _trainer_state.optimizer_state(self.model, self.optimizer)  # collective
+        if self.args.should_save:
+            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        dist.barrier()
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        if checkpoint is None:
+            return
+        path = Path(checkpoint)
+        if (path / OPTIMIZER_NAME).is_file():
+            _trainer_state.load_optimizer(self.model, self.optimizer, path / OPTIMIZER_NAME)
+        if (path / SCHEDULER_NAME).is_file():
+            self.lr_scheduler.load_state_dict(
+                torch.load(path / SCHEDULER_NAME, map_location="cpu", weights_only=True)
+            )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        _trainer_state.load_model_files(model or self.model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        _trainer_state.load_model_files(self.model, self.state.best_model_checkpoint)
+
+
+def _gather_seq(local_BsV: torch.Tensor, layout: Any, mesh: Any) -> torch.Tensor:
+    """The full ``[B, S, ...]`` tensor from each sp rank's ``[B, s, ...]`` slice."""
+    group = mesh["sp"].get_group()
+    sizes = layout.seq_sizes
+    if len(sizes) == 1:
+        return local_BsV
+    longest = max(sizes)
+    pad = local_BsV.new_zeros((local_BsV.shape[0], longest - local_BsV.shape[1],
+                               *local_BsV.shape[2:]))  # fmt: skip
+    parts = [torch.empty_like(torch.cat([local_BsV, pad], 1)) for _ in sizes]
+    dist.all_gather(parts, torch.cat([local_BsV, pad], 1).contiguous(), group=group)
+    return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)

@@ -1,0 +1,54 @@
+"""Ulysses inside TRL's ``SFTTrainer``: a stock SFT script, plus the two lines marked ``Ulysses``.
+
+On CPU with a tiny model built on the spot (``--model DIR`` for a local checkpoint)::
+
+    torchrun --standalone --nproc-per-node 2 examples/sft_trl.py --sp 2
+    torchrun --standalone --nproc-per-node 4 examples/sft_trl.py --sp 2 --packing
+
+Chat data with the loss on assistant tokens only, or (``--packing``) packed text without
+padding (``padding_free``: documents kept apart by position ids restarting at 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from _tiny import CHATS, TEXTS, tiny_model_and_tokenizer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sp", type=int, default=2, help="Ulysses degree (divides the rank count)")
+    p.add_argument("--packing", action="store_true", help="packed text, padding_free")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--model", default=None, help="a local model directory (default: tiny)")
+    p.add_argument("--out", default="runs/sft_trl")
+    a = p.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from dtensor_ulysses.hf import with_ulysses  # Ulysses
+
+    model, tokenizer = tiny_model_and_tokenizer(a.model)
+    if a.packing:
+        data = Dataset.from_list([{"text": t} for t in TEXTS])
+        extra = dict(packing=True, padding_free=True, max_length=32)
+    else:
+        data = Dataset.from_list([{"messages": m} for m in CHATS])
+        extra = dict(assistant_only_loss=True, max_length=48)
+    args = SFTConfig(
+        output_dir=a.out, per_device_train_batch_size=2, max_steps=a.steps, learning_rate=1e-3,
+        logging_steps=1, bf16=False, report_to=[], save_strategy="no",
+        use_cpu=not torch.cuda.is_available(), **extra,
+    )  # fmt: skip
+    trainer = with_ulysses(SFTTrainer, sp=a.sp)(  # Ulysses (was: SFTTrainer()
+        model=model, args=args, train_dataset=data, processing_class=tokenizer
+    )
+    trainer.train()
+    trainer.save_model(f"{a.out}/final")
+
+
+if __name__ == "__main__":
+    main()

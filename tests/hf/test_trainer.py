@@ -1,0 +1,331 @@
+"""``hf.with_ulysses``: transformers ``Trainer`` and TRL ``SFTTrainer`` under Ulysses + FSDP2
+equal the same stock trainer on one process.
+
+Tiny local Llama / Qwen3 checkpoints and a BPE tokenizer trained on the spot (no downloads).
+The references run in this process with the stock classes and stock attention (sdpa); the
+Ulysses runs in spawned gloo worlds of 2 and 4 ranks (several runs per world). Global batch 4
+rows per step, fp32, 3 steps, compared at rtol 1e-4: logged losses, gradient norms, learning
+rates; also gradient accumulation, resume from the trainer's own checkpoint, ``save_model`` ->
+``from_pretrained`` logits, LoRA, sharded evaluation and metrics, a slice with no target,
+heads that sp does not divide, and the refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+pytest.importorskip("datasets")
+
+from dtensor_ulysses.launch import run_local_world  # noqa: E402
+from tests import hf_trainer_workers as T  # noqa: E402
+from tests import hf_workers as W  # noqa: E402
+
+RTOL = 1e-4
+KEYS = ("loss", "grad_norm", "lr")
+# what each kind trains: (model, data)
+MODELS = {"trainer": "llama", "sft_chat": "qwen3", "sft_packed": "llama", "masked": "llama"}
+
+
+def _close(got: dict, ref: dict, keys=KEYS) -> None:
+    for k in keys:
+        assert len(got[k]) == len(ref[k]) == 3, (k, got[k], ref[k])
+        assert got[k] == pytest.approx(ref[k], rel=RTOL), (k, got[k], ref[k])
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    import transformers as tf
+
+    root = tmp_path_factory.mktemp("hf_trainer")
+    dirs = {a: str(W.save_model(a, root / a)) for a in ("llama", "qwen3", "mistral_sliding")}
+    # 3 q heads, 1 kv head: sp=2 divides neither
+    torch.manual_seed(0)
+    small = {**W.SMALL, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
+    cfg = tf.LlamaConfig(**small, tie_word_embeddings=False)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "uneven")
+    dirs["uneven"] = str(root / "uneven")
+    tok = root / "tok"
+    W.make_tokenizer(tok, " ".join(T.TEXTS) * 5)
+    return {"root": root, "dirs": dirs, "tok": str(tok)}
+
+
+def _spec(assets, kind: str, name: str, **kw) -> dict:
+    model = assets["dirs"][kw.pop("model", MODELS[kind])]
+    return dict(kind=kind, model=model, tok=assets["tok"], out=str(assets["root"] / name), **kw)
+
+
+EVAL = dict(eval=8, metrics=True, eval_first=True)
+
+
+@pytest.fixture(scope="module")
+def refs(assets):
+    """The stock trainers on this process (no Ulysses)."""
+    r = assets["root"]
+    return {
+        "trainer": T.run(_spec(assets, "trainer", "ref_t", save_to=str(r / "ref_saved"), **EVAL)),
+        "sft_chat": T.run(_spec(assets, "sft_chat", "ref_c")),
+        "sft_packed": T.run(_spec(assets, "sft_packed", "ref_p")),
+        "lora": T.run(_spec(assets, "sft_chat", "ref_l", lora=True)),
+        "masked": T.run(_spec(assets, "masked", "ref_m")),
+        "uneven": T.run(_spec(assets, "trainer", "ref_u", model="uneven")),
+    }
+
+
+@pytest.fixture(scope="module")
+def world2(assets):
+    r = assets["root"]
+    specs = [
+        _spec(assets, "trainer", "t2", sp=2, save_to=str(r / "sp_saved"), **EVAL),
+        _spec(assets, "sft_chat", "c2", sp=2),
+        _spec(assets, "sft_packed", "p2", sp=2),
+        _spec(assets, "trainer", "ga2", sp=2, batch=2, ga=2),
+        _spec(assets, "trainer", "ck2", sp=2, save="steps", save_steps=2, steps=4),
+        _spec(assets, "trainer", "rs2", sp=2, steps=4, resume=str(r / "ck2" / "checkpoint-2")),
+        _spec(assets, "sft_chat", "l2", sp=2, lora=True),
+        _spec(assets, "masked", "m2", sp=2),
+        _spec(
+            assets, "trainer", "u2", sp=2, model="uneven", options={"allow_uneven_heads": True}
+        ),  # fmt: skip
+        _spec(assets, "trainer", "bad", sp=3, expect_error=True),
+        _spec(assets, "sft_chat", "lck2", sp=2, lora=True, save="steps", save_steps=2, steps=4),
+        _spec(
+            assets,
+            "sft_chat",
+            "lrs2",
+            sp=2,
+            lora=True,
+            steps=4,
+            resume=str(r / "lck2" / "checkpoint-2"),
+        ),  # fmt: skip
+        _spec(
+            assets,
+            "trainer",
+            "ac2",
+            sp=2,
+            args={"gradient_checkpointing": True},
+            options={"head_chunks": 2},
+        ),  # fmt: skip
+    ]
+    names = ["trainer", "sft_chat", "sft_packed", "ga", "ckpt", "resume", "lora", "masked",
+             "uneven", "sp3", "lora_ckpt", "lora_resume", "checkpointing"]  # fmt: skip
+    return dict(zip(names, run_local_world(T.run_specs, 2, specs, timeout_s=400)[0]))
+
+
+@pytest.fixture(scope="module")
+def world4(assets):
+    specs = [
+        _spec(assets, kind, f"{kind}_{dp}_{sp}", sp=sp, batch=4 // dp, eval_batch=4 // dp,
+              **(EVAL if (kind, dp) == ("trainer", 2) else {}))
+        for dp, sp in ((2, 2), (1, 4))
+        for kind in ("trainer", "sft_chat", "sft_packed")
+    ]  # fmt: skip
+    runs = run_local_world(T.run_specs, 4, specs, timeout_s=500)[0]
+    return {(s["kind"], 4 // s["sp"], s["sp"]): r for s, r in zip(specs, runs)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["trainer", "sft_chat", "sft_packed"])
+def test_sp2_equals_one_process(world2, refs, kind):
+    """(dp, sp) = (1, 2): losses, grad norms and learning rates of 3 steps: Trainer on padded
+    text, SFTTrainer on chat with assistant-only loss, SFTTrainer packed + padding_free."""
+    _close(world2[kind], refs[kind])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [(2, 2), (1, 4)])
+@pytest.mark.parametrize("kind", ["trainer", "sft_chat", "sft_packed"])
+def test_world4_equals_one_process(world4, refs, kind, layout):
+    """(2, 2) and (1, 4) (sp=4 > 2 kv heads: GQA replication): as above."""
+    _close(world4[(kind, *layout)], refs[kind])
+
+
+@pytest.mark.timeout(600)
+def test_grad_accumulation_equals_doubled_batch(world2, refs):
+    """batch 2 x accumulation 2 at sp=2 == batch 4 on one process."""
+    _close(world2["ga"], refs["trainer"])
+
+
+def _resumed(ck: dict, rs: dict) -> None:
+    """Steps 3 and 4 after resuming at step 2 == the uninterrupted run's (step 4 needs the
+    restored optimizer moments and schedule, step 3 the restored weights)."""
+    assert len(ck["loss"]) == len(rs["loss"]) == 4, (ck, rs)
+    for k in KEYS:
+        assert rs[k][2:] == pytest.approx(ck[k][2:], rel=RTOL), (k, rs[k], ck[k])
+
+
+@pytest.mark.timeout(600)
+def test_resume_continues_same_losses(world2):
+    """Checkpoint at step 2 of 4 (full weights, optimizer, scheduler, RNG), a new trainer
+    resumes from it."""
+    _resumed(world2["ckpt"], world2["resume"])
+
+
+@pytest.mark.timeout(600)
+def test_lora_resume_continues_same_losses(world2):
+    """The same with a LoRA adapter (the checkpoint holds adapter_model.safetensors)."""
+    _resumed(world2["lora_ckpt"], world2["lora_resume"])
+
+
+@pytest.mark.timeout(600)
+def test_checkpointing_and_head_chunks(world2, refs):
+    """``gradient_checkpointing=True`` (our per-layer checkpointing inside FSDP2) and
+    ``head_chunks=2`` change nothing in the losses."""
+    _close(world2["checkpointing"], refs["trainer"])
+
+
+@pytest.mark.timeout(600)
+def test_save_model_from_pretrained_logits(world2, assets):
+    """``save_model`` at sp=2, then ``from_pretrained`` on one process: the logits of the
+    model trained on one process."""
+    from transformers import AutoModelForCausalLM
+
+    r = assets["root"]
+    ids = torch.randint(0, 90, (2, 17), generator=torch.Generator().manual_seed(3))
+    got, ref = (
+        AutoModelForCausalLM.from_pretrained(str(r / d), dtype=torch.float32)(input_ids=ids).logits
+        for d in ("sp_saved", "ref_saved")
+    )
+    base = AutoModelForCausalLM.from_pretrained(assets["dirs"]["llama"])(input_ids=ids).logits
+    assert not torch.allclose(ref, base, atol=1e-3)  # it did train
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_lora_sp2_equals_one_process(world2, refs):
+    """SFTTrainer with a LoRA adapter (peft_config) at sp=2 == one process."""
+    _close(world2["lora"], refs["lora"])
+
+
+@pytest.mark.timeout(600)
+def test_sharded_eval_and_metrics(world2, refs):
+    """``evaluate`` before and after training, sharded at sp=2: the one-process eval loss, and
+    ``compute_metrics`` sees the full logits and the collator's ``labels`` (same accuracy and
+    label count)."""
+    got, ref = world2["trainer"], refs["trainer"]
+    for when in ("eval", "eval_after"):
+        for k in ("eval_loss", "eval_acc", "eval_n_labels"):
+            assert got[when][k] == pytest.approx(ref[when][k], rel=RTOL), (when, k)
+
+
+@pytest.mark.timeout(600)
+def test_sharded_eval_and_metrics_dp2(world4, refs):
+    """The same at (dp, sp) = (2, 2): eval batches of 2 rows per dp rank, metrics gathered
+    over dp only."""
+    got, ref = world4[("trainer", 2, 2)], refs["trainer"]
+    for when in ("eval", "eval_after"):
+        for k in ("eval_loss", "eval_acc", "eval_n_labels"):
+            assert got[when][k] == pytest.approx(ref[when][k], rel=RTOL), (when, k)
+
+
+@pytest.mark.timeout(600)
+def test_slice_without_targets_is_finite(world2, refs):
+    """Rows whose first 5 of 8 labels are -100: sp rank 0 holds no target (no NaN)."""
+    _close(world2["masked"], refs["masked"])
+
+
+@pytest.mark.timeout(600)
+def test_heads_not_divisible_by_sp(world2, refs):
+    """3 q heads, 1 kv head at sp=2 (allow_uneven_heads)."""
+    _close(world2["uneven"], refs["uneven"])
+
+
+@pytest.mark.timeout(600)
+def test_sp_not_dividing_world(world2):
+    assert "sp=3 does not divide the 2 ranks" in world2["sp3"]["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals at construction (this process, no distributed launch needed)
+# ---------------------------------------------------------------------------------------------
+def test_generation_and_other_loss_trainers_refused():
+    import trl
+
+    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+
+    with pytest.raises(UnsupportedTrainerError, match="GRPOTrainer.*generation"):
+        with_ulysses(trl.GRPOTrainer, sp=2)
+    with pytest.raises(UnsupportedTrainerError, match="DPOTrainer computes its own loss"):
+        with_ulysses(trl.DPOTrainer, sp=2)
+    with pytest.raises(ValueError, match="unknown with_ulysses options"):
+        with_ulysses(trl.SFTTrainer, sp=2, tiled=True)
+    with pytest.raises(ValueError, match="sp=0"):
+        with_ulysses(trl.SFTTrainer, sp=0)
+
+
+def _stock(assets, tmp_path, model="llama", **args):
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(assets["tok"])
+    m = tf.AutoModelForCausalLM.from_pretrained(assets["dirs"][model], dtype=torch.float32)
+    a = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    for k, v in args.items():
+        setattr(a, k, v)
+    return m, a, T._data("trainer", tok)
+
+
+def test_sliding_window_refused(assets, tmp_path):
+    import transformers as tf
+
+    from dtensor_ulysses.hf import UnsupportedModelError, with_ulysses
+
+    m, a, data = _stock(assets, tmp_path, model="mistral_sliding")
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
+        with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "DeepSpeed is enabled"),
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
+        ({"save_on_each_node": True}, "save_on_each_node"),
+    ],
+)
+def test_args_refused(assets, tmp_path, args, match):
+    import transformers as tf
+
+    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+
+    m, a, data = _stock(assets, tmp_path, **args)
+    with pytest.raises(UnsupportedTrainerError, match=match):
+        with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)
+
+
+def test_context_parallel_refused(assets, tmp_path):
+    import transformers as tf
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+
+    m, a, data = _stock(assets, tmp_path)
+    a.parallelism_config = ParallelismConfig(cp_size=2)
+    with pytest.raises(UnsupportedTrainerError, match="parallelism_config.cp_size=2"):
+        with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)
+
+
+def test_loss_and_optimizer_overrides_refused(assets, tmp_path):
+    import transformers as tf
+
+    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+
+    m, a, data = _stock(assets, tmp_path)
+    cls = with_ulysses(tf.Trainer, sp=2)
+    with pytest.raises(UnsupportedTrainerError, match="compute_loss_func"):
+        cls(model=m, args=a, train_dataset=data, compute_loss_func=lambda *x, **k: 0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(UnsupportedTrainerError, match="optimizers="):
+        cls(model=m, args=a, train_dataset=data, optimizers=(opt, None))
+
+
+def test_needs_distributed_launch(assets, tmp_path):
+    import transformers as tf
+
+    from dtensor_ulysses.hf import with_ulysses
+
+    m, a, data = _stock(assets, tmp_path)
+    with pytest.raises(ValueError, match="needs a distributed launch: torchrun"):
+        with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)

@@ -1,0 +1,165 @@
+"""Per-rank functions for tests/hf/test_trainer.py: one transformers ``Trainer`` or TRL
+``SFTTrainer`` run, with or without :func:`~dtensor_ulysses.hf.with_ulysses`, on tiny local
+checkpoints (tests/hf_workers.py) and a tokenizer trained on the spot."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a long context model reads every token of the sequence",
+    "sequence parallel attention splits the sequence over ranks",
+    "the heads inside attention are split too",
+    "the lazy dog sleeps",
+    "every token counts in the loss of a long context model",
+    "ranks hold slices of the sequence and all heads of it",
+    "quick brown foxes read long sequences",
+] * 4
+
+
+def _conv(*turns: str) -> list[dict]:
+    return [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+
+
+CONVS = [
+    _conv("the quick fox", "jumps over the lazy dog"),
+    _conv("a long context", "model", "reads every", "token of the sequence"),
+    _conv("sequence parallel attention", "splits the sequence"),
+    _conv("the heads", "inside attention are split too"),
+] * 8
+
+
+def _data(kind: str, tok: Any, n: int | None = None):
+    from datasets import Dataset
+
+    if kind == "trainer":
+        rows = [{"input_ids": tok(t)["input_ids"]} for t in TEXTS]
+    elif kind == "masked":  # 8 tokens, the first 5 without loss: sp rank 0 of 2 has no target
+        rows = []
+        for t in TEXTS:
+            ids = tok(t)["input_ids"][:8]
+            assert len(ids) == 8, len(ids)
+            rows.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
+    elif kind == "sft_chat":
+        rows = [{"messages": m} for m in CONVS]
+    else:  # packed text
+        rows = [{"text": t} for t in TEXTS]
+    return Dataset.from_list(rows[:n] if n else rows)
+
+
+def build(spec: dict) -> Any:
+    """A trainer as the spec says (``sp`` None: the stock class, no Ulysses)."""
+    import transformers as tf
+    import trl
+
+    from dtensor_ulysses.hf import with_ulysses
+
+    tok = tf.AutoTokenizer.from_pretrained(spec["tok"])
+    model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                    attn_implementation="sdpa")  # fmt: skip
+    kind = spec["kind"]
+    common = dict(
+        output_dir=spec["out"], per_device_train_batch_size=spec.get("batch", 4),
+        per_device_eval_batch_size=spec.get("eval_batch", 4),
+        gradient_accumulation_steps=spec.get("ga", 1), max_steps=spec.get("steps", 3),
+        learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, lr_scheduler_type="linear",
+        weight_decay=0.1, seed=0, report_to=[], save_strategy=spec.get("save", "no"),
+        save_steps=spec.get("save_steps", 2), use_cpu=True, disable_tqdm=True,
+        dataloader_drop_last=True, bf16=False, **spec.get("args", {}),
+    )  # fmt: skip
+    collator = None
+    if kind in ("trainer", "masked"):
+        args = tf.TrainingArguments(**common)
+        collator = (
+            tf.DataCollatorForLanguageModeling(tok, mlm=False)
+            if kind == "trainer"
+            else tf.DataCollatorForSeq2Seq(tok, padding=True)
+        )
+        cls: Any = tf.Trainer
+    elif kind == "sft_chat":
+        args = trl.SFTConfig(**common, assistant_only_loss=True, max_length=40)
+        cls = trl.SFTTrainer
+    else:
+        args = trl.SFTConfig(**common, packing=True, padding_free=True, max_length=24)
+        cls = trl.SFTTrainer
+    if spec.get("sp"):
+        cls = with_ulysses(cls, spec["sp"], **spec.get("options", {}))
+    kw: dict = {}
+    if spec.get("lora"):
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
+        if kind == "trainer":
+            from peft import get_peft_model
+
+            torch.manual_seed(0)
+            model = get_peft_model(model, lora)
+        else:
+            kw["peft_config"] = lora
+    if spec.get("eval"):
+        kw["eval_dataset"] = _data(kind, tok, spec["eval"])
+    if spec.get("metrics"):
+        kw["compute_metrics"] = _label_metrics
+    torch.manual_seed(0)
+    return cls(model=model, args=args, train_dataset=_data(kind, tok), processing_class=tok,
+               data_collator=collator, **kw)  # fmt: skip
+
+
+def _label_metrics(pred: Any) -> dict:
+    """Token accuracy of the next-token argmax against ``labels`` (what metrics see)."""
+    logits, labels = pred.predictions, pred.label_ids
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    import numpy as np
+
+    guess = np.asarray(logits)[:, :-1].argmax(-1)
+    target = np.asarray(labels)[:, 1:]
+    valid = target != -100
+    return {"acc": float((guess == target)[valid].mean()), "n_labels": float(valid.sum())}
+
+
+def _history(trainer: Any) -> dict:
+    h = trainer.state.log_history
+    return {
+        "loss": [e["loss"] for e in h if "loss" in e],
+        "grad_norm": [e["grad_norm"] for e in h if "grad_norm" in e],
+        "lr": [e["learning_rate"] for e in h if "learning_rate" in e],
+    }
+
+
+def run(spec: dict) -> dict:
+    """Train (and evaluate / save / resume as the spec says); plain data back."""
+    trainer = build(spec)
+    out: dict = {}
+    if spec.get("eval_first"):
+        out["eval"] = trainer.evaluate()
+    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    out.update(_history(trainer))
+    if spec.get("eval"):
+        out["eval_after"] = trainer.evaluate()
+    if spec.get("save_to"):
+        trainer.save_model(spec["save_to"])
+    assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
+    return out
+
+
+def run_specs(rank: int, world: int, specs: list) -> list:
+    """Several runs in one spawned world (a world costs seconds to start)."""
+    import os
+
+    # the group is up already (launch.run_local_world); accelerate still reads these
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    results = []
+    for spec in specs:
+        try:
+            results.append(run(spec))
+        except Exception as e:  # refusals and failures come back as text, in order
+            if not spec.get("expect_error"):
+                raise
+            results.append({"error": f"{type(e).__name__}: {e}"})
+    return results if rank == 0 else [None] * len(results)
