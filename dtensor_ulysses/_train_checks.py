@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dtensor_ulysses._train_cli import TrainConfig, UsageError, _warn
+from dtensor_ulysses._train_guard import check_numbers, check_targets
 from dtensor_ulysses._train_inputs import _check_eval_corpus, _corpus, _validate_hf
 from dtensor_ulysses._train_resume import _check_resumable, _select_checkpoint
 from dtensor_ulysses.attention import flash_attn_available
@@ -50,6 +51,7 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
     if cfg.keep_last is not None and cfg.keep_last < 1:
         raise UsageError(f"--keep-last {cfg.keep_last} must be >= 1 (omit it to keep all)")
+    check_numbers(cfg)  # the optimizer's and the schedule's numbers
     if cfg.eval_every < 0:
         raise UsageError(f"--eval-every {cfg.eval_every} must be >= 0 (0: only at the end)")
     if cfg.eval_every and not cfg.eval_data:
@@ -107,6 +109,7 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
             _check_resumable(Path(cfg.resume_from), cfg)  # before any model is built
         except ValueError as e:
             raise UsageError(str(e)) from None
+    check_targets(cfg)  # the paths written, steps left to --resume, checkpoints of another run
     if shape is None:
         _warn(
             f"memory preflight skipped: the config of {cfg.hf_model!r} is not a Llama-style "
@@ -172,7 +175,7 @@ def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
         result = check_fits(
             shape, device_type=device_type, features=features,
             seq_len=cfg.seq_len // cfg.ring,  # a ring rank's sp group sees S / ring tokens
-            batch_size=cfg.batch_size, dp=cfg.dp, sp=cfg.sp,
+            batch_size=cfg.batch_size, dp=cfg.dp, sp=cfg.sp, headroom=cfg.memory_headroom,
         )  # fmt: skip
     except ValueError as e:  # a bad capacity override
         raise UsageError(f"memory preflight: {e}") from None

@@ -63,6 +63,8 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     keep_last: int | None = None  # None: keep every checkpoint
     allow_oversubscribe: bool = False
+    memory_headroom: float | None = None  # None: the preflight's default for the device
+    overwrite: bool = False  # delete --checkpoint-dir's checkpoints when the run starts
     resume_from: str | None = None  # set by validate(): the checkpoint --resume loads
     hf_model: str | None = None  # a transformers model directory instead of a preset
     tokenizer: str | None = None  # None: the --hf-model directory
@@ -150,6 +152,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         "--resume",
         action="store_true",
         help="continue from the newest intact checkpoint in --checkpoint-dir",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start from step 0 in a --checkpoint-dir that holds checkpoints, deleting them "
+        "when the run starts (without it such a run is refused)",
     )
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr")
@@ -279,6 +287,15 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         "--allow-oversubscribe",
         action="store_true",
         help="start even when the memory preflight estimates that the run does not fit",
+    )
+    p.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="the memory preflight refuses a run whose estimate exceeds this fraction of a "
+        "rank's capacity (default: 0.9; the rest is the estimate's error and the allocator's "
+        "fragmentation)",
     )
     p.add_argument(
         "--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available"

@@ -62,6 +62,13 @@ from dtensor_ulysses import checkpoint as ckpt
 from dtensor_ulysses._exit import exit_process, leave_together
 from dtensor_ulysses._train_checks import _local_tokens, validate
 from dtensor_ulysses._train_cli import TrainConfig, UsageError, parse_args
+from dtensor_ulysses._train_guard import (
+    GuardStop,
+    RunGuard,
+    catch_stop_signals,
+    clear_rank_note,
+    prepare_cuda_allocator,
+)
 from dtensor_ulysses._train_inputs import _corpus, _hf_dir, _tokenizer
 from dtensor_ulysses._train_inputs import _hf_shape as _hf_shape  # re-exported (the tests use it)
 from dtensor_ulysses._train_resume import _checkpoint_meta, _save
@@ -214,7 +221,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     A step with an evaluation (``--eval-every``, and the last step with ``--eval-data``) also
     holds ``eval_loss``, ``eval_perplexity`` and ``eval_tokens``.
     """
-    return _train(cfg)[0]
+    with catch_stop_signals():  # SIGTERM / SIGUSR1: stop after the step, checkpointed
+        return _train(cfg)[0]
 
 
 def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
@@ -291,8 +299,10 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
     )
     records = []
     saved = start if cfg.resume else None
+    guard = RunGuard(cfg, rank, device)  # stop signals, non-finite steps, --overwrite
     model.train()
     for step in range(start, cfg.steps):
+        guard.before_step(step + 1, model)
         t0 = time.perf_counter()
         batch = batch_fn(
             corpus, step, global_batch_size=cfg.batch_size, dp_rank=dp_rank, dp=cfg.dp,
@@ -302,6 +312,7 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
         result = train_step(
             model, batch, optimizer, scheduler, group=group, grad_clip=cfg.grad_clip
         )
+        guard.check_finite(step + 1, result.loss, result.grad_norm)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
@@ -314,6 +325,7 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
         ):
             extra.update(_evaluate(cfg, model, eval_corpus, dp_rank, sp_rank, group, device))
         records.append(logger.log(done, result.loss, result.tokens, elapsed, **extra))
+        guard.heartbeat(records[-1])
         if "eval_loss" in extra and rank == 0:
             print(
                 f"eval after step {done} | loss {extra['eval_loss']:.4f} | perplexity "
@@ -323,6 +335,10 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
         if cfg.checkpoint_dir and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             _save(cfg, done, model, optimizer, scheduler, meta)
             saved = done
+        if done < cfg.steps and guard.stop_requested():  # every rank agrees
+            if cfg.checkpoint_dir and saved != done:
+                _save(cfg, done, model, optimizer, scheduler, meta)
+            raise guard.preempted(done)
     if cfg.checkpoint_dir and saved != cfg.steps:  # always leave a checkpoint of the final step
         _save(cfg, cfg.steps, model, optimizer, scheduler, meta)
     if cfg.save_hf is not None:
@@ -356,7 +372,8 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status: 0 done, 2 bad input, 1 anything else.
+    """Command-line entry point; returns the exit status: 0 done, 2 bad input, 3 a non-finite
+    loss or gradient norm, 75 preempted (SIGTERM or SIGUSR1; checkpointed), 1 anything else.
 
     Only a :class:`UsageError` becomes one ``error:`` line (from rank 0); any other exception is
     a bug or an environment failure and prints its full traceback on the rank where it happened.
@@ -366,14 +383,19 @@ def main(argv: list[str] | None = None) -> int:
                           MASTER_PORT=str(_free_port()))  # fmt: skip
     rank = int(os.environ["RANK"])
     try:
-        cfg = validate(parse_args(argv), int(os.environ["WORLD_SIZE"]))
+        cfg = validate(prepare_cuda_allocator(parse_args(argv)), int(os.environ["WORLD_SIZE"]))
         train(cfg)  # creates the process group (init_mesh), the one place that does
         code = 0
+        clear_rank_note()
     except UsageError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
+    except GuardStop as e:  # preempted (75) or a non-finite step (3): see _train_guard.py
+        e.report(rank)
+        code = e.exit_code
     except Exception:
+        clear_rank_note()
         traceback.print_exc()
         code = 1
     return leave_together(code, rank)
