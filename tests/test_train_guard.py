@@ -276,3 +276,33 @@ def test_trainer_refuses_in_the_margin_and_sets_the_cuda_allocator(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     prepare_cuda_allocator(TrainConfig())
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+# ----------------------------------------------------------------------------------------------
+# exported files
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_save_hf_files_follow_the_umask(tmp_path, umask):
+    """An exported model directory gets the modes of a plain mkdir/open under the umask (as a
+    checkpoint does), not mkdtemp's 0700 nor a private 0600 weight file."""
+    pytest.importorskip("transformers")
+    import stat
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dtensor_ulysses.hf.model import save_pretrained
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    out = tmp_path / "export" / "model"
+    out.parent.mkdir()
+    old = os.umask(umask)
+    try:
+        save_pretrained(LlamaForCausalLM(config), out)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [out, *out.iterdir()]}
+    assert "model.safetensors" in modes and "config.json" in modes, modes
+    for name, mode in modes.items():
+        want = (0o777 if name == "model" else 0o666) & ~umask
+        assert mode == want, f"{name}: {oct(mode)} vs {oct(want)} under umask {oct(umask)}"
