@@ -154,7 +154,7 @@ def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
         if not flash_attn_available():
             raise UsageError(
                 "--attention-backend flash_attn: the flash-attn package is not importable; "
-                "pip install 'dtensor-ulysses[flash]', or use --attention-backend sdpa (or auto)"
+                "pip install -e '.[flash]' in a clone, or use --attention-backend sdpa (or auto)"
             )
         head_dim = shape.head_dim if shape is not None else 0
         if head_dim > 256:

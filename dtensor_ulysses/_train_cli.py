@@ -230,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         action="store_true",
         help="hide all-to-alls behind compute: k, v move while q is projected; with "
         "--head-chunks, stage c+1 moves while stage c attends (same values; costs the "
-        "in-flight buffers: ~13%% shorter longest sequence with head chunks)",
+        "in-flight buffers, which shortens the longest sequence that fits)",
     )
     mem.add_argument(
         "--offload-activations",
@@ -260,7 +260,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         help="evaluate every N steps (needs --eval-data; default 0: only after the last step)",
     )
     hf = p.add_argument_group(
-        "Hugging Face models (pip install 'dtensor-ulysses[hf]')",
+        "Hugging Face models (from a clone: pip install -e '.[hf]')",
         '--data also takes chat JSONL ({"messages": [...]}, loss on assistant tokens only); '
         "the memory preflight estimates a Llama-style decoder of the config's shape",
     )

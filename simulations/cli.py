@@ -66,7 +66,8 @@ def _common(p: argparse.ArgumentParser, *, layout: bool) -> None:
     p.add_argument(
         "--pack-docs",
         action="store_true",
-        help="packed documents: Ulysses all-gathers position ids per layer",
+        help="packed documents: attention and positions restart at each document (the step's "
+        "layout carries the document starts: no extra communication)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -461,6 +462,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `python -m simulations published | head`: the reader left
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the exit's flush must not raise again
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a program the shell's pipe stopped
     except ImportError as e:
         if "matplotlib" in str(e):
             print(f"error: {e}", file=sys.stderr)
