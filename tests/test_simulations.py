@@ -742,3 +742,18 @@ def test_hybrid_wins_when_the_all_to_all_would_cross_nodes():
     g = sim.get_gpu("h100")
     *_, r_flat = ratio(g.with_(inter_bw=g.intra_bw, inter_latency_s=g.intra_latency_s))
     assert 1.0 <= r_flat < 1.01
+
+
+def test_cli_output_into_a_closed_pipe_leaves_quietly():
+    """``python -m simulations published | head -1``: no BrokenPipeError traceback, status 141."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "simulations", "published"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 141), err[-2000:]
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
