@@ -757,3 +757,18 @@ def test_cli_output_into_a_closed_pipe_leaves_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) in (0, 141), err[-2000:]
     assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
+
+
+def test_plan_says_nothing_fits_and_suggests_the_memory_options():
+    """``plan --seq-len 10000000`` for llama3-8b on 8x H100: no row is called best; the first
+    says that nothing fits and which options reach how far (computed, not assumed)."""
+    from simulations.planner import plan
+
+    pl = plan("llama3-8b", 8, "h100", seq_len=10_000_000)
+    assert not any(x.fits for x in pl.layouts)
+    why = pl.layouts[0].why
+    assert why.startswith("nothing fits 10.00M") and "best" not in why, why
+    assert "with --tiled-loss" in why and "it reaches" in why, why
+    tiled = plan("llama3-8b", 8, "h100", tiled_loss=True, tiled_mlp=True,
+                 offload_activations=True, offload_optimizer=True)  # fmt: skip
+    assert f"reaches {tiled.layouts[0].max_seq_len / 1e6:.2f}M" in why, (why, tiled.layouts[0])
