@@ -306,3 +306,44 @@ def test_save_hf_files_follow_the_umask(tmp_path, umask):
     for name, mode in modes.items():
         want = (0o777 if name == "model" else 0o666) & ~umask
         assert mode == want, f"{name}: {oct(mode)} vs {oct(want)} under umask {oct(umask)}"
+
+
+# ----------------------------------------------------------------------------------------------
+# the built-in corpus through a transformers tokenizer: progress and a cache
+# ----------------------------------------------------------------------------------------------
+def _byte_tokenizer(extra: str = ""):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
+    if extra:
+        vocab[extra] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def test_builtin_corpus_tokens_are_cached_by_tokenizer_and_text(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from dtensor_ulysses.hf import _token_cache as tc
+    from dtensor_ulysses.hf.data import _encode_all
+
+    monkeypatch.setenv(tc.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    docs = ["def f(x):\n    return x\n", "import os\n" * 3]
+    tok = _byte_tokenizer()
+    want = _encode_all(docs, tok)  # the reference: no cache involved
+    first = tc.builtin_documents(docs, tok, _encode_all)
+    assert first == want
+    err = capsys.readouterr().err
+    assert "tokenizing the built-in corpus (2 documents)" in err and "cached in" in err, err
+    [cache] = list((tmp_path / "tokens").iterdir())
+    calls = []
+    again = tc.builtin_documents(docs, tok, lambda d, t: calls.append(1) or _encode_all(d, t))
+    assert again == want and not calls, "the second run must read the cache"
+    tc.builtin_documents([*docs, "x = 1\n"], tok, _encode_all)  # other text: another key
+    tc.builtin_documents(docs, _byte_tokenizer(extra="<pad>"), _encode_all)  # other tokenizer
+    assert len(list((tmp_path / "tokens").iterdir())) == 3 and cache.is_file()
+    monkeypatch.setenv(tc.CACHE_ENV, "")
+    assert tc.cache_dir() is None
+    assert tc.builtin_documents(docs, tok, _encode_all) == want
