@@ -126,7 +126,7 @@ def check_targets(cfg: TrainConfig) -> None:
         _check_dir_target("--save-hf", str(out.resolve().parent), shown=cfg.save_hf)
     if cfg.resume and cfg.resume_from:
         _check_steps_left(cfg)
-    elif cfg.checkpoint_dir and not cfg.overwrite:
+    elif not cfg.resume and cfg.checkpoint_dir and not cfg.overwrite:
         _check_no_checkpoints(cfg)
 
 
