@@ -341,7 +341,7 @@ def _nothing_fits(probe: Workload, lay: Layout, seq_len: int) -> str:
     """The first row's explanation when no layout fits ``seq_len``: the longest it trains, and
     the memory options not on yet with the longest they would reach (or that none is left)."""
     text = (
-        f"nothing fits {_fmt_tokens(seq_len)}; the closest layout trains up to "
+        f"nothing fits {seq_len:,} tokens; the closest layout trains up to "
         f"{_fmt_tokens(lay.max_seq_len)} tokens"
     )
     w, added = probe, []
@@ -361,10 +361,12 @@ def _nothing_fits(probe: Workload, lay: Layout, seq_len: int) -> str:
 
 
 def _fmt_tokens(n: float) -> str:
-    if n >= 1e6:
-        return f"{n / 1e6:.2f}M"
-    if n >= 1e3:
-        return f"{n / 1e3:.0f}K"
+    """Tokens with binary prefixes, as the figures write them (``simulations.report``):
+    ``131072 -> "128K"``, ``6627328 -> "6.32M"``."""
+    if n >= 2**20:
+        return f"{n / 2**20:.2f}M"
+    if n >= 2**10:
+        return f"{n / 2**10:.0f}K"
     return str(int(n))
 
 

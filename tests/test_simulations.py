@@ -767,11 +767,11 @@ def test_plan_says_nothing_fits_and_suggests_the_memory_options():
     pl = plan("llama3-8b", 8, "h100", seq_len=10_000_000)
     assert not any(x.fits for x in pl.layouts)
     why = pl.layouts[0].why
-    assert why.startswith("nothing fits 10.00M") and "best" not in why, why
+    assert why.startswith("nothing fits 10,000,000 tokens") and "best" not in why, why
     assert "with --tiled-loss" in why and "it reaches" in why, why
     tiled = plan("llama3-8b", 8, "h100", tiled_loss=True, tiled_mlp=True,
                  offload_activations=True, offload_optimizer=True)  # fmt: skip
-    assert f"reaches {tiled.layouts[0].max_seq_len / 1e6:.2f}M" in why, (why, tiled.layouts[0])
+    assert f"reaches {tiled.layouts[0].max_seq_len / 2**20:.2f}M" in why, (why, tiled.layouts[0])
 
 
 def test_trace_find_max_reports_the_length_within_the_headroom(monkeypatch, capsys):
