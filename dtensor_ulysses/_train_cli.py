@@ -65,6 +65,7 @@ class TrainConfig:
     allow_oversubscribe: bool = False
     memory_headroom: float | None = None  # None: the preflight's default for the device
     overwrite: bool = False  # delete --checkpoint-dir's checkpoints when the run starts
+    skip_nonfinite: bool = False  # skip a non-finite step instead of stopping the run
     resume_from: str | None = None  # set by validate(): the checkpoint --resume loads
     hf_model: str | None = None  # a transformers model directory instead of a preset
     tokenizer: str | None = None  # None: the --hf-model directory
@@ -165,6 +166,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--decay-steps", type=int, default=d.decay_steps, help="cosine horizon")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global norm; 0: off")
+    p.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip a step whose loss or gradient norm is not finite (no update; counted as "
+        "skipped_nonfinite in the metrics) instead of stopping the run",
+    )
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute each block in backward"
     )

@@ -315,10 +315,17 @@ class RunGuard:
         hook = os.environ.get(NAN_HOOK_ENV)
         self.nan_at = int(hook) if hook else None
         self.stop_signal: str | None = None
+        self.skipped = 0  # steps skipped as non-finite (--skip-nonfinite)
+        self.nan_backup: tuple | None = None  # the hook's poisoned tensor and its values
         clear_for_overwrite(cfg, rank)
 
+    def counts(self) -> dict:
+        """What the metrics record of the guard: ``skipped_nonfinite`` (with the flag)."""
+        return {"skipped_nonfinite": self.skipped} if self.cfg.skip_nonfinite else {}
+
     def before_step(self, step: int, model) -> None:
-        """The test hook: fill the first parameter with NaN before step ``step`` (1-based)."""
+        """The test hook: fill the first parameter with NaN for step ``step`` (1-based); with
+        ``--skip-nonfinite`` the fault is transient (the values come back after the step)."""
         if self.nan_at is None or step != self.nan_at:
             return
         import torch
@@ -326,15 +333,33 @@ class RunGuard:
         with torch.no_grad():
             p = next(model.parameters())
             local = p.to_local() if hasattr(p, "to_local") else p
+            if self.cfg.skip_nonfinite:
+                self.nan_backup = (local, local.detach().clone())
             local.fill_(float("nan"))
 
-    def check_finite(self, step: int, loss: float, grad_norm: float | None) -> None:
+    def check_finite(
+        self, step: int, loss: float, grad_norm: float | None, *, skipped: bool = False
+    ) -> None:
         """Stop the run at ``step`` when its loss or gradient norm is not finite (every rank
-        sees the same reduced values, so every rank stops)."""
+        sees the same reduced values, so every rank stops); with ``--skip-nonfinite`` the step
+        was skipped (``skipped``): count it and say so instead."""
         bad = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+        if self.nan_backup is not None:  # the hook's fault is transient: put the weights back
+            self.nan_backup[0].copy_(self.nan_backup[1])
+            self.nan_backup = None
         if not bad:
             return
         norm = "" if grad_norm is None else f", gradient norm {grad_norm}"
+        if skipped:
+            self.skipped += 1
+            if self.rank == 0:
+                print(
+                    f"warning: step {step}: non-finite loss {loss}{norm}; skipped (no update; "
+                    f"{self.skipped} so far, --skip-nonfinite)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
         raise NonFiniteStep(
             f"step {step}: non-finite loss {loss}{norm}; the run stopped before saving this "
             f"step. {self._resume_hint()}; lower --lr (or raise --warmup-steps) or check the "

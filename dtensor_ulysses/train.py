@@ -173,6 +173,7 @@ class StepResult:
     loss: float  # mean cross entropy over the global batch's valid tokens
     tokens: int  # valid tokens in the global batch
     grad_norm: float | None  # global gradient norm before clipping (None: no clipping)
+    skipped: bool = False  # non-finite, and not applied (``skip_nonfinite``)
 
 
 def forward_backward(
@@ -198,18 +199,31 @@ def train_step(
     *,
     group: dist.ProcessGroup | None = None,
     grad_clip: float = 1.0,
+    skip_nonfinite: bool = False,
 ) -> StepResult:
-    """One optimizer step on the global batch of which ``batch`` is this rank's slice."""
+    """One optimizer step on the global batch of which ``batch`` is this rank's slice.
+
+    ``skip_nonfinite``: when the global loss or gradient norm is not finite, apply no update
+    (the schedule still advances) and return ``skipped=True``.
+    """
     local_sum, n_valid = forward_backward(model, batch, group)
     grad_norm = None
     if grad_clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    loss_sum = local_sum.reshape(1)
+    if skip_nonfinite:  # the reduced loss first: every rank decides alike
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(loss_sum, group=group)
+        loss = loss_sum.item() / n_valid
+        if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            return StepResult(loss, n_valid, grad_norm, skipped=True)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = local_sum.reshape(1)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
+    if not skip_nonfinite and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(loss_sum, group=group)
     return StepResult(loss_sum.item() / n_valid, n_valid, grad_norm)
 
@@ -310,13 +324,14 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
             **ring_kw,
         ).to(device)  # fmt: skip
         result = train_step(
-            model, batch, optimizer, scheduler, group=group, grad_clip=cfg.grad_clip
-        )
-        guard.check_finite(step + 1, result.loss, result.grad_norm)
+            model, batch, optimizer, scheduler, group=group, grad_clip=cfg.grad_clip,
+            skip_nonfinite=cfg.skip_nonfinite,
+        )  # fmt: skip
+        guard.check_finite(step + 1, result.loss, result.grad_norm, skipped=result.skipped)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
-        extra: dict = {"lr": scheduler.get_last_lr()[0]}
+        extra: dict = {"lr": scheduler.get_last_lr()[0], **guard.counts()}
         if result.grad_norm is not None:
             extra["grad_norm"] = result.grad_norm
         done = step + 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -215,7 +216,10 @@ def test_injected_nan_stops_at_that_step(tmp_path):
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
     args = [*COMMON, "--steps", "6", "--checkpoint-every", "1", "--checkpoint-dir", str(ck),
             "--metrics-file", str(m)]  # fmt: skip
-    [res] = _run_all([(args, _env(**{NAN_HOOK_ENV: "3"}))])
+    m2 = tmp_path / "skip.jsonl"
+    skip = [*COMMON, "--steps", "5", "--skip-nonfinite", "--metrics-file", str(m2)]
+    res, skipped = _run_all([(args, _env(**{NAN_HOOK_ENV: "3"})),
+                             (skip, _env(**{NAN_HOOK_ENV: "3"}))])  # fmt: skip
     label = f"rc={res.returncode}\n{res.stderr[-3000:]}"
     assert res.returncode != 0, label  # torchrun's own status is 1; the workers' is 3
     assert re.search(rf"exitcode\s*: {EXIT_NONFINITE} ", res.stderr), label
@@ -226,6 +230,14 @@ def test_injected_nan_stops_at_that_step(tmp_path):
     assert sorted(_losses(m)) == [1, 2], "the NaN step must not be logged as a step"
     assert _written(ck) == ["step_00000001", "step_00000002"], "the NaN state must not be saved"
     assert "Traceback" not in res.stderr.split("error: step 3")[0], label
+    # --skip-nonfinite (the hook's fault is transient there): the step is skipped and counted
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert re.search(r"^warning: step 3: non-finite loss nan.*skipped", skipped.stderr, re.M)
+    recs = {r["step"]: r for r in map(json.loads, m2.read_text().splitlines())}
+    assert sorted(recs) == [1, 2, 3, 4, 5]
+    assert [recs[s]["skipped_nonfinite"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    assert all(math.isfinite(recs[s]["loss"]) for s in (1, 2, 4, 5)), recs
+    assert [recs[s]["loss"] for s in (1, 2)] == [_losses(m)[s] for s in (1, 2)]
 
 
 # ----------------------------------------------------------------------------------------------
