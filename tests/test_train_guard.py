@@ -359,3 +359,28 @@ def test_builtin_corpus_tokens_are_cached_by_tokenizer_and_text(tmp_path, monkey
     monkeypatch.setenv(tc.CACHE_ENV, "")
     assert tc.cache_dir() is None
     assert tc.builtin_documents(docs, tok, _encode_all) == want
+
+
+def test_million_token_commands_pass_the_preflight_with_its_headroom(monkeypatch):
+    """The how-to's H100 commands start under the default headroom (closed form, no GPU), and
+    the zero-slack lengths they replaced would not (that is what the headroom is for)."""
+    import shlex
+
+    from dtensor_ulysses._train_checks import _preflight
+    from dtensor_ulysses._train_cli import UsageError
+    from dtensor_ulysses.train import parse_args
+    from simulations.hardware import get_gpu
+
+    text = (ROOT / "docs" / "how-to" / "million-tokens.md").read_text()
+    blocks = re.findall(r"```bash\n(torchrun .*?dtensor_ulysses\.train .*?)\n```", text, re.S)
+    assert len(blocks) == 2, blocks
+    monkeypatch.setenv("DTENSOR_ULYSSES_MEMORY_CAPACITY", str(get_gpu("h100").memory_bytes))
+    monkeypatch.setenv("DTENSOR_ULYSSES_HOST_MEMORY_CAPACITY", "4TiB")
+    for block in blocks:
+        argv = shlex.split(block.replace("\\\n", " "))
+        cfg = parse_args(argv[argv.index("dtensor_ulysses.train") + 1 :])
+        assert cfg.sp is not None
+        _preflight(cfg, get_shape(cfg.model or "tiny"), "cuda")  # raises if refused
+        cfg.seq_len = int(cfg.seq_len / 0.9 / 1024) * 1024  # the zero-slack neighbourhood
+        with pytest.raises(UsageError, match="a run may use 90%"):
+            _preflight(cfg, get_shape(cfg.model or "tiny"), "cuda")
