@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtensor_ulysses.plan import HEADROOM as TRAINER_HEADROOM  # noqa: F401  (cli's default)
 from dtensor_ulysses.plan import MEMORY_FEATURES
 from simulations import memory
 from simulations.config import Workload
@@ -204,15 +205,18 @@ def find_max(
     granularity: int | None = None,
     start: int | None = None,
     log: Callable[[str], None] | None = None,
+    capacity: int | None = None,
 ) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
     """The longest ``seq_len`` (a multiple of ``granularity``, default ``1024 * sp``) whose traced
     device peak fits the GPU; ``(max_seq_len, probes, report at max_seq_len)``.
 
     The device peak grows (nearly) linearly with the sequence: a secant through two probes
     proposes the crossing, and a bisection on the grid settles it (every step is a real trace).
+    ``capacity``: the bytes the peak may reach (default: the GPU's usable bytes; less for a
+    search with headroom).
     """
     g = granularity or 1024 * case.sp
-    cap = get_gpu(case.gpu).usable_bytes
+    cap = capacity if capacity is not None else get_gpu(case.gpu).usable_bytes
     probes: list[dict[str, Any]] = []
     cache: dict[int, Any] = {}
 

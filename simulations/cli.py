@@ -68,7 +68,8 @@ def _common(p: argparse.ArgumentParser, *, layout: bool) -> None:
     p.add_argument(
         "--pack-docs",
         action="store_true",
-        help="packed documents: Ulysses all-gathers position ids per layer",
+        help="packed documents: attention and positions restart at each document (the step's "
+        "layout carries the document starts: no extra communication)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -108,6 +109,11 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--granularity", type=int, default=None,
         help="--find-max grid, tokens (default 1024 * sp)",
+    )  # fmt: skip
+    p.add_argument(
+        "--headroom", type=float, default=None, metavar="FRACTION",
+        help="--find-max also reports the longest sequence whose peak stays within this "
+        "fraction of the usable memory (default: 0.9, the trainer's --memory-headroom; 1: skip)",
     )  # fmt: skip
     p.add_argument(
         "--breakdown", type=int, default=0, metavar="N",
@@ -433,6 +439,12 @@ def _format_trace(obj: dict) -> str:
     if "max_seq_len" in obj:
         out.append(
             f"longest fitting sequence: {obj['max_seq_len']:,} (grid {obj['granularity']:,})"
+            + (
+                f"; with {1 - obj['headroom']:.0%} headroom (peak <= {obj['headroom']:.0%} of "
+                f"the usable memory): {obj['max_seq_len_with_headroom']:,}"
+                if "max_seq_len_with_headroom" in obj
+                else ""
+            )
         )
     if obj.get("breakdown"):
         depth = obj["traced_layers"][-1]
@@ -440,6 +452,26 @@ def _format_trace(obj: dict) -> str:
         rows = [(_b(r["bytes"]), r["category"], r["op"], r["where"]) for r in obj["breakdown"]]
         out.append(_table(rows, ("bytes", "category", "op", "allocated at")))
     return "\n".join(out)
+
+
+def _find_max_with_headroom(a, case, g: int, best: int, log) -> dict[str, Any]:
+    """The longest sequence whose traced peak stays within ``--headroom`` of the usable memory
+    (a second search, started at ``headroom * best``); empty for ``--headroom 1``."""
+    from simulations import _trace
+    from simulations.hardware import get_gpu
+
+    frac = _trace.TRAINER_HEADROOM if a.headroom is None else a.headroom
+    if not 0 < frac <= 1:
+        raise ValueError(f"--headroom {frac} must be a fraction in (0, 1], e.g. 0.9")
+    if frac == 1:
+        return {}
+    cap = int(get_gpu(a.gpu).usable_bytes * frac)
+    if log:
+        log(f"with {1 - frac:.0%} headroom (peak <= {cap / 2**30:.2f} GiB):")
+    within, _, _ = _trace.find_max(
+        case, granularity=g, start=max(g, int(best * frac)), log=log, capacity=cap
+    )
+    return {"headroom": frac, "max_seq_len_with_headroom": within}
 
 
 def _cmd_trace(a) -> int:
@@ -458,6 +490,7 @@ def _cmd_trace(a) -> int:
             print(json.dumps(obj, indent=2) if a.json else f"nothing fits (grid {g:,} tokens)")
             return 1
         obj = dict(rep, max_seq_len=best, granularity=g, probes=probes)
+        obj.update(_find_max_with_headroom(a, case, g, best, log))
     else:
         obj = _trace.report(case, breakdown=a.breakdown)
     print(json.dumps(obj, indent=2) if a.json else _format_trace(obj))
@@ -493,6 +526,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `python -m simulations published | head`: the reader left
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the exit's flush must not raise again
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a program the shell's pipe stopped
     except ImportError as e:
         if "matplotlib" in str(e):
             print(f"error: {e}", file=sys.stderr)

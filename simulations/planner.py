@@ -308,6 +308,8 @@ def plan(
         )
     ordered = valid + [x for x in layouts if not x.valid]
     _explain(ordered, seq_len)
+    if seq_len is not None and ordered and ordered[0].valid and not ordered[0].fits:
+        ordered[0].why = _nothing_fits(probe, ordered[0], seq_len)
     return Plan(name, gpus, probe.gpu.name, seq_len, ordered)
 
 
@@ -324,11 +326,46 @@ def _runs(lay: Layout, S: int, attention: str) -> bool:
     return S % lay.sp == 0 or attention == "ulysses"
 
 
+# The memory options plan() may suggest, in order, each as its simulator CLI flag.
+_MEMORY_OPTIONS = (
+    ("ac", "full", "--ac full"),
+    ("tiled_loss", True, "--tiled-loss"),
+    ("tiled_mlp", True, "--tiled-mlp"),
+    ("offload_activations", True, "--offload-activations"),
+    ("offload_optimizer", True, "--offload-optimizer"),
+)
+
+
+def _nothing_fits(probe: Workload, lay: Layout, seq_len: int) -> str:
+    """The first row's explanation when no layout fits ``seq_len``: the longest it trains, and
+    the memory options not on yet with the longest they would reach (or that none is left)."""
+    text = (
+        f"nothing fits {seq_len:,} tokens; the closest layout trains up to "
+        f"{_fmt_tokens(lay.max_seq_len)} tokens"
+    )
+    w, added = probe, []
+    for field_name, value, flag in _MEMORY_OPTIONS:
+        if getattr(w, field_name) == value:
+            continue
+        try:
+            w = w.with_(**{field_name: value})
+        except ValueError:  # not with the options given (e.g. offloading under DDP)
+            continue
+        added.append(flag)
+    if not added:
+        return text + "; every memory option is on: use more GPUs or a shorter --seq-len"
+    reach = max_seq_len(_workload(w, lay.dp, lay.sp, lay.ring, lay.sp * lay.ring * GRANULE))
+    more = "" if reach >= seq_len else "; beyond that, more GPUs or a shorter --seq-len"
+    return text + f"; with {' '.join(added)} it reaches {_fmt_tokens(reach)}{more}"
+
+
 def _fmt_tokens(n: float) -> str:
-    if n >= 1e6:
-        return f"{n / 1e6:.2f}M"
-    if n >= 1e3:
-        return f"{n / 1e3:.0f}K"
+    """Tokens with binary prefixes, as the figures write them (``simulations.report``):
+    ``131072 -> "128K"``, ``6627328 -> "6.32M"``."""
+    if n >= 2**20:
+        return f"{n / 2**20:.2f}M"
+    if n >= 2**10:
+        return f"{n / 2**10:.0f}K"
     return str(int(n))
 
 

@@ -180,6 +180,10 @@ def test_kill_a_rank_during_a_checkpoint_write_then_resume(tmp_path):
             time.sleep(0.002)
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode != 0, "torchrun must fail when a worker is killed"
+        # torchrun's summary names the rank and the signal; the rank's note, its peak memory
+        assert re.search(r"rank\s*: 1 .*\n.*exitcode\s*: -9 .*SIGKILL", stderr), stderr[-3000:]
+        assert re.search(r"rank 1 \(pid \d+\) had finished step \d+ of 100000, peak memory "
+                         r"[\d.]+ [KMG]iB", stderr), stderr[-3000:]  # fmt: skip
     finally:
         for pid in [proc.pid, *_descendants(proc.pid)]:
             with contextlib.suppress(ProcessLookupError):

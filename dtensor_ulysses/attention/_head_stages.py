@@ -24,8 +24,7 @@ moving to heads and stage ``c - 1``'s output (forward) or ``d q`` (backward) is 
 is waited for just before it is used. The values, the bytes and the order of every
 floating-point operation are those of the one-at-a-time schedule; what it costs is memory: the
 send and receive buffers of two exchanges in flight during a stage's backward, six one-stage
-tensors (traced: llama3-8b on 8x H100 fit 6,717,440 tokens with it, 7,692,288 without, before
-the offloader's prefetch was traced; about 13% of the length). Off by default,
+tensors, which shortens the longest sequence that fits. Off by default,
 since head chunks are a memory feature; on for speed where memory is not the limit.
 """
 

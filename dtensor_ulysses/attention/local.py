@@ -102,7 +102,7 @@ def force_backend(name: str) -> Iterator[None]:
 def _flash_attn_problem(q: torch.Tensor) -> str | None:
     """Why flash-attn cannot run on ``q``, or ``None`` if it can."""
     if not flash_attn_available():
-        return "the flash-attn package is not importable (pip install 'dtensor-ulysses[flash]')"
+        return "the flash-attn package is not importable (in a clone: pip install -e '.[flash]')"
     if q.device.type != "cuda":
         return f"flash-attn needs CUDA tensors, got device {q.device}"
     if q.dtype not in (torch.float16, torch.bfloat16):

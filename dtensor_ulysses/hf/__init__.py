@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` causal LMs under Ulysses + FSDP2 (the optional extra ``hf``).
 
-``pip install "dtensor-ulysses[hf]"`` (transformers >= 5, safetensors, tokenizers). Importing
+``pip install -e ".[hf]"`` in a clone (transformers >= 5, safetensors, tokenizers). Importing
 this package does not import transformers; its names import it on first use (a clear error names
 the extra when it is missing).
 

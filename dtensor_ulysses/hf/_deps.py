@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-EXTRA = 'pip install "dtensor-ulysses[hf]"'
+EXTRA = 'pip install -e ".[hf]" (in a clone of the repository)'
 MIN_TRANSFORMERS = 5
 
 

@@ -340,6 +340,11 @@ def load_corpus(
             key = None
     if key is not None:
         return _cached_corpus(key, _TokKey(tokenizer), seq_len, chat)
+    if paths is None:  # the built-in corpus: progress lines and a disk cache (_token_cache.py)
+        from dtensor_ulysses.hf._token_cache import builtin_documents
+
+        docs = builtin_documents(_documents(None, chat), tokenizer, _encode_all)
+        return TokenCorpus(docs, seq_len)
     return TokenCorpus(_encode_all(_documents(paths, chat), tokenizer), seq_len)
 
 

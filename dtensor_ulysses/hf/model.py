@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from dtensor_ulysses._file_modes import apply_umask
 from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
 from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.models.weights import bare_name, copy_full_
@@ -354,6 +355,7 @@ def save_pretrained(
             hf.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        apply_umask(tmp)  # mkdtemp makes it 0700: readable by the group, as checkpoints are
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

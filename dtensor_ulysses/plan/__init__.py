@@ -33,6 +33,7 @@ _EXPORTS = {
     "head_plan": "splits",
     "head_split": "splits",
     "HeadPlan": "splits",
+    "HEADROOM": "preflight",
     "host_capacity": "_preflight_capacity",
     "HOST_CAPACITY_ENV": "_preflight_capacity",
     "kv_head_index": "splits",
@@ -80,6 +81,7 @@ __all__ = [
     "head_plan",
     "head_split",
     "HeadPlan",
+    "HEADROOM",
     "host_capacity",
     "HOST_CAPACITY_ENV",
     "kv_head_index",
@@ -129,6 +131,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     )
     from dtensor_ulysses.plan.preflight import (
         FEATURE_FLAGS,
+        HEADROOM,
         MEMORY_FEATURES,
         Preflight,
         check_fits,

@@ -19,6 +19,7 @@ from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
 from dtensor_ulysses.plan.presets import ModelShape, get_shape
 from dtensor_ulysses.plan.splits import check_ring_seq, check_sp_for_heads, nearby_multiples
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, _warn
+from dtensor_ulysses.train.guard import check_numbers, check_targets
 from dtensor_ulysses.train.inputs import check_eval_corpus, validate_hf
 from dtensor_ulysses.train.resume import check_resumable, select_checkpoint
 from dtensor_ulysses.train.spec import model_spec
@@ -50,6 +51,7 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
     if cfg.keep_last is not None and cfg.keep_last < 1:
         raise UsageError(f"--keep-last {cfg.keep_last} must be >= 1 (omit it to keep all)")
+    check_numbers(cfg)  # the optimizer's and the schedule's numbers
     if cfg.eval_every < 0:
         raise UsageError(f"--eval-every {cfg.eval_every} must be >= 0 (0: only at the end)")
     if cfg.eval_every and not cfg.eval_data:
@@ -108,6 +110,7 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
             check_resumable(Path(cfg.resume_from), cfg)  # before any model is built
         except ValueError as e:
             raise UsageError(str(e)) from None
+    check_targets(cfg)  # the paths written, steps left to --resume, checkpoints of another run
     if shape is None:
         _warn(
             f"memory preflight skipped: the config of {cfg.hf_model!r} is not a Llama-style "
@@ -150,7 +153,7 @@ def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
         if not flash_attn_available():
             raise UsageError(
                 "--attention-backend flash_attn: the flash-attn package is not importable; "
-                "pip install 'dtensor-ulysses[flash]', or use --attention-backend sdpa (or auto)"
+                "pip install -e '.[flash]' in a clone, or use --attention-backend sdpa (or auto)"
             )
         head_dim = shape.head_dim if shape is not None else 0
         if head_dim > 256:
@@ -171,7 +174,7 @@ def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
         result = check_fits(
             shape, device_type=device_type, features=features,
             seq_len=cfg.seq_len // cfg.ring,  # a ring rank's sp group sees S / ring tokens
-            batch_size=cfg.batch_size, dp=cfg.dp, sp=cfg.sp,
+            batch_size=cfg.batch_size, dp=cfg.dp, sp=cfg.sp, headroom=cfg.memory_headroom,
         )  # fmt: skip
     except ValueError as e:  # a bad capacity override
         raise UsageError(f"memory preflight: {e}") from None

@@ -65,6 +65,9 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     keep_last: int | None = None  # None: keep every checkpoint
     allow_oversubscribe: bool = False
+    memory_headroom: float | None = None  # None: the preflight's default for the device
+    overwrite: bool = False  # delete --checkpoint-dir's checkpoints when the run starts
+    skip_nonfinite: bool = False  # skip a non-finite step instead of stopping the run
     resume_from: str | None = None  # set by validate(): the checkpoint --resume loads
     hf_model: str | None = None  # a transformers model directory instead of a preset
     tokenizer: str | None = None  # None: the --hf-model directory
@@ -158,12 +161,24 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         action="store_true",
         help="continue from the newest intact checkpoint in --checkpoint-dir",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start from step 0 in a --checkpoint-dir that holds checkpoints, deleting them "
+        "when the run starts (without it such a run is refused)",
+    )
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup")
     p.add_argument("--decay-steps", type=int, default=d.decay_steps, help="cosine horizon")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global norm; 0: off")
+    p.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip a step whose loss or gradient norm is not finite (no update; counted as "
+        "skipped_nonfinite in the metrics) instead of stopping the run",
+    )
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute each block in backward"
     )
@@ -229,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         action="store_true",
         help="hide all-to-alls behind compute: k, v move while q is projected; with "
         "--head-chunks, stage c+1 moves while stage c attends (same values; costs the "
-        "in-flight buffers: ~13%% shorter longest sequence with head chunks)",
+        "in-flight buffers, which shortens the longest sequence that fits)",
     )
     mem.add_argument(
         "--offload-activations",
@@ -259,7 +274,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         help="evaluate every N steps (needs --eval-data; default 0: only after the last step)",
     )
     hf = p.add_argument_group(
-        "Hugging Face models (pip install 'dtensor-ulysses[hf]')",
+        "Hugging Face models (from a clone: pip install -e '.[hf]')",
         '--data also takes chat JSONL ({"messages": [...]}, loss on assistant tokens only); '
         "the memory preflight estimates a Llama-style decoder of the config's shape",
     )
@@ -286,6 +301,15 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         "--allow-oversubscribe",
         action="store_true",
         help="start even when the memory preflight estimates that the run does not fit",
+    )
+    p.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="the memory preflight refuses a run whose estimate exceeds this fraction of a "
+        "rank's capacity (default: 0.9; the rest is the estimate's error and the allocator's "
+        "fragmentation)",
     )
     p.add_argument(
         "--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available"

@@ -49,6 +49,7 @@ a linear-warmup + cosine schedule. The schedule depends on ``--warmup-steps`` an
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -73,6 +74,13 @@ from dtensor_ulysses.parallel import (
 from dtensor_ulysses.train import checkpoint as ckpt
 from dtensor_ulysses.train.checks import validate
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, parse_args
+from dtensor_ulysses.train.guard import (
+    GuardStop,
+    RunGuard,
+    catch_stop_signals,
+    clear_rank_note,
+    prepare_cuda_allocator,
+)
 from dtensor_ulysses.train.metrics import StepLogger
 from dtensor_ulysses.train.resume import checkpoint_meta, save_checkpoint
 from dtensor_ulysses.train.spec import make_optimizer, model_spec
@@ -119,6 +127,7 @@ class StepResult:
     loss: float  # mean cross entropy over the global batch's valid tokens
     tokens: int  # valid tokens in the global batch
     grad_norm: float | None  # global gradient norm before clipping (None: no clipping)
+    skipped: bool = False  # non-finite, and not applied (``skip_nonfinite``)
 
 
 def forward_backward(
@@ -144,18 +153,31 @@ def train_step(
     *,
     group: dist.ProcessGroup | None = None,
     grad_clip: float = 1.0,
+    skip_nonfinite: bool = False,
 ) -> StepResult:
-    """One optimizer step on the global batch of which ``batch`` is this rank's slice."""
+    """One optimizer step on the global batch of which ``batch`` is this rank's slice.
+
+    ``skip_nonfinite``: when the global loss or gradient norm is not finite, apply no update
+    (the schedule still advances) and return ``skipped=True``.
+    """
     local_sum, n_valid = forward_backward(model, batch, group)
     grad_norm = None
     if grad_clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    loss_sum = local_sum.reshape(1)
+    if skip_nonfinite:  # the reduced loss first: every rank decides alike
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(loss_sum, group=group)
+        loss = loss_sum.item() / n_valid
+        if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            return StepResult(loss, n_valid, grad_norm, skipped=True)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = local_sum.reshape(1)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
+    if not skip_nonfinite and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(loss_sum, group=group)
     return StepResult(loss_sum.item() / n_valid, n_valid, grad_norm)
 
@@ -167,7 +189,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     A step with an evaluation (``--eval-every``, and the last step with ``--eval-data``) also
     holds ``eval_loss``, ``eval_perplexity`` and ``eval_tokens``.
     """
-    return _train(cfg)[0]
+    with catch_stop_signals():  # SIGTERM / SIGUSR1: stop after the step, checkpointed
+        return _train(cfg)[0]
 
 
 def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
@@ -229,8 +252,10 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
     )
     records = []
     saved = start if cfg.resume else None
+    guard = RunGuard(cfg, rank, device)  # stop signals, non-finite steps, --overwrite
     model.train()
     for step in range(start, cfg.steps):
+        guard.before_step(step + 1, model)
         t0 = time.perf_counter()
         batch = spec.get_batch(
             corpus, step, global_batch_size=cfg.batch_size, dp_rank=dp_rank, dp=cfg.dp,
@@ -238,12 +263,14 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
             **ring_kw,
         ).to(device)  # fmt: skip
         result = train_step(
-            model, batch, optimizer, scheduler, group=group, grad_clip=cfg.grad_clip
-        )
+            model, batch, optimizer, scheduler, group=group, grad_clip=cfg.grad_clip,
+            skip_nonfinite=cfg.skip_nonfinite,
+        )  # fmt: skip
+        guard.check_finite(step + 1, result.loss, result.grad_norm, skipped=result.skipped)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
-        extra: dict = {"lr": scheduler.get_last_lr()[0]}
+        extra: dict = {"lr": scheduler.get_last_lr()[0], **guard.counts()}
         if result.grad_norm is not None:
             extra["grad_norm"] = result.grad_norm
         done = step + 1
@@ -252,6 +279,7 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
         ):
             extra.update(_evaluate(cfg, model, eval_corpus, dp_rank, sp_rank, group, device))
         records.append(logger.log(done, result.loss, result.tokens, elapsed, **extra))
+        guard.heartbeat(records[-1])
         if "eval_loss" in extra and rank == 0:
             print(
                 f"eval after step {done} | loss {extra['eval_loss']:.4f} | perplexity "
@@ -261,6 +289,10 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
         if cfg.checkpoint_dir and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             save_checkpoint(cfg, done, model, optimizer, scheduler, meta)
             saved = done
+        if done < cfg.steps and guard.stop_requested():  # every rank agrees
+            if cfg.checkpoint_dir and saved != done:
+                save_checkpoint(cfg, done, model, optimizer, scheduler, meta)
+            raise guard.preempted(done)
     if cfg.checkpoint_dir and saved != cfg.steps:  # always leave a checkpoint of the final step
         save_checkpoint(cfg, cfg.steps, model, optimizer, scheduler, meta)
     if spec.export is not None:
@@ -288,7 +320,8 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status: 0 done, 2 bad input, 1 anything else.
+    """Command-line entry point; returns the exit status: 0 done, 2 bad input, 3 a non-finite
+    loss or gradient norm, 75 preempted (SIGTERM or SIGUSR1; checkpointed), 1 anything else.
 
     Only a :class:`UsageError` becomes one ``error:`` line (from rank 0); any other exception is
     a bug or an environment failure and prints its full traceback on the rank where it happened.
@@ -298,14 +331,19 @@ def main(argv: list[str] | None = None) -> int:
                           MASTER_PORT=str(_free_port()))  # fmt: skip
     rank = int(os.environ["RANK"])
     try:
-        cfg = validate(parse_args(argv), int(os.environ["WORLD_SIZE"]))
+        cfg = validate(prepare_cuda_allocator(parse_args(argv)), int(os.environ["WORLD_SIZE"]))
         train(cfg)  # creates the process group (init_mesh), the one place that does
         code = 0
+        clear_rank_note()
     except UsageError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
+    except GuardStop as e:  # preempted (75) or a non-finite step (3): see _train_guard.py
+        e.report(rank)
+        code = e.exit_code
     except Exception:
+        clear_rank_note()
         traceback.print_exc()
         code = 1
     return leave_together(code, rank)

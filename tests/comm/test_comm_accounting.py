@@ -72,7 +72,7 @@ def test_collectives_counts_and_bytes(world_size):
 
 
 def test_closed_form_matches_design_volume():
-    """The per-rank forward volume for MHA is 4*B*(S/P)*N*H*e (DESIGN.md section 1)."""
+    """The per-rank forward volume for MHA is 4*B*(S/P)*N*H*e (docs/design.md section 1)."""
     case = dict(sp=4, S=64, N=8, K=8, H=4, op="attention", fuse=True)
     assert sum(_expected(case, 2)) == 4 * 2 * (64 // 4) * 8 * 4 * E
 

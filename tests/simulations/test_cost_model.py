@@ -742,3 +742,63 @@ def test_hybrid_wins_when_the_all_to_all_would_cross_nodes():
     g = sim.get_gpu("h100")
     *_, r_flat = ratio(g.with_(inter_bw=g.intra_bw, inter_latency_s=g.intra_latency_s))
     assert 1.0 <= r_flat < 1.01
+
+
+def test_cli_output_into_a_closed_pipe_leaves_quietly():
+    """``python -m simulations published | head -1``: no BrokenPipeError traceback, status 141."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "simulations", "published"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 141), err[-2000:]
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
+
+
+def test_plan_says_nothing_fits_and_suggests_the_memory_options():
+    """``plan --seq-len 10000000`` for llama3-8b on 8x H100: no row is called best; the first
+    says that nothing fits and which options reach how far (computed, not assumed)."""
+    from simulations.planner import plan
+
+    pl = plan("llama3-8b", 8, "h100", seq_len=10_000_000)
+    assert not any(x.fits for x in pl.layouts)
+    why = pl.layouts[0].why
+    assert why.startswith("nothing fits 10,000,000 tokens") and "best" not in why, why
+    assert "with --tiled-loss" in why and "it reaches" in why, why
+    tiled = plan("llama3-8b", 8, "h100", tiled_loss=True, tiled_mlp=True,
+                 offload_activations=True, offload_optimizer=True)  # fmt: skip
+    assert f"reaches {tiled.layouts[0].max_seq_len / 2**20:.2f}M" in why, (why, tiled.layouts[0])
+
+
+def test_trace_find_max_reports_the_length_within_the_headroom(monkeypatch, capsys):
+    """``trace --find-max`` (a stand-in linear trace, no torch): the zero-slack length and, next
+    to it, the longest whose peak stays within 90% of the usable memory, each on the grid."""
+    from simulations import _trace
+    from simulations.cli import main
+    from simulations.hardware import get_gpu
+
+    cap = get_gpu("h100").usable_bytes
+
+    class Fake:
+        def __init__(self, s):
+            self.device_peak_bytes = 20 * 2**30 + 40_000 * s
+            self.host_bytes, self.traced_layers = 0, (32,)
+
+        def to_dict(self):
+            return {"device_peak_bytes": self.device_peak_bytes, "phases": {}}
+
+    monkeypatch.setattr(_trace, "trace", lambda case: Fake(case.seq_len))
+    args = ["trace", "--model", "llama3-8b", "--sp", "8", "--find-max", "--json"]
+    assert main(args) == 0
+    obj = json.loads(capsys.readouterr().out)
+    g, full, within = obj["granularity"], obj["max_seq_len"], obj["max_seq_len_with_headroom"]
+    assert Fake(full).device_peak_bytes <= cap < Fake(full + g).device_peak_bytes
+    assert Fake(within).device_peak_bytes <= 0.9 * cap < Fake(within + g).device_peak_bytes
+    assert obj["headroom"] == 0.9 and within < full
+    assert main([*args, "--headroom", "1"]) == 0
+    assert "max_seq_len_with_headroom" not in json.loads(capsys.readouterr().out)
+    assert main([*args, "--headroom", "0"]) == 2

@@ -1,0 +1,386 @@
+"""The trainer refuses before training, stops cleanly when told to, never trains on NaN (issue 21).
+
+Each torchrun job is a real one (2 CPU processes, gloo) with a timeout. Refusals: one ``error:``
+line from rank 0, status 2, and nothing written (no checkpoint, no metrics line). Preemption:
+SIGTERM to torchrun (as Kubernetes sends it) or SIGUSR1 to one worker (as SLURM's ``--signal``
+can) stops every rank after the same step with the checkpoint written and status 75; ``--resume``
+then gives the straight run's losses exactly. A NaN injected through the test hook stops the run
+at that step naming the newest intact checkpoint. The memory preflight refuses an estimate within
+its headroom of the capacity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dtensor_ulysses.plan.preflight import HEADROOM, check_fits, estimate_memory
+from dtensor_ulysses.plan.presets import get_shape
+from dtensor_ulysses.train.guard import EXIT_NONFINITE, EXIT_PREEMPTED, NAN_HOOK_ENV
+from tests.test_faults import ROOT, TINY, _cmd, _env, _errors, _run_all, _worker_pids
+from tests.test_train import _descendants
+
+COMMON = [*TINY, "--lr", "3e-3", "--warmup-steps", "2", "--decay-steps", "20"]
+
+
+def _losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _written(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+# ----------------------------------------------------------------------------------------------
+# refused before training
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_refusals_happen_before_the_first_step(tmp_path):
+    """Two refusals as torchrun jobs (one ``error:`` line, rank 0's status 2, no metrics line,
+    the checkpoints untouched), the rest through ``validate`` in process; ``--overwrite``
+    deletes the other run's checkpoints when its run starts."""
+    from dtensor_ulysses.train import validate
+    from dtensor_ulysses.train.cli import TrainConfig, UsageError
+
+    ck = tmp_path / "ck"
+    [first] = _run_all([([*COMMON, "--steps", "2", "--checkpoint-dir", str(ck)], _env())])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert _written(ck) == ["step_00000002"]
+    m = tmp_path / "m.jsonl"  # no refused job may create it
+    cases = [
+        (["--steps", "2", "--resume", "--checkpoint-dir", str(ck)],
+         r"checkpoint .*step_00000002 has done 2 steps and --steps is 2, so there is nothing to "
+         r"train; pass --steps greater than 2"),
+        (["--steps", "3", "--seed", "1", "--checkpoint-dir", str(ck)],
+         r"holds the checkpoints of another run \(.*seed=0.*--overwrite"),
+    ]  # fmt: skip
+    jobs = [([*COMMON, *args, "--metrics-file", str(m)], _env()) for args, _ in cases]
+    shutil.copytree(ck / "step_00000002", tmp_path / "ck2" / "step_00000005")
+    jobs.append(([*COMMON, "--steps", "1", "--seed", "1", "--overwrite", "--checkpoint-dir",
+                  str(tmp_path / "ck2")], _env()))  # fmt: skip
+    results = _run_all(jobs)
+    for (args, pattern), res in zip(cases, results):
+        label = f"{args}: rc={res.returncode}\n{res.stderr[-2000:]}"
+        assert res.returncode != 0 and re.search(r"exitcode\s*: 2 ", res.stderr), label
+        errors = _errors(res.stderr)
+        assert len(errors) == 1 and re.search(pattern, errors[0]), label
+        assert "step 1/" not in res.stdout, f"it trained; {label}"
+    assert not m.exists(), "a refused run wrote a metrics line"
+    assert _written(ck) == ["step_00000002"], "a refused run touched the checkpoints"
+    over = results[-1]
+    assert over.returncode == 0, over.stderr[-3000:]
+    assert _written(tmp_path / "ck2") == ["step_00000001"]
+    assert "--overwrite: deleted 1 checkpoint(s)" in over.stdout
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    base = dict(seq_len=64, batch_size=2, steps=3, device="cpu")
+    in_process = [
+        (dict(checkpoint_dir=str(ck)),
+         r"already holds this run's checkpoints \(the newest: step 2\).*pass --resume"),
+        (dict(checkpoint_dir=str(a_file)), r"is a file, not a directory"),
+        (dict(checkpoint_dir=str(a_file / "ck")), r"is a file, so no directory"),
+        (dict(metrics_file=str(tmp_path)), r"--metrics-file .* is a directory"),
+        (dict(resume=True, overwrite=True, checkpoint_dir=str(ck)),
+         r"--overwrite deletes the checkpoints that --resume would continue"),
+        (dict(lr=-1.0), r"^--lr -1.0 must be > 0"),
+        (dict(lr=float("nan")), r"^--lr nan must be > 0"),
+        (dict(min_lr_ratio=1.5), r"^--min-lr-ratio 1.5 must be between 0 and 1"),
+        (dict(warmup_steps=-1), r"^--warmup-steps -1 must be >= 0"),
+        (dict(warmup_steps=30, decay_steps=20), r"--warmup-steps 30 is longer than --decay-st"),
+        (dict(weight_decay=float("inf")), r"^--weight-decay inf must be >= 0"),
+        (dict(grad_clip=-0.5), r"^--grad-clip -0.5 must be >= 0"),
+        (dict(collective_timeout_s=0.0), r"^--collective-timeout-s 0.0 must be > 0"),
+        (dict(memory_headroom=0.0), r"^--memory-headroom 0.0 must be a fraction"),
+    ]  # fmt: skip
+    for kw, pattern in in_process:
+        with pytest.raises(UsageError, match=pattern):
+            validate(TrainConfig(**{**base, **kw}), 1)
+    assert _written(ck) == ["step_00000002"] and _written(tmp_path / "ck2") == ["step_00000001"]
+
+
+def test_save_hf_and_unwritable_paths_are_refused(tmp_path):
+    """In process (no torchrun): ``--save-hf`` naming a file; a read-only directory (skipped
+    as root, whom permissions do not stop)."""
+    from dtensor_ulysses.train.cli import TrainConfig, UsageError
+    from dtensor_ulysses.train.guard import check_targets
+
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    with pytest.raises(UsageError, match=r"--save-hf '.*f' is a file; name a directory"):
+        check_targets(TrainConfig(save_hf=str(a_file)))
+    with pytest.raises(UsageError, match=r"is a file, so no directory can be created"):
+        check_targets(TrainConfig(save_hf=str(a_file / "out" / "model")))
+    check_targets(TrainConfig(save_hf=str(tmp_path / "new" / "model")))  # creatable: fine
+    assert not (tmp_path / "new").exists(), "the check creates nothing"
+    if os.geteuid() == 0:
+        return
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        for kw in ({"checkpoint_dir": str(ro / "ck")}, {"metrics_file": str(ro / "m.jsonl")},
+                   {"save_hf": str(ro / "out")}):  # fmt: skip
+            with pytest.raises(UsageError, match="cannot write in"):
+                check_targets(TrainConfig(**kw))
+    finally:
+        ro.chmod(0o700)
+
+
+# ----------------------------------------------------------------------------------------------
+# preemption
+# ----------------------------------------------------------------------------------------------
+def _wait_for_step(metrics: Path, proc: subprocess.Popen, step: int, deadline: float) -> None:
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= step):
+        assert proc.poll() is None and time.monotonic() < deadline, "the job did not train"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(400)
+def test_preempt_then_resume_equals_straight_run(tmp_path):
+    """SIGTERM to torchrun, and SIGUSR1 to rank 1 alone: every rank stops after the same step,
+    the checkpoint of that step is written, the workers exit 75; resuming gives the straight
+    run's losses bit for bit."""
+    total = 14
+    straight = subprocess.Popen(
+        _cmd([*COMMON, "--steps", str(total), "--metrics-file", str(tmp_path / "a.jsonl")]),
+        cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    procs = {}
+    for how in ("sigterm_torchrun", "sigusr1_rank1"):
+        args = [*COMMON, "--steps", "1000", "--checkpoint-dir", str(tmp_path / how),
+                "--metrics-file", str(tmp_path / f"{how}.jsonl")]  # fmt: skip
+        procs[how] = subprocess.Popen(_cmd(args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 200
+        for how, proc in procs.items():
+            _wait_for_step(tmp_path / f"{how}.jsonl", proc, 2, deadline)
+            if how == "sigterm_torchrun":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                os.kill(_worker_pids(proc.pid)[1], signal.SIGUSR1)
+        outs = {how: proc.communicate(timeout=120) for how, proc in procs.items()}
+        _, err = straight.communicate(timeout=200)
+        assert straight.returncode == 0, err[-3000:]
+    finally:
+        for proc in [straight, *procs.values()]:
+            for pid in [proc.pid, *_descendants(proc.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    resume_jobs, stops = [], {}
+    for how, (_, stderr) in outs.items():
+        label = f"{how}: rc={procs[how].returncode}\n{stderr[-3000:]}"
+        m = re.search(r"^preempted: (SIG\w+) received: stopped after step (\d+) of 1000; "
+                      r"checkpoint (\S+) written", stderr, re.M)  # fmt: skip
+        assert m, label
+        stop = int(m.group(2))
+        assert m.group(1) == ("SIGTERM" if how == "sigterm_torchrun" else "SIGUSR1"), label
+        assert sorted(_losses(tmp_path / f"{how}.jsonl")) == list(range(1, stop + 1)), label
+        ck = tmp_path / how
+        assert _written(ck) == [f"step_{stop:08d}"], label
+        if how == "sigusr1_rank1":  # torchrun's summary names the workers' status
+            assert re.search(rf"exitcode\s*: {EXIT_PREEMPTED}\b", stderr), label
+            assert "stopped after step" in stderr.split("Root Cause")[-1], label
+        assert stop + 2 <= total, f"the signal came too late (step {stop}); raise `total`"
+        stops[how] = stop
+        resume_jobs.append(([*COMMON, "--steps", str(stop + 2), "--resume", "--checkpoint-dir",
+                             str(ck), "--metrics-file", str(tmp_path / f"{how}.b.jsonl")],
+                            _env()))  # fmt: skip
+    a = _losses(tmp_path / "a.jsonl")
+    for (how, stop), res in zip(stops.items(), _run_all(resume_jobs)):
+        assert res.returncode == 0, res.stderr[-3000:]
+        first = _losses(tmp_path / f"{how}.jsonl")
+        b = _losses(tmp_path / f"{how}.b.jsonl")
+        assert sorted(b) == [stop + 1, stop + 2], (how, sorted(b))
+        got = {**first, **b}
+        assert got == {s: a[s] for s in got}, f"{how}: resumed losses differ from the straight run"
+
+
+# ----------------------------------------------------------------------------------------------
+# numerical faults
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_injected_nan_stops_at_that_step(tmp_path):
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    args = [*COMMON, "--steps", "6", "--checkpoint-every", "1", "--checkpoint-dir", str(ck),
+            "--metrics-file", str(m)]  # fmt: skip
+    m2 = tmp_path / "skip.jsonl"
+    skip = [*COMMON, "--steps", "5", "--skip-nonfinite", "--metrics-file", str(m2)]
+    res, skipped = _run_all([(args, _env(**{NAN_HOOK_ENV: "3"})),
+                             (skip, _env(**{NAN_HOOK_ENV: "3"}))])  # fmt: skip
+    label = f"rc={res.returncode}\n{res.stderr[-3000:]}"
+    assert res.returncode != 0, label  # torchrun's own status is 1; the workers' is 3
+    assert re.search(rf"exitcode\s*: {EXIT_NONFINITE} ", res.stderr), label
+    [error] = _errors(res.stderr)
+    assert re.match(r"error: step 3: non-finite loss nan", error), label
+    assert f"newest intact checkpoint is {ck / 'step_00000002'} (step 2)" in error, label
+    assert "--resume" in error, label
+    assert sorted(_losses(m)) == [1, 2], "the NaN step must not be logged as a step"
+    assert _written(ck) == ["step_00000001", "step_00000002"], "the NaN state must not be saved"
+    assert "Traceback" not in res.stderr.split("error: step 3")[0], label
+    # --skip-nonfinite (the hook's fault is transient there): the step is skipped and counted
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert re.search(r"^warning: step 3: non-finite loss nan.*skipped", skipped.stderr, re.M)
+    recs = {r["step"]: r for r in map(json.loads, m2.read_text().splitlines())}
+    assert sorted(recs) == [1, 2, 3, 4, 5]
+    assert [recs[s]["skipped_nonfinite"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    assert all(math.isfinite(recs[s]["loss"]) for s in (1, 2, 4, 5)), recs
+    assert [recs[s]["loss"] for s in (1, 2)] == [_losses(m)[s] for s in (1, 2)]
+
+
+# ----------------------------------------------------------------------------------------------
+# memory headroom
+# ----------------------------------------------------------------------------------------------
+def test_preflight_refuses_an_estimate_within_the_headroom():
+    shape = get_shape("llama3-1b")
+    run = dict(seq_len=64, batch_size=2, dp=1, sp=2)
+    need = estimate_memory(shape, compute_bytes=4, **run).device_bytes
+    cap = int(need / 0.95)  # the estimate is 95% of the capacity: in the margin
+    res = check_fits(shape, device_type="cpu", features={}, device_cap=cap, host_cap=cap,
+                     capacity_source="test", **run)  # fmt: skip
+    assert not res.fits, "an estimate at 95% of the capacity must be refused"
+    assert f"a run may use {HEADROOM:.0%}" in (res.problem or ""), res.problem
+    assert "--memory-headroom" in (res.problem or "")
+    loose = check_fits(shape, device_type="cpu", features={}, device_cap=cap, host_cap=cap,
+                       headroom=0.97, **run)  # fmt: skip
+    assert loose.fits
+    roomy = check_fits(shape, device_type="cpu", features={}, device_cap=int(need / 0.85),
+                       host_cap=None, **run)  # fmt: skip
+    assert roomy.fits
+    with pytest.raises(ValueError, match="headroom 1.5 must be a fraction"):
+        check_fits(shape, device_type="cpu", features={}, device_cap=cap, host_cap=cap,
+                   headroom=1.5, **run)  # fmt: skip
+
+
+def test_trainer_refuses_in_the_margin_and_sets_the_cuda_allocator(monkeypatch):
+    """validate() with the capacity set so that the estimate is 95% of it: refused, one message;
+    --allow-oversubscribe starts with a warning. The allocator setting respects the user's."""
+    from dtensor_ulysses.train import validate
+    from dtensor_ulysses.train.cli import TrainConfig, UsageError
+    from dtensor_ulysses.train.guard import prepare_cuda_allocator
+
+    kw = dict(model="llama3-1b", seq_len=64, batch_size=2, steps=1, device="cpu")
+    need = estimate_memory(get_shape("llama3-1b"), seq_len=64, batch_size=2, dp=1, sp=1,
+                           compute_bytes=4).device_bytes  # fmt: skip
+    monkeypatch.setenv("DTENSOR_ULYSSES_MEMORY_CAPACITY", str(int(need / 0.95)))
+    with pytest.raises(UsageError, match=r"memory preflight: .*a run may use 90%"):
+        validate(TrainConfig(**kw), 1)
+    validate(TrainConfig(**kw, memory_headroom=0.97), 1)
+    validate(TrainConfig(**kw, allow_oversubscribe=True), 1)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    prepare_cuda_allocator(TrainConfig(device="cpu"))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    prepare_cuda_allocator(TrainConfig())
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    prepare_cuda_allocator(TrainConfig())
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+# ----------------------------------------------------------------------------------------------
+# exported files
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_save_hf_files_follow_the_umask(tmp_path, umask):
+    """An exported model directory gets the modes of a plain mkdir/open under the umask (as a
+    checkpoint does), not mkdtemp's 0700 nor a private 0600 weight file."""
+    pytest.importorskip("transformers")
+    import stat
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dtensor_ulysses.hf.model import save_pretrained
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    out = tmp_path / "export" / "model"
+    out.parent.mkdir()
+    old = os.umask(umask)
+    try:
+        save_pretrained(LlamaForCausalLM(config), out)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [out, *out.iterdir()]}
+    assert "model.safetensors" in modes and "config.json" in modes, modes
+    for name, mode in modes.items():
+        want = (0o777 if name == "model" else 0o666) & ~umask
+        assert mode == want, f"{name}: {oct(mode)} vs {oct(want)} under umask {oct(umask)}"
+
+
+# ----------------------------------------------------------------------------------------------
+# the built-in corpus through a transformers tokenizer: progress and a cache
+# ----------------------------------------------------------------------------------------------
+def _byte_tokenizer(extra: str = ""):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
+    if extra:
+        vocab[extra] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def test_builtin_corpus_tokens_are_cached_by_tokenizer_and_text(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from dtensor_ulysses.hf import _token_cache as tc
+    from dtensor_ulysses.hf.data import _encode_all
+
+    monkeypatch.setenv(tc.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    docs = ["def f(x):\n    return x\n", "import os\n" * 3]
+    tok = _byte_tokenizer()
+    want = _encode_all(docs, tok)  # the reference: no cache involved
+    first = tc.builtin_documents(docs, tok, _encode_all)
+    assert first == want
+    err = capsys.readouterr().err
+    assert "tokenizing the built-in corpus (2 documents)" in err and "cached in" in err, err
+    [cache] = list((tmp_path / "tokens").iterdir())
+    calls = []
+    again = tc.builtin_documents(docs, tok, lambda d, t: calls.append(1) or _encode_all(d, t))
+    assert again == want and not calls, "the second run must read the cache"
+    tc.builtin_documents([*docs, "x = 1\n"], tok, _encode_all)  # other text: another key
+    tc.builtin_documents(docs, _byte_tokenizer(extra="<pad>"), _encode_all)  # other tokenizer
+    assert len(list((tmp_path / "tokens").iterdir())) == 3 and cache.is_file()
+    monkeypatch.setenv(tc.CACHE_ENV, "")
+    assert tc.cache_dir() is None
+    assert tc.builtin_documents(docs, tok, _encode_all) == want
+
+
+def test_million_token_commands_pass_the_preflight_with_its_headroom(monkeypatch):
+    """The how-to's H100 commands start under the default headroom (closed form, no GPU), and
+    the zero-slack lengths they replaced would not (that is what the headroom is for)."""
+    import shlex
+
+    from dtensor_ulysses.train import parse_args
+    from dtensor_ulysses.train.checks import _preflight
+    from dtensor_ulysses.train.cli import UsageError
+    from simulations.hardware import get_gpu
+
+    text = (ROOT / "docs" / "how-to" / "million-tokens.md").read_text()
+    blocks = re.findall(r"```bash\n(torchrun .*?dtensor_ulysses\.train .*?)\n```", text, re.S)
+    assert len(blocks) == 2, blocks
+    monkeypatch.setenv("DTENSOR_ULYSSES_MEMORY_CAPACITY", str(get_gpu("h100").memory_bytes))
+    monkeypatch.setenv("DTENSOR_ULYSSES_HOST_MEMORY_CAPACITY", "4TiB")
+    for block in blocks:
+        argv = shlex.split(block.replace("\\\n", " "))
+        cfg = parse_args(argv[argv.index("dtensor_ulysses.train") + 1 :])
+        assert cfg.sp is not None
+        _preflight(cfg, get_shape(cfg.model or "tiny"), "cuda")  # raises if refused
+        cfg.seq_len = int(cfg.seq_len / 0.9 / 1024) * 1024  # the zero-slack neighbourhood
+        with pytest.raises(UsageError, match="a run may use 90%"):
+            _preflight(cfg, get_shape(cfg.model or "tiny"), "cuda")
