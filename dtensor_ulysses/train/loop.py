@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
-    except GuardStop as e:  # preempted (75) or a non-finite step (3): see _train_guard.py
+    except GuardStop as e:  # preempted (75) or a non-finite step (3): see guard.py
         e.report(rank)
         code = e.exit_code
     except Exception:
