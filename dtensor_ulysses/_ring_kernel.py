@@ -64,10 +64,10 @@ def _block_backward(q, k, v, mask, scale, acc, do, lse, delta):
     return dq, dk, dv
 
 
-def _flash_block(q, k, v, causal, scale):  # pragma: no cover - CUDA + flash-attn only (untested)
-    from flash_attn import flash_attn_func
+def _flash_block(q, k, v, causal, scale):
+    from dtensor_ulysses.attention import flash_attn_module
 
-    o, lse, _ = flash_attn_func(
+    o, lse, _ = flash_attn_module().flash_attn_func(
         q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True
     )
     return o.float(), lse.float()  # lse: [B, N, Lq]

@@ -16,7 +16,7 @@ import torch
 from dtensor_ulysses._train_cli import TrainConfig, UsageError, _warn
 from dtensor_ulysses._train_inputs import _check_eval_corpus, _corpus, _validate_hf
 from dtensor_ulysses._train_resume import _check_resumable, _select_checkpoint
-from dtensor_ulysses.attention import flash_attn_available
+from dtensor_ulysses.attention import flash_attn_available, flash_attn_module
 from dtensor_ulysses.mesh import default_device_type
 from dtensor_ulysses.plan import check_ring_seq, check_sp_for_heads, nearby_multiples
 from dtensor_ulysses.preflight import MEMORY_FEATURES, check_fits
@@ -143,7 +143,7 @@ def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
         )
         raise UsageError(f"--device cuda: {why}; drop --device cuda to train on the CPU")
     if cfg.attention_backend == "flash_attn":
-        if device_type != "cuda":
+        if device_type not in getattr(flash_attn_module(), "DEVICE_TYPES", ("cuda",)):
             raise UsageError(
                 "--attention-backend flash_attn runs on CUDA only and this run is on the CPU; "
                 "use --attention-backend sdpa (or auto)"

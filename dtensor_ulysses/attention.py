@@ -13,12 +13,23 @@ Backends:
 
 An explicitly requested backend that cannot run raises; it never silently becomes another. Tests
 and benchmarks can pin the ``auto`` choice with :func:`force_backend` or the environment variable
-``DTENSOR_ULYSSES_ATTENTION`` (``flash_attn`` or ``sdpa``).
+``DTENSOR_ULYSSES_ATTENTION`` (``flash_attn`` or ``sdpa``). ``auto`` picks flash-attn only on a GPU
+of compute capability 8.0 or newer (flash-attn 2's floor), else SDPA.
+
+The flash-attn seam: every flash-attn call of the project (this module's dense and varlen calls,
+the ring's blocks) goes through :func:`flash_attn_module`, the one place that resolves the module
+providing ``flash_attn_func`` and ``flash_attn_varlen_func``. It imports ``flash_attn``, or the
+module named by ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE`` (read at the first lookup; spawned ranks
+inherit it), or the module installed by :func:`use_flash_attn_module`. A module may list the
+device types it runs on in ``DEVICE_TYPES`` (default ``("cuda",)``): the test suite's pure-PyTorch
+double (``tests/flash_double.py``) says ``("cpu", "cuda")``, so the project's flash path runs on
+CPU in CI.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator, Sequence
 
@@ -32,9 +43,11 @@ __all__ = [
     "LocalAttention",
     "document_starts",
     "flash_attn_available",
+    "flash_attn_module",
     "force_backend",
     "local_attention",
     "resolve_backend",
+    "use_flash_attn_module",
 ]
 
 BACKENDS = ("auto", "flash_attn", "sdpa")
@@ -67,18 +80,45 @@ ENV_VAR = "DTENSOR_ULYSSES_ATTENTION"
 _forced: str | None = None
 
 
-_flash: list = []  # [flash_attn_func or None] once looked up (a plain cache: torch.compile
+FLASH_MODULE_ENV = "DTENSOR_ULYSSES_FLASH_ATTN_MODULE"
+_flash: list = []  # [the flash-attn module or None] once looked up (a plain cache: torch.compile
 # traces through functools.cache wrappers, and would reach the import inside)
+_capability: dict = {}  # CUDA device index -> (major, minor)
+
+
+def flash_attn_module():
+    """The module that provides ``flash_attn_func``/``flash_attn_varlen_func``, or ``None``.
+
+    ``flash_attn``, or the module named by ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE``, or the one
+    installed by :func:`use_flash_attn_module` (the seam of the module docstring).
+    """
+    if not _flash:
+        name = os.environ.get(FLASH_MODULE_ENV) or "flash_attn"
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # ImportError, or a broken build (undefined CUDA symbols)
+            if name != "flash_attn":
+                raise  # a module asked for by name must import
+            module = None
+        _flash.append(module)
+    return _flash[0]
+
+
+@contextlib.contextmanager
+def use_flash_attn_module(module) -> Iterator[None]:
+    """Inside the block the flash path calls ``module`` (e.g. a test double); ``None``: no
+    flash-attn. Only for this process: spawned ranks read ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE``."""
+    previous = list(_flash)
+    _flash[:] = [module]
+    try:
+        yield
+    finally:
+        _flash[:] = previous
 
 
 def _flash_attn_func():
-    if not _flash:
-        try:
-            from flash_attn import flash_attn_func
-        except Exception:  # ImportError, or a broken build (undefined CUDA symbols)
-            flash_attn_func = None
-        _flash.append(flash_attn_func)
-    return _flash[0]
+    module = flash_attn_module()
+    return None if module is None else module.flash_attn_func
 
 
 def flash_attn_available() -> bool:
@@ -103,8 +143,16 @@ def _flash_attn_problem(q: torch.Tensor) -> str | None:
     """Why flash-attn cannot run on ``q``, or ``None`` if it can."""
     if not flash_attn_available():
         return "the flash-attn package is not importable (pip install 'dtensor-ulysses[flash]')"
-    if q.device.type != "cuda":
+    devices = getattr(flash_attn_module(), "DEVICE_TYPES", ("cuda",))
+    if q.device.type not in devices:
         return f"flash-attn needs CUDA tensors, got device {q.device}"
+    if q.device.type == "cuda":
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if index not in _capability:
+            _capability[index] = torch.cuda.get_device_capability(index)
+        major, minor = _capability[index]
+        if major < 8:
+            return f"flash-attn 2 needs compute capability 8.0 or newer, got sm_{major}{minor}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn needs float16 or bfloat16, got {q.dtype}"
     if q.shape[-1] > 256:
@@ -256,8 +304,7 @@ def _sdpa(q_BSNH, k_BSKH, v_BSKH, causal: bool, softmax_scale: float | None) -> 
 
 def _flash_varlen(q_BSNH, k_BSKH, v_BSKH, starts, causal, softmax_scale) -> torch.Tensor:
     """flash-attn over the documents of every row, flattened to ``[B*S, heads, H]``."""
-    from flash_attn import flash_attn_varlen_func
-
+    flash_attn_varlen_func = flash_attn_module().flash_attn_varlen_func
     B, S, N, H = q_BSNH.shape
     bounds = [b * S + t for b, row in enumerate(starts) for t in row] + [B * S]
     cu = torch.tensor(bounds, dtype=torch.int32, device=q_BSNH.device)

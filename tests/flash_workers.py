@@ -1,0 +1,85 @@
+"""Per-rank functions that run the project's flash path through the flash-attn test double."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import dtensor_ulysses as du
+from dtensor_ulysses import attention
+from dtensor_ulysses.plan import SeqLayout, seq_split
+from tests import flash_double
+from tests.ring_workers import get_mesh as ring_mesh
+from tests.ring_workers import reference as doc_reference
+from tests.ring_workers import ring_worker
+from tests.workers import get_mesh
+
+__all__ = ["engine_worker", "ring_flash_worker", "train_bf16"]
+
+
+def _installed() -> None:
+    assert os.environ.get(attention.FLASH_MODULE_ENV) == "tests.flash_double"
+    assert attention.flash_attn_module() is flash_double
+
+
+def engine_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """UlyssesAttention(LocalAttention("flash_attn")) at bf16 vs a float64 reference."""
+    _installed()
+    out = []
+    for case in cases:
+        mesh = get_mesh(1, world_size)
+        B, S, N, K, H = (case[x] for x in ("B", "S", "N", "K", "H"))
+        g = torch.Generator().manual_seed(case["seed"])
+        q, k, v, go = (torch.randn(B, S, n, H, generator=g, dtype=torch.float64)
+                       for n in (N, K, K, N))  # fmt: skip
+        docs = case.get("docs")
+        ref = doc_reference(q, k, v, go, True, docs)
+        sizes = seq_split(S, world_size)
+        lo = sum(sizes[:rank])
+        mine = slice(lo, lo + sizes[rank])
+        ql, kl, vl = (t[:, mine].bfloat16().requires_grad_() for t in (q, k, v))
+        attn = du.UlyssesAttention(
+            attention.LocalAttention("flash_attn"), mesh,
+            head_chunks=case.get("head_chunks", 1), overlap=case.get("overlap", False),
+        )  # fmt: skip
+        layout = SeqLayout.split(S, world_size, docs)
+        before = dict(flash_double.calls)
+        qin = attention.DeferredQ(lambda: ql * 1, ql.shape) if attn.defers_q else ql
+        o = attn(qin, kl, vl, layout=layout)
+        o.backward(go[:, mine].bfloat16())
+        got = (o, ql.grad, kl.grad, vl.grad)
+        errs = {n: (a.double() - b[:, mine]).abs().max().item()
+                for n, a, b in zip(("o", "dq", "dk", "dv"), got, ref)}  # fmt: skip
+        calls = {n: flash_double.calls[n] - before[n] for n in before}
+        out.append({"case": case, "err": errs, "calls": calls})
+    return out
+
+
+def ring_flash_worker(rank: int, world_size: int, cases: list[dict]) -> dict:
+    """The ring worker's cases (bf16) with the double installed, and how often it ran."""
+    _installed()
+    for case in cases:
+        ring_mesh(case["dp"], case["ring"], case["sp"])
+    res = ring_worker(rank, world_size, cases)
+    return {"results": res, "calls": dict(flash_double.calls)}
+
+
+def train_bf16(rank: int, world_size: int, runs: list[dict]) -> list[list[tuple[int, float]]]:
+    """The trainer's runs with bf16 FSDP2 compute on CPU (the CUDA policy), the double installed."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from dtensor_ulysses import parallel
+    from dtensor_ulysses import train as du_train
+
+    _installed()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    parallel.default_mixed_precision = lambda device_type: bf16  # type: ignore[assignment]
+    results = []
+    for kw in runs:
+        before = dict(flash_double.calls)
+        cfg = du_train.validate(du_train.TrainConfig(**kw), world_size)
+        records = du_train.train(cfg)
+        calls = {n: flash_double.calls[n] - before[n] for n in before}
+        results.append(([(r["step"], r["loss"]) for r in records], calls))
+    return results
