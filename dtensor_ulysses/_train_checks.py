@@ -222,6 +222,12 @@ def _validate_memory_features(cfg: TrainConfig, shape: ModelShape | None) -> Non
             "--offload-activations moves the one input a checkpointed block keeps to the host; "
             "add --activation-checkpointing"
         )
+    if cfg.offload_activations and cfg.compile:
+        raise UsageError(
+            "--offload-activations with --compile: torch.compile cannot trace the "
+            "saved-tensor hooks that move checkpoints to the host; drop --compile or "
+            "--offload-activations"
+        )
     if cfg.offload_optimizer and cfg.offload_params:
         raise UsageError(
             "--offload-params already keeps the optimizer states on the host; pass one of "

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_ulysses._doc_tensors import DocTensors, build_doc_tensors, check_doc_starts
+
 __all__ = [
     "BACKENDS",
     "DeferredQ",
@@ -204,6 +206,7 @@ def local_attention(
     backend: str = "auto",
     position_ids: torch.Tensor | None = None,
     doc_starts: Sequence[Sequence[int]] | None = None,
+    doc_tensors: DocTensors | None = None,
 ) -> torch.Tensor:
     """Attention on local, full-length tensors; returns ``o[B, S, N, H]``.
 
@@ -214,7 +217,15 @@ def local_attention(
     :attr:`~dtensor_ulysses.plan.SeqLayout.doc_starts`; no device sync) or as
     ``position_ids[B, S]`` restarting at 0 per document (see :func:`document_starts`; reads the
     ids back to the host). flash-attn then runs ``flash_attn_varlen_func`` over the documents;
-    SDPA runs once per document (exact, no ``[S, S]`` mask is built).
+    SDPA runs once per document (exact, no ``[S, S]`` mask is built). A third form,
+    ``doc_tensors`` (:class:`~dtensor_ulysses._doc_tensors.DocTensors`, what the model attaches to
+    the layout once per step), serves compiled code: flash-attn gets its ``cu_seqlens`` as they
+    are, and compiled SDPA a block-diagonal mask built on the device (``[B, 1, S, S]`` booleans;
+    eager SDPA still runs per document); no Python int of the layout enters the graph.
+
+    Raises:
+        ValueError: ``N % K != 0``; ``doc_starts`` rows that do not rise strictly from 0 or reach
+            past ``S``; both ``position_ids`` and ``doc_starts``.
     """
     N, K = q_BSNH.shape[2], k_BSKH.shape[2]
     if N % K:
@@ -229,13 +240,21 @@ def local_attention(
                 f"{tuple(q_BSNH.shape[:2])}"
             )
         doc_starts = document_starts(position_ids)
-    if doc_starts is not None:
-        if len(doc_starts) != q_BSNH.shape[0]:
-            raise ValueError(
-                f"doc_starts has {len(doc_starts)} rows for a batch of {q_BSNH.shape[0]}"
-            )
+    if doc_tensors is not None:
+        if doc_starts is not None:
+            raise ValueError("pass doc_starts or doc_tensors, not both")
         if chosen == "flash_attn":
-            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_starts, causal, softmax_scale)
+            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, softmax_scale)
+        if torch.compiler.is_compiling():
+            ids_BS = doc_tensors.doc_ids
+            return _sdpa_doc_mask(q_BSNH, k_BSKH, v_BSKH, ids_BS, causal, softmax_scale)
+        doc_starts = doc_tensors.doc_starts
+    elif doc_starts is not None:
+        check_doc_starts(doc_starts, q_BSNH.shape[0], q_BSNH.shape[1])
+        if chosen == "flash_attn":
+            doc_tensors = build_doc_tensors(doc_starts, q_BSNH.shape[1], q_BSNH.device)
+            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, softmax_scale)
+    if doc_starts is not None:
         S = q_BSNH.shape[1]
         out = []
         for b, row_starts in enumerate(doc_starts):
@@ -273,12 +292,18 @@ class LocalAttention(nn.Module):
         self.causal = causal
         _flash_attn_func()  # look flash-attn up now, eagerly, not inside a compiled forward
 
-    def forward(self, q, k, v, *, layout=None, doc_starts=None) -> torch.Tensor:
-        if layout is not None and doc_starts is None:
-            doc_starts = layout.doc_starts
+    takes_doc_tensors = True  # the engine may hand over doc_tensors= (compiled packed docs)
+
+    def forward(self, q, k, v, *, layout=None, doc_starts=None, doc_tensors=None):
+        if layout is not None and doc_starts is None and doc_tensors is None:
+            if layout.doc_tensors is not None:
+                doc_tensors = layout.doc_tensors
+            else:
+                doc_starts = layout.doc_starts
         return local_attention(
-            q, k, v, causal=self.causal, backend=self.backend, doc_starts=doc_starts
-        )
+            q, k, v, causal=self.causal, backend=self.backend, doc_starts=doc_starts,
+            doc_tensors=doc_tensors,
+        )  # fmt: skip
 
     def input_dim_order(self, q: torch.Tensor) -> tuple[int, ...] | None:
         """The memory layout this kernel reads without a copy, for ``q``-like inputs: SDPA
@@ -302,19 +327,35 @@ def _sdpa(q_BSNH, k_BSKH, v_BSKH, causal: bool, softmax_scale: float | None) -> 
     return o_BNSH.transpose(1, 2)
 
 
-def _flash_varlen(q_BSNH, k_BSKH, v_BSKH, starts, causal, softmax_scale) -> torch.Tensor:
-    """flash-attn over the documents of every row, flattened to ``[B*S, heads, H]``."""
+def _sdpa_doc_mask(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, causal, softmax_scale) -> torch.Tensor:
+    """SDPA with a block-diagonal (and causal) mask from the document index of every token."""
+    S = q_BSNH.shape[1]
+    mask_BSS = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
+    if causal:
+        mask_BSS = mask_BSS & torch.ones(S, S, dtype=torch.bool, device=q_BSNH.device).tril()
+    o_BNSH = F.scaled_dot_product_attention(
+        q_BSNH.transpose(1, 2),
+        k_BSKH.transpose(1, 2),
+        v_BSKH.transpose(1, 2),
+        attn_mask=mask_BSS[:, None],
+        scale=softmax_scale,
+        enable_gqa=k_BSKH.shape[2] != q_BSNH.shape[2],
+    )
+    return o_BNSH.transpose(1, 2)
+
+
+def _flash_varlen(q_BSNH, k_BSKH, v_BSKH, docs: DocTensors, causal, softmax_scale):
+    """flash-attn over the documents of every row, flattened to ``[B*S, heads, H]``; the
+    boundaries come as device tensors (no copy here); compiled, ``max_seqlen`` is ``S``."""
     flash_attn_varlen_func = flash_attn_module().flash_attn_varlen_func
     B, S, N, H = q_BSNH.shape
-    bounds = [b * S + t for b, row in enumerate(starts) for t in row] + [B * S]
-    cu = torch.tensor(bounds, dtype=torch.int32, device=q_BSNH.device)
-    longest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+    longest = S if torch.compiler.is_compiling() else docs.max_seqlen
     o_TNH = flash_attn_varlen_func(
         q_BSNH.reshape(B * S, N, H),
         k_BSKH.reshape(B * S, -1, H),
         v_BSKH.reshape(B * S, -1, H),
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
+        cu_seqlens_q=docs.cu_seqlens_q,
+        cu_seqlens_k=docs.cu_seqlens_k,  # a distinct tensor: dynamo refuses one passed twice
         max_seqlen_q=longest,
         max_seqlen_k=longest,
         dropout_p=0.0,

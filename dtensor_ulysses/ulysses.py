@@ -230,6 +230,7 @@ class UlyssesAttention(nn.Module):
             raise TypeError(f"attn_fn must be callable, got {type(attn_fn).__name__}")
         self.group = sp_group(mesh)
         self.attn_fn = attn_fn
+        self._takes_doc_tensors = bool(getattr(attn_fn, "takes_doc_tensors", False))
         self.fuse_qkv = fuse_qkv
         if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks={head_chunks!r} must be an int >= 1 (1: no chunking)")
@@ -324,6 +325,8 @@ class UlyssesAttention(nn.Module):
                     f"[B, s] = {tuple(q.shape[:2])}"
                 )
             attn_kwargs["doc_starts"] = _gather_doc_starts(position_ids, seq_sizes, self.group)
+        elif layout is not None and layout.doc_tensors is not None and self._takes_doc_tensors:
+            attn_kwargs["doc_tensors"] = layout.doc_tensors  # no int guards when compiled
         elif layout is not None and layout.doc_starts is not None:
             attn_kwargs["doc_starts"] = layout.doc_starts
 

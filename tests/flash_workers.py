@@ -83,3 +83,38 @@ def train_bf16(rank: int, world_size: int, runs: list[dict]) -> list[list[tuple[
         calls = {n: flash_double.calls[n] - before[n] for n in before}
         results.append(([(r["step"], r["loss"]) for r in records], calls))
     return results
+
+
+def train_counting_compiles(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
+    """The trainer's runs; per run its losses and how many frames dynamo compiled."""
+    from dtensor_ulysses import train as du_train
+
+    compiled: list[int] = []
+
+    @torch._dynamo.register_backend(name="counting_aot_eager")  # type: ignore[misc]
+    def _counting(gm, example_inputs):
+        compiled.append(1)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    results = []
+    for kw in runs:
+        kw = dict(kw)
+        if kw.pop("bf16", False):  # FSDP2's CUDA policy on CPU: bf16 compute for flash-attn
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            from dtensor_ulysses import parallel
+
+            bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            parallel.default_mixed_precision = lambda device_type: bf16  # type: ignore[assignment]
+        torch._dynamo.reset()
+        compiled.clear()
+        cfg = du_train.validate(du_train.TrainConfig(**kw), world_size)
+        records = du_train.train(cfg)
+        results.append(
+            {
+                "losses": [(r["step"], r["loss"]) for r in records],
+                "graphs": len(compiled),
+                "calls": dict(flash_double.calls),
+            }
+        )
+    return results

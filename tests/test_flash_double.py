@@ -184,3 +184,84 @@ def test_trainer_flash_equals_sdpa_at_bf16(flash_double):
         assert calls["varlen" if runs[i]["pack_docs"] else "dense"] > 0
         for (s1, a), (s2, b) in zip(flash, sdpa):
             assert s1 == s2 and abs(a - b) < 2e-2 * max(1.0, abs(b)), (runs[i], s1, a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# compile: flash and packed documents
+# ---------------------------------------------------------------------------------------------
+def test_compiled_varlen_call_passes_two_distinct_cu_tensors(flash_double):
+    """dynamo (2.13) refuses one tensor passed twice to ``autograd.Function.apply``: the double
+    reproduces that, and the project's compiled varlen call gets through."""
+    import torch._dynamo
+
+    q = torch.randn(2, 8, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+    def same_tensor_twice(x):
+        return fd.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, causal=True)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="duplicate tensor input"):
+        torch.compile(same_tensor_twice, backend="aot_eager", fullgraph=True)(q[0])
+
+    def project(x):
+        return attention.local_attention(x, x, x, backend="flash_attn", doc_starts=[[0, 3], [0]])
+
+    torch._dynamo.reset()
+    got = torch.compile(project, backend="aot_eager", fullgraph=True)(q)
+    got.float().sum().backward()
+    want = attention.local_attention(*(q.detach().float(),) * 3, backend="sdpa",
+                                     doc_starts=[[0, 3], [0]])  # fmt: skip
+    torch.testing.assert_close(got.float(), want, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def _docs_file(tmp_path) -> str:
+    """Many short documents: every 32-token window holds a new layout of several."""
+    import json
+    import random
+
+    r = random.Random(0)
+    path = tmp_path / "docs.jsonl"
+    lines = [
+        "".join(r.choice("abcdefgh ij\n") for _ in range(r.randint(5, 40))) for _ in range(400)
+    ]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    return str(path)
+
+
+@pytest.mark.timeout(300)
+def test_compile_pack_docs_trains_with_the_eager_losses_and_no_recompiles(tmp_path):
+    """--compile --pack-docs, 50 steps of new document layouts on CPU (fullgraph per block):
+    the eager losses, and one compiled graph (the layout's ints never enter it)."""
+    cfg = dict(TRAIN, sp=1, steps=50, pack_docs=True, data=[_docs_file(tmp_path)])
+    runs = [dict(cfg, compile=None), dict(cfg, compile="counting_aot_eager")]
+    (eager, compiled), *_ = run_local_world(flash_workers.train_counting_compiles, 1, runs,
+                                            timeout_s=280)  # fmt: skip
+    assert compiled["graphs"] == 1, compiled["graphs"]
+    assert len(compiled["losses"]) == 50
+    for (s1, a), (s2, b) in zip(eager["losses"], compiled["losses"]):
+        assert s1 == s2 and abs(a - b) < 1e-4, (s1, a, b)
+
+
+@pytest.mark.timeout(300)
+def test_compile_flash_pack_docs_at_bf16_on_two_ranks(flash_double, tmp_path):
+    """--compile --attention-backend flash_attn --pack-docs (the double, bf16): the eager losses;
+    at most one recompile (the count of documents becomes a dynamic dimension)."""
+    cfg = dict(TRAIN, steps=12, pack_docs=True, data=[_docs_file(tmp_path)],
+               attention_backend="flash_attn", bf16=True)  # fmt: skip
+    runs = [dict(cfg, compile=None), dict(cfg, compile="counting_aot_eager")]
+    for eager, compiled in run_local_world(flash_workers.train_counting_compiles, 2, runs,
+                                           timeout_s=280):  # fmt: skip
+        assert eager["calls"]["varlen"] > 0 and compiled["graphs"] <= 2, compiled["graphs"]
+        for (s1, a), (s2, b) in zip(eager["losses"], compiled["losses"]):
+            assert s1 == s2 and abs(a - b) < 1e-3, (s1, a, b)
+
+
+def test_compile_with_offloaded_checkpoints_is_refused_up_front():
+    from dtensor_ulysses import train as du_train
+    from dtensor_ulysses._train_cli import UsageError
+
+    cfg = du_train.TrainConfig(**dict(TRAIN, sp=1, dp=1), compile="inductor",
+                               activation_checkpointing=True, offload_activations=True)  # fmt: skip
+    with pytest.raises(UsageError, match="--offload-activations with --compile"):
+        du_train.validate(cfg, 1)
