@@ -7,7 +7,7 @@ Private to :mod:`dtensor_ulysses.ring` (which documents the scheme, the API and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,6 +86,27 @@ class RingPlan:
     scale: float
     doc_ids: torch.Tensor | None  # [B, S] document index of every global position (CPU)
     flash: bool
+    # device copies of the positions per ring rank and of doc_ids, made once per call (not per
+    # ring step): the step masks are built on the device from them
+    _dev: dict = field(default_factory=dict, repr=False)
+
+    def device_mask(self, j: int, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
+        """The mask of :meth:`step` for ring rank ``j``'s block, built on ``device``."""
+        if not self._dev:
+            self._dev["pos"] = [self.positions(r).to(device) for r in range(self.size)]
+            if self.doc_ids is not None:
+                self._dev["doc"] = self.doc_ids.to(device)
+        qpos, kpos = self._dev["pos"][self.rank][rows], self._dev["pos"][j][cols]
+        mask = None
+        if "doc" in self._dev:
+            doc = self._dev["doc"]
+            mask = doc[:, qpos][:, :, None] == doc[:, kpos][:, None, :]
+        q_lo, k_hi = self.positions(self.rank)[rows].min(), self.positions(j)[cols].max()
+        if self.causal and int(k_hi) > int(q_lo):  # host ints (CPU positions): no sync
+            causal = (kpos[None, :] <= qpos[:, None])[None]
+            mask = causal if mask is None else mask & causal
+        assert mask is not None
+        return mask
 
     def pieces(self, j: int) -> list[tuple[int, int, int]]:
         """``(local_lo, local_hi, global_lo)`` of ring rank ``j``'s chunks."""
@@ -151,7 +172,7 @@ class RingAttentionFn(torch.autograd.Function):
                 if ring.flash and mask is None:
                     o_b, lse_b = _flash_block(qb, kb, vb, diag, ring.scale)
                 else:
-                    m = None if mask is None else mask.to(q.device)
+                    m = None if mask is None else ring.device_mask(j, rows, cols, q.device)
                     o_b, lse_b = _block_forward(qb, kb, vb, m, ring.scale, acc)
                 old = lse[:, :, rows]
                 new = torch.logaddexp(old, lse_b)
@@ -180,10 +201,11 @@ class RingAttentionFn(torch.autograd.Function):
         back: RingShift | None = None
         for i in range(ring.size):
             nxt = ring_shift(kv, ring.group, _KV_TAG) if i < ring.size - 1 else None
-            plan = ring.step((ring.rank - i) % ring.size)  # rebuilt: no [L, L] mask is kept
+            j = (ring.rank - i) % ring.size
+            plan = ring.step(j)  # rebuilt: no [L, L] mask is kept
             if plan is not None:
                 rows, cols, mask, _ = plan
-                m = None if mask is None else mask.to(q.device)
+                m = None if mask is None else ring.device_mask(j, rows, cols, q.device)
                 dq_b, dk_b, dv_b = _block_backward(
                     q[:, rows], kv[0][:, cols], kv[1][:, cols], m, ring.scale, acc,
                     do[:, rows], lse[:, :, rows], delta[:, :, rows],

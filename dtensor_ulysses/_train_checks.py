@@ -222,6 +222,11 @@ def _validate_memory_features(cfg: TrainConfig, shape: ModelShape | None) -> Non
             "--offload-activations moves the one input a checkpointed block keeps to the host; "
             "add --activation-checkpointing"
         )
+    if cfg.ring > 1 and cfg.pack_docs and cfg.attention_backend == "flash_attn":
+        raise UsageError(
+            "--ring with --pack-docs masks documents inside the ring's blocks, which flash-attn "
+            "cannot do; use --attention-backend auto or sdpa (the ring's exact torch kernel)"
+        )
     if cfg.offload_activations and cfg.compile:
         raise UsageError(
             "--offload-activations with --compile: torch.compile cannot trace the "

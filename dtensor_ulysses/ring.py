@@ -157,7 +157,8 @@ def ring_attention(
             attention-backend choice carries over: SDPA itself returns no log-sum-exp).
 
     Raises:
-        ValueError: bad shapes, ``S`` not a multiple of ``2R`` (zigzag) / ``R``, bad doc starts.
+        ValueError: bad shapes, ``S`` not a multiple of ``2R`` (zigzag) / ``R``, bad doc starts,
+            ``backend="flash_attn"`` with ``doc_starts`` (an explicit backend is never replaced).
     """
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         if t.dim() != 4:
@@ -167,6 +168,12 @@ def ring_attention(
         raise ValueError(
             f"q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} must agree in B, L "
             f"and H, with the kv heads dividing the q heads"
+        )
+    if backend == "flash_attn" and doc_starts is not None:
+        raise ValueError(
+            "ring attention with backend='flash_attn' and packed documents: its blocks carry a "
+            "document mask flash-attn cannot apply, so they would run in the torch kernel; "
+            "pass backend='auto' or 'torch' (documents masked exactly), or no doc_starts"
         )
     pg = ring_group(group)
     R = dist.get_world_size(pg)

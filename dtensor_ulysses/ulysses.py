@@ -147,12 +147,27 @@ def to_seq(
     return out
 
 
+_KV_INDEX: dict = {}  # (HeadPlan, device) -> the flattened kv_index, on that device
+
+
+def _kv_index_tensor(plan, device: torch.device) -> torch.Tensor:
+    """The replication index of a head plan on ``device``: copied to it once per plan and
+    device, not once per layer and call (compiled code builds it as a graph constant)."""
+    flat = [h for hs in plan.kv_index for h in hs]
+    if torch.compiler.is_compiling():
+        return torch.tensor(flat, device=device)
+    key = (plan, device)
+    if key not in _KV_INDEX:
+        _KV_INDEX[key] = torch.tensor(flat, device=device)
+    return _KV_INDEX[key]
+
+
 def _replicate_kv(plan, k_BsKH: torch.Tensor, v_BsKH: torch.Tensor):
     """GQA with sp not dividing K: each kv head copied for every rank whose q heads use it (an
     ``index_select``, so autograd sums the copies' gradients back); as they are otherwise."""
     if plan.is_plain_shard:
         return k_BsKH, v_BsKH
-    idx = torch.tensor([h for hs in plan.kv_index for h in hs], device=k_BsKH.device)
+    idx = _kv_index_tensor(plan, k_BsKH.device)
     return k_BsKH.index_select(HEAD_DIM, idx), v_BsKH.index_select(HEAD_DIM, idx)
 
 

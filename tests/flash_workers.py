@@ -118,3 +118,54 @@ def train_counting_compiles(rank: int, world_size: int, runs: list[dict]) -> lis
             }
         )
     return results
+
+
+def host_data_ops_per_step(rank: int, world_size: int, cfg_kw: dict, depths: list[int]) -> dict:
+    """Per model depth: the tensors made from host data (``aten.lift_fresh``: ``torch.tensor``
+    of Python values) and the reads back to the host (``aten._local_scalar_dense``: ``.item()``,
+    ``int()``, ``.tolist()``) in one packed-document forward/backward (flash double, bf16, GQA
+    with replicated kv heads); after one warm-up step (per-plan caches)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from dtensor_ulysses import parallel
+    from dtensor_ulysses import train as du_train
+    from dtensor_ulysses._torch_private import TorchDispatchMode
+    from dtensor_ulysses.data import PackedCorpus, get_batch
+    from dtensor_ulysses.mesh import flatten_dp_sp, init_mesh
+    from dtensor_ulysses.presets import PRESETS, get_shape
+
+    _installed()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    parallel.default_mixed_precision = lambda device_type: bf16  # type: ignore[assignment]
+    watched = {"lift_fresh": 0, "_local_scalar_dense": 0, "_to_copy": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in watched:
+                watched[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    mesh = init_mesh(1, world_size, device_type="cpu")
+    group = flatten_dp_sp(mesh).get_group()
+    out = {}
+    for depth in depths:
+        name = f"tiny-gqa@{depth}L"
+        PRESETS[name] = get_shape("tiny").with_(name=name, n_layers=depth, n_kv_heads=1)
+        cfg = du_train.validate(du_train.TrainConfig(model=name, dp=1, sp=world_size, **cfg_kw),
+                                world_size)  # fmt: skip
+        model, _, _ = du_train.build(cfg, mesh, torch.device("cpu"))
+        corpus = PackedCorpus.from_paths(cfg.data, seq_len=cfg.seq_len)
+        counts = []
+        for step in range(2):
+            batch = get_batch(
+                corpus, step, global_batch_size=cfg.batch_size, dp_rank=0, dp=1, sp_rank=rank,
+                sp=world_size, seed=cfg.seed, pack_docs=True,
+            )  # fmt: skip
+            for k in watched:
+                watched[k] = 0
+            with Count():
+                du_train.forward_backward(model, batch, group)
+            counts.append(dict(watched))
+        out[depth] = {"counts": counts[1], "docs": max(len(r) for r in batch.layout.doc_starts)}
+    return out

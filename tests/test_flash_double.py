@@ -265,3 +265,56 @@ def test_compile_with_offloaded_checkpoints_is_refused_up_front():
                                activation_checkpointing=True, offload_activations=True)  # fmt: skip
     with pytest.raises(UsageError, match="--offload-activations with --compile"):
         du_train.validate(cfg, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# no host data per layer
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_no_host_data_per_layer_in_a_packed_flash_step(flash_double, tmp_path):
+    """A 2- and a 6-block model, packed documents, flash-attn varlen, kv heads replicated (1 kv
+    head over sp=2): as many tensors made from Python values and as many reads back to the host
+    in one step, whatever the depth (the varlen bounds, the kv index and the layout's tensors
+    are made once per step or per plan, not per layer)."""
+    cfg = dict(seq_len=32, batch_size=2, seed=0, pack_docs=True, data=[_docs_file(tmp_path)],
+               attention_backend="flash_attn")  # fmt: skip
+    out = run_local_world(flash_workers.host_data_ops_per_step, 2, cfg, [2, 6], timeout_s=100)
+    for rank, per_depth in enumerate(out):
+        shallow, deep = per_depth[2], per_depth[6]
+        assert shallow["docs"] > 1, "the batch must hold several documents"
+        for op in ("lift_fresh", "_local_scalar_dense"):
+            assert deep["counts"][op] == shallow["counts"][op], (rank, op, per_depth)
+
+
+def test_explicit_rules_kept_ring_flash_docs_cc_check_and_doc_starts(flash_double, monkeypatch):
+    """The ring refuses an explicit flash_attn with documents (never a silent torch kernel), the
+    trainer says so up front; auto does not pick flash-attn below sm80; bad doc_starts raise."""
+    from dtensor_ulysses import ring
+    from dtensor_ulysses import train as du_train
+    from dtensor_ulysses._train_cli import UsageError
+
+    q = torch.randn(1, 4, 2, 8).bfloat16()
+    with pytest.raises(ValueError, match="backend='flash_attn' and packed documents"):
+        ring.ring_attention(q, q, q, None, doc_starts=[[0, 2]], backend="flash_attn")  # type: ignore[arg-type]
+    cfg = du_train.TrainConfig(**dict(TRAIN, dp=1, sp=1, ring=2, seq_len=32), pack_docs=True,
+                               attention_backend="flash_attn")  # fmt: skip
+    with pytest.raises(UsageError, match="--ring with --pack-docs"):
+        du_train.validate(cfg, 2)
+
+    class Cuda:  # a stand-in for a CUDA tensor on a pre-Ampere GPU
+        device, dtype, shape = torch.device("cuda", 0), torch.bfloat16, (1, 4, 2, 8)
+
+    monkeypatch.setitem(attention._capability, 0, (7, 5))
+    monkeypatch.setattr(fd, "DEVICE_TYPES", ("cpu", "cuda"))
+    assert attention.resolve_backend("auto", Cuda()) == "sdpa"  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="sm_75"):
+        attention.resolve_backend("flash_attn", Cuda())  # type: ignore[arg-type]
+    monkeypatch.setitem(attention._capability, 0, (8, 0))
+    assert attention.resolve_backend("auto", Cuda()) == "flash_attn"  # type: ignore[arg-type]
+
+    for bad, msg in (([[1, 3]], r"\[1, 3\]: document starts must rise strictly from 0"),
+                     ([[0, 3, 3]], "rise strictly"), ([[0, 4]], "last start 4 .* S=4"),
+                     ([[0], [0]], "2 rows for a batch of 1")):  # fmt: skip
+        for backend in ("flash_attn", "sdpa"):
+            with pytest.raises(ValueError, match=msg):
+                attention.local_attention(q, q, q, backend=backend, doc_starts=bad)
