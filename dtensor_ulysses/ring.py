@@ -23,7 +23,9 @@ Legend: ``R`` ring ranks, ``S`` the full sequence, ``L = S / R`` tokens per ring
   ValueError; the sp pieces inside a ring rank may be uneven (the engine's ``seq_len=``).
 * **Kernel**: a blockwise kernel in torch (float32 math, float64 for float64 inputs; any device).
   On CUDA with flash-attn importable, fp16/bf16 blocks without a document mask run forward through
-  ``flash_attn_func(..., return_attn_probs=True)`` (its ``lse``); UNTESTED here (no GPU), and the
+  ``flash_attn_func(..., return_attn_probs=True)`` (its ``lse``; on CPU through the test suite's
+  flash-attn double, not yet on a GPU); an explicit ``backend="flash_attn"`` with packed documents
+  raises (their blocks need a mask flash-attn cannot apply), and the
   backward stays in torch.
 
 Communication per call, on each rank (:func:`ring_closed_form`): forward ``R-1`` sends of the
