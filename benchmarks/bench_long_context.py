@@ -43,6 +43,17 @@ FEATURE_SETS = {
         "--offload-activations",
         "--offload-params",
     ],  # fmt: skip
+    # llama3-8b on a lent machine (one GPU, 128 GiB of host memory): AdamW's fp32 parameters,
+    # gradients and states need 16 bytes a parameter (119.7 GiB) wherever they live: on the host
+    # (--offload-params; the preflight says 119.8 GiB of host, the trace 117.7 GiB at 32K), the
+    # checkpoints stay on the device (--offload-activations would add (L-1) x S x D x 2 bytes
+    # of host: 31 GiB at 128K, the preflight's 150.8 GiB)
+    "all8b": [
+        "--activation-checkpointing",
+        "--tiled-loss",
+        "--tiled-mlp",
+        "--offload-params",
+    ],  # fmt: skip
 }
 TRAIN_FLAGS = {  # trainer flag -> the simulator's trace flag
     "--activation-checkpointing": ["--ac", "full"],
@@ -58,7 +69,7 @@ def _head_chunks(model: str, features: str) -> list[str]:
     """With every feature, UPipe's choice on one GPU: one q head per stage."""
     from dtensor_ulysses.plan import get_shape
 
-    return ["--head-chunks", str(get_shape(model).n_heads)] if features == "all" else []
+    return ["--head-chunks", str(get_shape(model).n_heads)] if features.startswith("all") else []
 
 
 def _trace(model: str, seq_len: int | None, gpu: str, flags: list[str], chunks: list[str]) -> dict:
@@ -103,11 +114,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--gpu", default="h100", help="the simulator's GPU profile for the trace")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--compile", action="store_true", help="the trainer's --compile (per block)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="the trainer's --compile per block (default BACKEND inductor)")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     flags = FEATURE_SETS[args.features]
-    rows = []
+    rows: list[dict] = []
+    result = {"argv": sys.argv[1:] if argv is None else argv, "environment": _environment(),
+              "rows": rows}  # fmt: skip
     for model in args.models:
         for length in args.seq_lens:
             seq_len = None if length == "max" else int(length)
@@ -119,7 +133,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "compile": args.compile, "predicted": predicted}  # fmt: skip
             if seq_len:
                 try:
-                    run_flags = flags + chunks + (["--compile"] if args.compile else [])
+                    compiled = ["--compile", args.compile] if args.compile else []
+                    run_flags = flags + chunks + compiled
+                    _reset_peak(args.device)  # each row its own peak, not the largest so far
                     row["measured"] = _run(model, seq_len, run_flags, args.steps, args.device)
                 except Exception as e:  # an out-of-memory is a result to report, not a crash
                     row["measured"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -133,26 +149,49 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{m.get('error', '')}{pr.get('error', '')}",
                 flush=True,
             )
+            _write(args.json, result)
+    return result
+
+
+def _reset_peak(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _environment() -> dict:
     import torch
 
     from dtensor_ulysses.attention import flash_attn_available
 
-    result = {
-        "argv": sys.argv[1:] if argv is None else argv,
-        "environment": {
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "flash_attn": flash_attn_available(),
-        },
-        "rows": rows,
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "flash_attn": flash_attn_available(),
     }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return result
+
+
+def _write(path: str | None, result: dict) -> None:
+    """The JSON so far (after every row: a time limit or an OOM kill keeps the rows done)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(path)
+
+
+def failed_rows(result: dict) -> list[dict]:
+    """Rows whose run or trace failed, or that never ran."""
+    rows = result["rows"]
+    return [r for r in rows if "error" in r.get("measured", {"error": "not run"})
+            or "error" in r["predicted"]]  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    failed = failed_rows(main())
+    if failed:
+        print(f"{len(failed)} row(s) failed", file=sys.stderr)
+    sys.exit(1 if failed else 0)

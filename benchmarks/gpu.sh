@@ -2,45 +2,82 @@
 # Every GPU check of this project, on a lent machine (one node, 1-8 GPUs):
 #
 #     bash benchmarks/gpu.sh [OUT_DIR] [STEP ...]   # OUT_DIR default: benchmarks/results
+#     DRY_RUN=1 bash benchmarks/gpu.sh OUT_DIR      # the whole script on the CPU, tiny shapes (CI)
 #
-# STEPs (default: all, in this order; on a machine that limits each command to 10 minutes, run
-# one or two per command):
+# STEPs (default: all, in this order; each is sized for a lent machine's 10-minute command, one
+# GPU and 128 GiB of host memory: run one per command):
 #   env    the environment (nvidia-smi, torch, CUDA, flash-attn)  -> OUT_DIR/gpu_environment.txt
 #   tests  the GPU-only tests (pytest -m gpu)                      -> OUT_DIR/gpu_tests.txt
 #   mfu    the MFU sweep: llama3-1b at 8K-32K tokens, compiled blocks (issue #14: >= 50% at 32K)
 #                                                                  -> OUT_DIR/bench_mfu_gpu.json
-#   long   real steps at 128K tokens with every memory feature, the allocator's peak next to the
+#   long   llama3-1b at 128K tokens with every memory feature, the allocator's peak next to the
 #          trace's                                                 -> OUT_DIR/bench_long_context_gpu.json
+#   long8b llama3-8b at 32K tokens: checkpointing, tiled loss/MLP, --offload-params (AdamW's
+#          16 bytes a parameter on the host: ~120 GiB of 128), checkpoints kept on the device
+#          (offloading them adds 31 GiB of host at 128K), the trace beside it
+#                                                                  -> OUT_DIR/bench_long_context_8b_gpu.json
 #   a2a    with 2+ GPUs: the Ulysses exchange against NCCL's own all-to-all at equal bytes
 #          (issue #14: within 10%)                                 -> OUT_DIR/bench_a2a_gpu.json
-# Each step prints as it goes; a failing step is reported and the next one still runs; the exit
-# status is 1 if any step failed.
+# Each step prints as it goes; a failing step (any command of it, also inside a pipe) is reported
+# and the next one still runs; the exit status is 1 if any step failed.
+# Environment: PYTHON (default python3); DRY_RUN=1 runs every step on the CPU with the tiny model
+# and tiny lengths (no nvidia-smi; the a2a step on 2 gloo processes), to check the script itself.
 set -uo pipefail
 out=${1:-benchmarks/results}
 shift || true
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env tests mfu long a2a)
+[ ${#steps[@]} -eq 0 ] && steps=(env tests mfu long long8b a2a)
+py=${PYTHON:-python3}
+dry=${DRY_RUN:-0}
 mkdir -p "$out"
 status=0
 run() { echo "== $1"; shift; "$@" || { echo "!! failed (exit $?): $*"; status=1; }; }
 
+if [ "$dry" = 1 ]; then  # the same steps, on the CPU, with shapes that take seconds
+    dev=(--device cpu)
+    mfu_args=(--models tiny --features ac --compile aot_eager --seq-lens 64 128 --steps 2)
+    long_args=(--models tiny --features all --seq-lens 128 --steps 2)
+    long8b_args=(--models tiny --features all8b --seq-lens 128 --steps 2)
+    tests_args=(tests/test_attention.py)
+else
+    dev=()
+    mfu_args=(--models llama3-1b --features ac --compile --seq-lens 8192 16384 32768 --steps 5)
+    long_args=(--models llama3-1b --features all --seq-lens 131072 --steps 3)
+    long8b_args=(--models llama3-8b --features all8b --seq-lens 32768 --steps 3)
+    tests_args=(tests)
+fi
+
+env_step() {
+    date -u
+    if [ "$dry" = 1 ]; then echo "DRY_RUN: no nvidia-smi"; else nvidia-smi; fi
+    "$py" -c 'import torch, dtensor_ulysses.attention as a; print("torch", torch.__version__, "cuda", torch.version.cuda, "flash_attn", a.flash_attn_available())'
+}
+
 for s in "${steps[@]}"; do
     case "$s" in
-    env) run env bash -c "{ date -u; nvidia-smi; python -c 'import torch, dtensor_ulysses.attention.local as a; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"flash_attn\", a.flash_attn_available())'; } | tee '$out/gpu_environment.txt'" ;;
-    tests) run tests bash -c "python -m pytest -q -m gpu tests 2>&1 | tee '$out/gpu_tests.txt'" ;;
-    mfu) run mfu python -m benchmarks.bench_long_context --models llama3-1b --features ac \
-        --compile --seq-lens 8192 16384 32768 --steps 5 --json "$out/bench_mfu_gpu.json" ;;
-    long) run long python -m benchmarks.bench_long_context --models llama3-1b llama3-8b \
-        --features all --seq-lens 131072 --steps 3 --json "$out/bench_long_context_gpu.json" ;;
+    env) run env eval 'env_step 2>&1 | tee "$out/gpu_environment.txt"' ;;
+    tests) run tests eval '"$py" -m pytest -q -m gpu "${tests_args[@]}" 2>&1 | tee "$out/gpu_tests.txt"' ;;
+    mfu) run mfu "$py" -m benchmarks.bench_long_context "${mfu_args[@]}" "${dev[@]}" \
+        --json "$out/bench_mfu_gpu.json" ;;
+    long) run long "$py" -m benchmarks.bench_long_context "${long_args[@]}" "${dev[@]}" \
+        --json "$out/bench_long_context_gpu.json" ;;
+    long8b) run long8b "$py" -m benchmarks.bench_long_context "${long8b_args[@]}" "${dev[@]}" \
+        --json "$out/bench_long_context_8b_gpu.json" ;;
     a2a)
-        gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-        if [ "$gpus" -ge 2 ]; then
-            run a2a torchrun --standalone --nproc-per-node "$gpus" -m benchmarks.bench_a2a \
-                --sizes-mib 16 64 256 1024 --json "$out/bench_a2a_gpu.json"
+        if [ "$dry" = 1 ]; then
+            run a2a "$py" -m benchmarks.bench_a2a --cpu-world 2 --sizes-mib 1 \
+                --json "$out/bench_a2a_gpu.json"
         else
-            echo "== a2a: skipped ($gpus GPU; it needs 2 or more)"
+            gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+            if [ "$gpus" -ge 2 ]; then
+                run a2a torchrun --standalone --nproc-per-node "$gpus" -m benchmarks.bench_a2a \
+                    --sizes-mib 16 64 256 1024 --json "$out/bench_a2a_gpu.json"
+            else
+                echo "== a2a: skipped ($gpus GPU; it needs 2 or more)"
+            fi
         fi ;;
-    *) echo "unknown step '$s' (use: env tests mfu long a2a)"; exit 2 ;;
+    *) echo "unknown step '$s' (use: env tests mfu long long8b a2a)"; exit 2 ;;
     esac
 done
+[ "$status" = 0 ] && echo "== all steps passed" || echo "!! some step failed (see above)"
 exit $status

@@ -13,9 +13,13 @@ from dtensor_ulysses._public import lazy_exports
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
     "BACKENDS": "local",
+    "build_doc_tensors": "doc_tensors",
+    "check_doc_starts": "doc_tensors",
     "check_head_chunks": "ulysses",
     "DeferredQ": "local",
+    "DocTensors": "doc_tensors",
     "flash_attn_available": "local",
+    "flash_attn_module": "local",
     "force_backend": "local",
     "gather_doc_starts": "ulysses",
     "head_to_seq": "dtensor_api",
@@ -35,13 +39,19 @@ _EXPORTS = {
     "to_seq": "ulysses",
     "ulysses_attention": "dtensor_api",
     "UlyssesAttention": "ulysses",
+    "use_flash_attn_module": "local",
+    "with_doc_tensors": "doc_tensors",
 }
 
 __all__ = [
     "BACKENDS",
+    "build_doc_tensors",
+    "check_doc_starts",
     "check_head_chunks",
     "DeferredQ",
+    "DocTensors",
     "flash_attn_available",
+    "flash_attn_module",
     "force_backend",
     "gather_doc_starts",
     "head_to_seq",
@@ -61,11 +71,19 @@ __all__ = [
     "to_seq",
     "ulysses_attention",
     "UlyssesAttention",
+    "use_flash_attn_module",
+    "with_doc_tensors",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs
+    from dtensor_ulysses.attention.doc_tensors import (
+        DocTensors,
+        build_doc_tensors,
+        check_doc_starts,
+        with_doc_tensors,
+    )
     from dtensor_ulysses.attention.dtensor_api import (
         head_to_seq,
         seq_to_head,
@@ -76,10 +94,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         DeferredQ,
         LocalAttention,
         flash_attn_available,
+        flash_attn_module,
         force_backend,
         local_attention,
         resolve_backend,
         starts_from_positions,
+        use_flash_attn_module,
     )
     from dtensor_ulysses.attention.ring import (
         RING_AXIS,

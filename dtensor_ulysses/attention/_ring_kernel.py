@@ -8,7 +8,7 @@ bytes). Legend:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,10 +65,10 @@ def _block_backward(q, k, v, mask, scale, acc, do, lse, delta):
     return dq, dk, dv
 
 
-def _flash_block(q, k, v, causal, scale):  # pragma: no cover - CUDA + flash-attn only (untested)
-    from flash_attn import flash_attn_func
+def _flash_block(q, k, v, causal, scale):
+    from dtensor_ulysses.attention import flash_attn_module
 
-    o, lse, _ = flash_attn_func(
+    o, lse, _ = flash_attn_module().flash_attn_func(
         q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True
     )
     return o.float(), lse.float()  # lse: [B, N, Lq]
@@ -87,6 +87,27 @@ class RingPlan:
     scale: float
     doc_ids: torch.Tensor | None  # [B, S] document index of every global position (CPU)
     flash: bool
+    # device copies of the positions per ring rank and of doc_ids, made once per call (not per
+    # ring step): the step masks are built on the device from them
+    _dev: dict = field(default_factory=dict, repr=False)
+
+    def device_mask(self, j: int, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
+        """The mask of :meth:`step` for ring rank ``j``'s block, built on ``device``."""
+        if not self._dev:
+            self._dev["pos"] = [self.positions(r).to(device) for r in range(self.size)]
+            if self.doc_ids is not None:
+                self._dev["doc"] = self.doc_ids.to(device)
+        qpos, kpos = self._dev["pos"][self.rank][rows], self._dev["pos"][j][cols]
+        mask = None
+        if "doc" in self._dev:
+            doc = self._dev["doc"]
+            mask = doc[:, qpos][:, :, None] == doc[:, kpos][:, None, :]
+        q_lo, k_hi = self.positions(self.rank)[rows].min(), self.positions(j)[cols].max()
+        if self.causal and int(k_hi) > int(q_lo):  # host ints (CPU positions): no sync
+            causal = (kpos[None, :] <= qpos[:, None])[None]
+            mask = causal if mask is None else mask & causal
+        assert mask is not None
+        return mask
 
     def pieces(self, j: int) -> list[tuple[int, int, int]]:
         """``(local_lo, local_hi, global_lo)`` of ring rank ``j``'s chunks."""
@@ -152,7 +173,7 @@ class RingAttentionFn(torch.autograd.Function):
                 if ring.flash and mask is None:
                     o_b, lse_b = _flash_block(qb, kb, vb, diag, ring.scale)
                 else:
-                    m = None if mask is None else mask.to(q.device)
+                    m = None if mask is None else ring.device_mask(j, rows, cols, q.device)
                     o_b, lse_b = _block_forward(qb, kb, vb, m, ring.scale, acc)
                 old = lse[:, :, rows]
                 new = torch.logaddexp(old, lse_b)
@@ -181,10 +202,11 @@ class RingAttentionFn(torch.autograd.Function):
         back: RingShift | None = None
         for i in range(ring.size):
             nxt = ring_shift(kv, ring.group, _KV_TAG) if i < ring.size - 1 else None
-            plan = ring.step((ring.rank - i) % ring.size)  # rebuilt: no [L, L] mask is kept
+            j = (ring.rank - i) % ring.size
+            plan = ring.step(j)  # rebuilt: no [L, L] mask is kept
             if plan is not None:
                 rows, cols, mask, _ = plan
-                m = None if mask is None else mask.to(q.device)
+                m = None if mask is None else ring.device_mask(j, rows, cols, q.device)
                 dq_b, dk_b, dv_b = _block_backward(
                     q[:, rows], kv[0][:, cols], kv[1][:, cols], m, ring.scale, acc,
                     do[:, rows], lse[:, :, rows], delta[:, :, rows],

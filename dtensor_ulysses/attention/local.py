@@ -13,12 +13,23 @@ Backends:
 
 An explicitly requested backend that cannot run raises; it never silently becomes another. Tests
 and benchmarks can pin the ``auto`` choice with :func:`force_backend` or the environment variable
-``DTENSOR_ULYSSES_ATTENTION`` (``flash_attn`` or ``sdpa``).
+``DTENSOR_ULYSSES_ATTENTION`` (``flash_attn`` or ``sdpa``). ``auto`` picks flash-attn only on a GPU
+of compute capability 8.0 or newer (flash-attn 2's floor), else SDPA.
+
+The flash-attn seam: every flash-attn call of the project (this module's dense and varlen calls,
+the ring's blocks) goes through :func:`flash_attn_module`, the one place that resolves the module
+providing ``flash_attn_func`` and ``flash_attn_varlen_func``. It imports ``flash_attn``, or the
+module named by ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE`` (read at the first lookup; spawned ranks
+inherit it), or the module installed by :func:`use_flash_attn_module`. A module may list the
+device types it runs on in ``DEVICE_TYPES`` (default ``("cuda",)``): the test suite's pure-PyTorch
+double (``tests/flash_double.py``) says ``("cpu", "cuda")``, so the project's flash path runs on
+CPU in CI.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator, Sequence
 
@@ -26,15 +37,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_ulysses.attention.doc_tensors import DocTensors, build_doc_tensors, check_doc_starts
+
 __all__ = [
     "BACKENDS",
     "DeferredQ",
     "LocalAttention",
     "starts_from_positions",
     "flash_attn_available",
+    "flash_attn_module",
     "force_backend",
     "local_attention",
     "resolve_backend",
+    "use_flash_attn_module",
 ]
 
 BACKENDS = ("auto", "flash_attn", "sdpa")
@@ -67,18 +82,45 @@ ENV_VAR = "DTENSOR_ULYSSES_ATTENTION"
 _forced: str | None = None
 
 
-_flash: list = []  # [flash_attn_func or None] once looked up (a plain cache: torch.compile
+FLASH_MODULE_ENV = "DTENSOR_ULYSSES_FLASH_ATTN_MODULE"
+_flash: list = []  # [the flash-attn module or None] once looked up (a plain cache: torch.compile
 # traces through functools.cache wrappers, and would reach the import inside)
+_capability: dict = {}  # CUDA device index -> (major, minor)
+
+
+def flash_attn_module():
+    """The module that provides ``flash_attn_func``/``flash_attn_varlen_func``, or ``None``.
+
+    ``flash_attn``, or the module named by ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE``, or the one
+    installed by :func:`use_flash_attn_module` (the seam of the module docstring).
+    """
+    if not _flash:
+        name = os.environ.get(FLASH_MODULE_ENV) or "flash_attn"
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # ImportError, or a broken build (undefined CUDA symbols)
+            if name != "flash_attn":
+                raise  # a module asked for by name must import
+            module = None
+        _flash.append(module)
+    return _flash[0]
+
+
+@contextlib.contextmanager
+def use_flash_attn_module(module) -> Iterator[None]:
+    """Inside the block the flash path calls ``module`` (e.g. a test double); ``None``: no
+    flash-attn. Only for this process: spawned ranks read ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE``."""
+    previous = list(_flash)
+    _flash[:] = [module]
+    try:
+        yield
+    finally:
+        _flash[:] = previous
 
 
 def _flash_attn_func():
-    if not _flash:
-        try:
-            from flash_attn import flash_attn_func
-        except Exception:  # ImportError, or a broken build (undefined CUDA symbols)
-            flash_attn_func = None
-        _flash.append(flash_attn_func)
-    return _flash[0]
+    module = flash_attn_module()
+    return None if module is None else module.flash_attn_func
 
 
 def flash_attn_available() -> bool:
@@ -103,8 +145,16 @@ def _flash_attn_problem(q: torch.Tensor) -> str | None:
     """Why flash-attn cannot run on ``q``, or ``None`` if it can."""
     if not flash_attn_available():
         return "the flash-attn package is not importable (in a clone: pip install -e '.[flash]')"
-    if q.device.type != "cuda":
+    devices = getattr(flash_attn_module(), "DEVICE_TYPES", ("cuda",))
+    if q.device.type not in devices:
         return f"flash-attn needs CUDA tensors, got device {q.device}"
+    if q.device.type == "cuda":
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if index not in _capability:
+            _capability[index] = torch.cuda.get_device_capability(index)
+        major, minor = _capability[index]
+        if major < 8:
+            return f"flash-attn 2 needs compute capability 8.0 or newer, got sm_{major}{minor}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn needs float16 or bfloat16, got {q.dtype}"
     if q.shape[-1] > 256:
@@ -156,6 +206,7 @@ def local_attention(
     backend: str = "auto",
     position_ids: torch.Tensor | None = None,
     doc_starts: Sequence[Sequence[int]] | None = None,
+    doc_tensors: DocTensors | None = None,
 ) -> torch.Tensor:
     """Attention on local, full-length tensors; returns ``o[B, S, N, H]``.
 
@@ -167,7 +218,15 @@ def local_attention(
     ``position_ids[B, S]`` restarting at 0 per document (see :func:`starts_from_positions`;
     reads the ids back to the host). flash-attn then runs ``flash_attn_varlen_func`` over the
     documents;
-    SDPA runs once per document (exact, no ``[S, S]`` mask is built).
+    SDPA runs once per document (exact, no ``[S, S]`` mask is built). A third form,
+    ``doc_tensors`` (:class:`~dtensor_ulysses.attention.DocTensors`, what the model attaches to
+    the layout once per step), serves compiled code: flash-attn gets its ``cu_seqlens`` as they
+    are, and compiled SDPA a block-diagonal mask built on the device (``[B, 1, S, S]`` booleans;
+    eager SDPA still runs per document); no Python int of the layout enters the graph.
+
+    Raises:
+        ValueError: ``N % K != 0``; ``doc_starts`` rows that do not rise strictly from 0 or reach
+            past ``S``; both ``position_ids`` and ``doc_starts``.
     """
     N, K = q_BSNH.shape[2], k_BSKH.shape[2]
     if N % K:
@@ -182,13 +241,21 @@ def local_attention(
                 f"{tuple(q_BSNH.shape[:2])}"
             )
         doc_starts = starts_from_positions(position_ids)
-    if doc_starts is not None:
-        if len(doc_starts) != q_BSNH.shape[0]:
-            raise ValueError(
-                f"doc_starts has {len(doc_starts)} rows for a batch of {q_BSNH.shape[0]}"
-            )
+    if doc_tensors is not None:
+        if doc_starts is not None:
+            raise ValueError("pass doc_starts or doc_tensors, not both")
         if chosen == "flash_attn":
-            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_starts, causal, softmax_scale)
+            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, softmax_scale)
+        if torch.compiler.is_compiling():
+            ids_BS = doc_tensors.doc_ids
+            return _sdpa_doc_mask(q_BSNH, k_BSKH, v_BSKH, ids_BS, causal, softmax_scale)
+        doc_starts = doc_tensors.doc_starts
+    elif doc_starts is not None:
+        check_doc_starts(doc_starts, q_BSNH.shape[0], q_BSNH.shape[1])
+        if chosen == "flash_attn":
+            doc_tensors = build_doc_tensors(doc_starts, q_BSNH.shape[1], q_BSNH.device)
+            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, softmax_scale)
+    if doc_starts is not None:
         S = q_BSNH.shape[1]
         out = []
         for b, row_starts in enumerate(doc_starts):
@@ -226,12 +293,18 @@ class LocalAttention(nn.Module):
         self.causal = causal
         _flash_attn_func()  # look flash-attn up now, eagerly, not inside a compiled forward
 
-    def forward(self, q, k, v, *, layout=None, doc_starts=None) -> torch.Tensor:
-        if layout is not None and doc_starts is None:
-            doc_starts = layout.doc_starts
+    takes_doc_tensors = True  # the engine may hand over doc_tensors= (compiled packed docs)
+
+    def forward(self, q, k, v, *, layout=None, doc_starts=None, doc_tensors=None):
+        if layout is not None and doc_starts is None and doc_tensors is None:
+            if layout.doc_tensors is not None:
+                doc_tensors = layout.doc_tensors
+            else:
+                doc_starts = layout.doc_starts
         return local_attention(
-            q, k, v, causal=self.causal, backend=self.backend, doc_starts=doc_starts
-        )
+            q, k, v, causal=self.causal, backend=self.backend, doc_starts=doc_starts,
+            doc_tensors=doc_tensors,
+        )  # fmt: skip
 
     def input_dim_order(self, q: torch.Tensor) -> tuple[int, ...] | None:
         """The memory layout this kernel reads without a copy, for ``q``-like inputs: SDPA
@@ -255,20 +328,35 @@ def _sdpa(q_BSNH, k_BSKH, v_BSKH, causal: bool, softmax_scale: float | None) -> 
     return o_BNSH.transpose(1, 2)
 
 
-def _flash_varlen(q_BSNH, k_BSKH, v_BSKH, starts, causal, softmax_scale) -> torch.Tensor:
-    """flash-attn over the documents of every row, flattened to ``[B*S, heads, H]``."""
-    from flash_attn import flash_attn_varlen_func
+def _sdpa_doc_mask(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, causal, softmax_scale) -> torch.Tensor:
+    """SDPA with a block-diagonal (and causal) mask from the document index of every token."""
+    S = q_BSNH.shape[1]
+    mask_BSS = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
+    if causal:
+        mask_BSS = mask_BSS & torch.ones(S, S, dtype=torch.bool, device=q_BSNH.device).tril()
+    o_BNSH = F.scaled_dot_product_attention(
+        q_BSNH.transpose(1, 2),
+        k_BSKH.transpose(1, 2),
+        v_BSKH.transpose(1, 2),
+        attn_mask=mask_BSS[:, None],
+        scale=softmax_scale,
+        enable_gqa=k_BSKH.shape[2] != q_BSNH.shape[2],
+    )
+    return o_BNSH.transpose(1, 2)
 
+
+def _flash_varlen(q_BSNH, k_BSKH, v_BSKH, docs: DocTensors, causal, softmax_scale):
+    """flash-attn over the documents of every row, flattened to ``[B*S, heads, H]``; the
+    boundaries come as device tensors (no copy here); compiled, ``max_seqlen`` is ``S``."""
+    flash_attn_varlen_func = flash_attn_module().flash_attn_varlen_func
     B, S, N, H = q_BSNH.shape
-    bounds = [b * S + t for b, row in enumerate(starts) for t in row] + [B * S]
-    cu = torch.tensor(bounds, dtype=torch.int32, device=q_BSNH.device)
-    longest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+    longest = S if torch.compiler.is_compiling() else docs.max_seqlen
     o_TNH = flash_attn_varlen_func(
         q_BSNH.reshape(B * S, N, H),
         k_BSKH.reshape(B * S, -1, H),
         v_BSKH.reshape(B * S, -1, H),
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
+        cu_seqlens_q=docs.cu_seqlens_q,
+        cu_seqlens_k=docs.cu_seqlens_k,  # a distinct tensor: dynamo refuses one passed twice
         max_seqlen_q=longest,
         max_seqlen_k=longest,
         dropout_p=0.0,

@@ -23,7 +23,9 @@ Legend: ``R`` ring ranks, ``S`` the full sequence, ``L = S / R`` tokens per ring
   ValueError; the sp pieces inside a ring rank may be uneven (the engine's ``seq_len=``).
 * **Kernel**: a blockwise kernel in torch (float32 math, float64 for float64 inputs; any device).
   On CUDA with flash-attn importable, fp16/bf16 blocks without a document mask run forward through
-  ``flash_attn_func(..., return_attn_probs=True)`` (its ``lse``); UNTESTED here (no GPU), and the
+  ``flash_attn_func(..., return_attn_probs=True)`` (its ``lse``; on CPU through the test suite's
+  flash-attn double, not yet on a GPU); an explicit ``backend="flash_attn"`` with packed documents
+  raises (their blocks need a mask flash-attn cannot apply), and the
   backward stays in torch.
 
 Communication per call, on each rank (:func:`ring_closed_form`): forward ``R-1`` sends of the
@@ -147,7 +149,8 @@ def ring_attention(
             attention-backend choice carries over: SDPA itself returns no log-sum-exp).
 
     Raises:
-        ValueError: bad shapes, ``S`` not a multiple of ``2R`` (zigzag) / ``R``, bad doc starts.
+        ValueError: bad shapes, ``S`` not a multiple of ``2R`` (zigzag) / ``R``, bad doc starts,
+            ``backend="flash_attn"`` with ``doc_starts`` (an explicit backend is never replaced).
     """
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         if t.dim() != 4:
@@ -157,6 +160,12 @@ def ring_attention(
         raise ValueError(
             f"q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} must agree in B, L "
             f"and H, with the kv heads dividing the q heads"
+        )
+    if backend == "flash_attn" and doc_starts is not None:
+        raise ValueError(
+            "ring attention with backend='flash_attn' and packed documents: its blocks carry a "
+            "document mask flash-attn cannot apply, so they would run in the torch kernel; "
+            "pass backend='auto' or 'torch' (documents masked exactly), or no doc_starts"
         )
     pg = ring_group(group)
     R = dist.get_world_size(pg)

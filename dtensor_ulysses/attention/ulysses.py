@@ -155,12 +155,27 @@ def to_seq(
     return out
 
 
+_KV_INDEX: dict = {}  # (HeadPlan, device) -> the flattened kv_index, on that device
+
+
+def _kv_index_tensor(plan, device: torch.device) -> torch.Tensor:
+    """The replication index of a head plan on ``device``: copied to it once per plan and
+    device, not once per layer and call (compiled code builds it as a graph constant)."""
+    flat = [h for hs in plan.kv_index for h in hs]
+    if torch.compiler.is_compiling():
+        return torch.tensor(flat, device=device)
+    key = (plan, device)
+    if key not in _KV_INDEX:
+        _KV_INDEX[key] = torch.tensor(flat, device=device)
+    return _KV_INDEX[key]
+
+
 def _replicate_kv(plan, k_BsKH: torch.Tensor, v_BsKH: torch.Tensor):
     """GQA with sp not dividing K: each kv head copied for every rank whose q heads use it (an
     ``index_select``, so autograd sums the copies' gradients back); as they are otherwise."""
     if plan.is_plain_shard:
         return k_BsKH, v_BsKH
-    idx = torch.tensor([h for hs in plan.kv_index for h in hs], device=k_BsKH.device)
+    idx = _kv_index_tensor(plan, k_BsKH.device)
     return k_BsKH.index_select(HEAD_DIM, idx), v_BsKH.index_select(HEAD_DIM, idx)
 
 
@@ -238,6 +253,7 @@ class UlyssesAttention(nn.Module):
             raise TypeError(f"attn_fn must be callable, got {type(attn_fn).__name__}")
         self.group = sp_group(mesh)
         self.attn_fn = attn_fn
+        self._takes_doc_tensors = bool(getattr(attn_fn, "takes_doc_tensors", False))
         self.fuse_qkv = fuse_qkv
         if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks={head_chunks!r} must be an int >= 1 (1: no chunking)")
@@ -332,6 +348,8 @@ class UlyssesAttention(nn.Module):
                     f"[B, s] = {tuple(q.shape[:2])}"
                 )
             attn_kwargs["doc_starts"] = gather_doc_starts(position_ids, seq_sizes, self.group)
+        elif layout is not None and layout.doc_tensors is not None and self._takes_doc_tensors:
+            attn_kwargs["doc_tensors"] = layout.doc_tensors  # no int guards when compiled
         elif layout is not None and layout.doc_starts is not None:
             attn_kwargs["doc_starts"] = layout.doc_starts
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_ulysses.attention.doc_tensors import with_doc_tensors
 from dtensor_ulysses.attention.local import DeferredQ, LocalAttention
 from dtensor_ulysses.models.layers import (
     FeedForward,
@@ -184,6 +185,7 @@ class Transformer(nn.Module):
         cos_Bs1R, sin_Bs1R = rope_cos_sin(
             position_ids_Bs, self.shape.head_dim, self.shape.rope_theta, _compute_dtype(h_BsD.dtype)
         )
+        layout = with_doc_tensors(layout, input_ids_Bs.device)  # once per step, not per layer
         for layer in self.layers:
             h_BsD = layer(h_BsD, cos_Bs1R, sin_Bs1R, layout=layout)
         return self.norm(h_BsD)

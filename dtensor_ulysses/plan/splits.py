@@ -9,7 +9,8 @@ says which kv heads travel to which rank (GQA replication).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "check_ring_mesh",
@@ -182,6 +183,9 @@ class SeqLayout:
     seq_sizes: tuple[int, ...]
     doc_starts: tuple[tuple[int, ...], ...] | None = None
     ring: int = 1
+    # doc_starts as device tensors (``_doc_tensors.DocTensors``), attached by the model once per
+    # step so that compiled blocks neither guard on the ints nor sync; not part of equality
+    doc_tensors: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def split(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dtensor_ulysses.attention.local import flash_attn_available
+from dtensor_ulysses.attention.local import flash_attn_available, flash_attn_module
 from dtensor_ulysses.attention.ulysses import check_head_chunks
 from dtensor_ulysses.parallel.mesh import default_device_type
 from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
@@ -145,7 +145,7 @@ def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
         )
         raise UsageError(f"--device cuda: {why}; drop --device cuda to train on the CPU")
     if cfg.attention_backend == "flash_attn":
-        if device_type != "cuda":
+        if device_type not in getattr(flash_attn_module(), "DEVICE_TYPES", ("cuda",)):
             raise UsageError(
                 "--attention-backend flash_attn runs on CUDA only and this run is on the CPU; "
                 "use --attention-backend sdpa (or auto)"
@@ -218,6 +218,17 @@ def _validate_memory_features(cfg: TrainConfig, shape: ModelShape | None) -> Non
         raise UsageError(
             "--offload-activations moves the one input a checkpointed block keeps to the host; "
             "add --activation-checkpointing"
+        )
+    if cfg.ring > 1 and cfg.pack_docs and cfg.attention_backend == "flash_attn":
+        raise UsageError(
+            "--ring with --pack-docs masks documents inside the ring's blocks, which flash-attn "
+            "cannot do; use --attention-backend auto or sdpa (the ring's exact torch kernel)"
+        )
+    if cfg.offload_activations and cfg.compile:
+        raise UsageError(
+            "--offload-activations with --compile: torch.compile cannot trace the "
+            "saved-tensor hooks that move checkpoints to the host; drop --compile or "
+            "--offload-activations"
         )
     if cfg.offload_optimizer and cfg.offload_params:
         raise UsageError(

@@ -1,0 +1,73 @@
+"""benchmarks/gpu.sh tells the truth: a CPU dry run of every step, and a failing step fails it."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu.sh"
+
+
+def _run(out: Path, *steps: str, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DRY_RUN": "1", **env}
+    return subprocess.run(["bash", str(SCRIPT), str(out), *steps], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=500)  # fmt: skip
+
+
+@pytest.mark.timeout(520)
+def test_dry_run_executes_every_step_on_cpu(tmp_path):
+    res = _run(tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    for step in ("env", "tests", "mfu", "long", "long8b", "a2a"):
+        assert f"== {step}\n" in res.stdout, log[-4000:]
+    assert "!! failed" not in res.stdout
+    for name, n_rows in (("bench_mfu_gpu.json", 2), ("bench_long_context_gpu.json", 1),
+                         ("bench_long_context_8b_gpu.json", 1)):  # fmt: skip
+        rows = json.loads((tmp_path / name).read_text())["rows"]
+        assert len(rows) == n_rows and all("error" not in r["measured"] for r in rows), name
+    assert "flash_attn" in (tmp_path / "gpu_environment.txt").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_step_inside_a_pipe_fails_the_script(tmp_path):
+    """A Python whose pytest fails: the tests step (piped through tee) is reported failed, the
+    next step still runs, the script exits 1."""
+    fake = tmp_path / "python_failing_pytest"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then echo boom; exit 3; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    res = _run(tmp_path / "out", "tests", "env", PYTHON=str(fake))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "!! failed" in res.stdout and "== env" in res.stdout
+    assert "boom" in (tmp_path / "out" / "gpu_tests.txt").read_text()
+    ok = _run(tmp_path / "ok", "env")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_bench_long_context_exits_nonzero_and_keeps_rows_when_a_row_fails(tmp_path):
+    """Two rows on a CUDA device this machine lacks: both fail, both are in the JSON, exit 1."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (the rows must fail)")
+    out = tmp_path / "rows.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_long_context", "--models", "tiny",
+         "--seq-lens", "64", "128", "--steps", "1", "--device", "cuda", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=100,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout + res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["seq_len"] for r in rows] == [64, 128] and all("error" in r["measured"] for r in rows)
