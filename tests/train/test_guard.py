@@ -27,7 +27,7 @@ import pytest
 from dtensor_ulysses.plan.preflight import HEADROOM, check_fits, estimate_memory
 from dtensor_ulysses.plan.presets import get_shape
 from dtensor_ulysses.train.guard import EXIT_NONFINITE, EXIT_PREEMPTED, NAN_HOOK_ENV
-from tests.test_faults import ROOT, TINY, _cmd, _env, _errors, _run_all, _worker_pids
+from tests.train.test_faults import ROOT, TINY, _cmd, _env, _errors, _run_all, _worker_pids
 from tests.train.test_train import _descendants
 
 COMMON = [*TINY, "--lr", "3e-3", "--warmup-steps", "2", "--decay-steps", "20"]
