@@ -42,7 +42,7 @@ tokens, ``L`` blocks, ``V`` vocabulary, ``D`` model dim, ``F`` MLP dim:
   (kept activations and the working set) and the end of backward (all gradients and the working
   set). Against the fake-tensor trace of ``llama3-8b`` (sp 1, 4 and 8; 16K to 7.7M tokens;
   with and without checkpointing, tiling, head chunks, overlap and offloading) this is within
-  -9% to +6%; ``tests/train/test_faults.py`` checks one case against the trace.
+  -9% to +6%; ``tests/plan/test_preflight.py`` checks one case against the trace.
 * **runtime**: a fixed allowance for what a rank adds beyond importing torch (the data stream,
   allocator slack): :data:`RUNTIME_BYTES`.
 
