@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtensor_ulysses import attention
+from dtensor_ulysses.attention import local as attention
 from dtensor_ulysses.launch import run_local_world
 from tests import flash_double as fd
 from tests import flash_workers
