@@ -38,7 +38,7 @@ if [ "$dry" = 1 ]; then  # the same steps, on the CPU, with shapes that take sec
     mfu_args=(--models tiny --features ac --compile aot_eager --seq-lens 64 128 --steps 2)
     long_args=(--models tiny --features all --seq-lens 128 --steps 2)
     long8b_args=(--models tiny --features all8b --seq-lens 128 --steps 2)
-    tests_args=(tests/test_attention.py)
+    tests_args=(tests/attention/test_local_kernel.py)
 else
     dev=()
     mfu_args=(--models llama3-1b --features ac --compile --seq-lens 8192 16384 32768 --steps 5)
