@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dtensor_ulysses.memory import offload, offload_checkpoints
+from dtensor_ulysses import memory
+from dtensor_ulysses.memory import offload_checkpoints
 from dtensor_ulysses.models import build_model, init_weights
 from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh, parallelize
 from dtensor_ulysses.train import checkpoint as ckpt
@@ -66,16 +67,16 @@ def activation_offload(rank: int, world_size: int, dp: int, sp: int):
     out = {}
     for offload_acts in (False, True):
         model, mesh, offloader = tiny(dp, sp, offload_acts=offload_acts)
-        host_before = offload.host_bytes()
+        host_before = memory.host_bytes()
         ids, pos, labels = batch(mesh)
         logits = model(ids, pos)
-        host_after_forward = offload.host_bytes() - host_before
+        host_after_forward = memory.host_bytes() - host_before
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         loss.backward()
         out[offload_acts] = {
             "grads": full_grads(model),
             "host_after_forward": host_after_forward,
-            "host_after_backward": offload.host_bytes() - host_before,
+            "host_after_backward": memory.host_bytes() - host_before,
             "stats": None if offloader is None else vars(offloader.stats).copy(),
             "h_bytes": ids.numel() * model.shape.dim * 4,
             "layers": len(model.layers),
@@ -95,7 +96,7 @@ def _groups(model, weight_decay: float):
 def make_optimizer(model, host: bool):
     kw = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
     if host:
-        opt = offload.HostOffloadAdamW(_groups(model, 0.1), **kw)
+        opt = memory.HostOffloadAdamW(_groups(model, 0.1), **kw)
     else:
         opt = torch.optim.AdamW(_groups(model, 0.1), foreach=True, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 4)
@@ -121,7 +122,7 @@ def host_optimizer(rank: int, world_size: int, ckpt_dir: str):
         losses = train(model, mesh, opt, sched, range(3))
         out[host] = {"losses": losses, "params": full_params(model)}
     states = [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
-    out["states_on_host"] = all(offload.is_host(v) for v in states) and len(states) > 0
+    out["states_on_host"] = all(memory.is_host(v) for v in states) and len(states) > 0
     out["state_dict_is_dtensor"] = all(
         isinstance(st["exp_avg"], DTensor) for st in opt.state_dict()["state"].values()
     )
@@ -156,7 +157,7 @@ def offload_params(rank: int, world_size: int):
         model = build_model("tiny")
         kw: dict = {"mesh": flatten_dp_sp(mesh)}
         if use_policy:
-            kw["offload_policy"] = offload.fsdp_offload_policy(mesh)
+            kw["offload_policy"] = memory.fsdp_offload_policy(mesh)
         for block in model.layers:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
@@ -165,5 +166,5 @@ def offload_params(rank: int, world_size: int):
         opt, sched = make_optimizer(model, False)
         loss = train(model, mesh, opt, sched, range(2))
         out[use_policy] = {"loss": loss, "params": full_params(model)}
-    out["pin_memory"] = offload.fsdp_offload_policy(mesh).pin_memory
+    out["pin_memory"] = memory.fsdp_offload_policy(mesh).pin_memory
     return out

@@ -7,12 +7,12 @@ import gc
 import pytest
 import torch
 
+from dtensor_ulysses import memory
 from dtensor_ulysses.launch import run_local_world
 from dtensor_ulysses.memory import (
     activation_offloader,
     checkpoint_module,
     is_checkpointed,
-    offload,
     offload_checkpoints,
 )
 from dtensor_ulysses.models import build_model
@@ -26,15 +26,15 @@ pytestmark = pytest.mark.timeout(180)
 # ----------------------------------------------------------------------------------------------
 def test_to_host_is_a_registered_copy_and_the_registry_forgets_it():
     t = torch.randn(3, 5)
-    base = offload.host_bytes()
-    h = offload.to_host(t)
+    base = memory.host_bytes()
+    h = memory.to_host(t)
     assert torch.equal(h, t) and h.untyped_storage() is not t.untyped_storage()
-    assert offload.is_host(h) and not offload.is_host(t)
-    assert offload.host_bytes() - base == 60
-    assert offload.to_host(t, dtype=torch.float64).dtype == torch.float64
+    assert memory.is_host(h) and not memory.is_host(t)
+    assert memory.host_bytes() - base == 60
+    assert memory.to_host(t, dtype=torch.float64).dtype == torch.float64
     del h
     gc.collect()
-    assert offload.host_bytes() == base
+    assert memory.host_bytes() == base
 
 
 def test_allocating_host_is_true_exactly_inside_host_allocations():
@@ -42,17 +42,17 @@ def test_allocating_host_is_true_exactly_inside_host_allocations():
 
     class Probe(torch.utils._python_dispatch.TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append((func.__name__, offload.allocating_host()))
+            seen.append((func.__name__, memory.allocating_host()))
             return func(*args, **(kwargs or {}))
 
     with Probe():
-        offload.host_empty((4,), torch.float32)
+        memory.host_empty((4,), torch.float32)
         torch.empty(4)
-        with offload.host_compute():
+        with memory.host_compute():
             torch.ones(2) + 1
     assert seen[0][1] is True and seen[1] == ("empty.memory_format", False)
     assert all(flag for _, flag in seen[2:])
-    assert not offload.allocating_host()
+    assert not memory.allocating_host()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def _tiny_grads(offload_mode):
 
 def test_offloaded_checkpoints_single_process_bit_identical():
     _, ref = _tiny_grads(False)
-    shared = offload.ActivationOffloader()
+    shared = memory.ActivationOffloader()
     model, got = _tiny_grads(shared)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert all(activation_offloader(b) is shared for b in model.layers)
@@ -136,24 +136,24 @@ def _adamw_runs(make, steps=3):
 def test_host_adamw_equals_torch_adamw_bitwise(foreach):
     kw = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
     ref, ref_opt, _ = _adamw_runs(lambda g: torch.optim.AdamW(g, foreach=foreach, **kw))
-    got, opt, _ = _adamw_runs(lambda g: offload.HostOffloadAdamW(g, foreach=foreach, **kw))
+    got, opt, _ = _adamw_runs(lambda g: memory.HostOffloadAdamW(g, foreach=foreach, **kw))
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     for a, b in zip(ref, got):
         ra, rb = ref_opt.state[a], opt.state[b]
         assert set(ra) == set(rb) == {"step", "exp_avg", "exp_avg_sq"}
         assert all(torch.equal(ra[k], rb[k]) for k in ra)
-        assert offload.is_host(rb["exp_avg"]) and offload.is_host(rb["exp_avg_sq"])
+        assert memory.is_host(rb["exp_avg"]) and memory.is_host(rb["exp_avg_sq"])
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
 
 
 def test_host_adamw_state_dict_round_trip_continues_identically():
     kw = {"lr": 1e-2, "weight_decay": 0.1}
-    straight, _, _ = _adamw_runs(lambda g: offload.HostOffloadAdamW(g, **kw), steps=5)
-    params, opt, sched = _adamw_runs(lambda g: offload.HostOffloadAdamW(g, **kw), steps=3)
+    straight, _, _ = _adamw_runs(lambda g: memory.HostOffloadAdamW(g, **kw), steps=5)
+    params, opt, sched = _adamw_runs(lambda g: memory.HostOffloadAdamW(g, **kw), steps=3)
     sd, sched_sd = opt.state_dict(), sched.state_dict()
     # a fresh optimizer on other values of the parameters, loaded: the parameters are loaded too
     fresh = [torch.nn.Parameter(p.detach() * 0 + 7) for p in params]
-    opt2 = offload.HostOffloadAdamW(
+    opt2 = memory.HostOffloadAdamW(
         [{"params": fresh[::2], "weight_decay": 0.1}, {"params": fresh[1:2]}], **kw
     )
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda step: 0.5**step)
@@ -177,9 +177,9 @@ def test_host_adamw_state_dict_round_trip_continues_identically():
 def test_host_adamw_rejects_bad_hyperparameters():
     p = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="learning rate -1"):
-        offload.HostOffloadAdamW(p, lr=-1)
+        memory.HostOffloadAdamW(p, lr=-1)
     with pytest.raises(ValueError, match="beta parameter at index 1: 1.0"):
-        offload.HostOffloadAdamW(p, betas=(0.9, 1.0))
+        memory.HostOffloadAdamW(p, betas=(0.9, 1.0))
 
 
 def test_host_adamw_under_fsdp2_equals_adamw_and_resumes_through_dcp(tmp_path):
@@ -202,7 +202,7 @@ def test_fsdp_offload_policy_runs_on_a_cpu_gloo_mesh():
         for k, v in r[False]["params"].items():
             assert torch.equal(v, r[True]["params"][k]), k
         assert r["pin_memory"] is False
-    assert offload.fsdp_offload_policy("cuda").pin_memory is True
+    assert memory.fsdp_offload_policy("cuda").pin_memory is True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_cuda_offloaded_checkpoints_prefetch_and_are_bit_identical():
     for mode in ("off", "on"):
         torch.manual_seed(0)
         model = build_model("tiny", device="cuda").to(torch.bfloat16)
-        offloader = offload.ActivationOffloader() if mode == "on" else False
+        offloader = memory.ActivationOffloader() if mode == "on" else False
         for block in model.layers:
             checkpoint_module(block, offload=offloader)
         torch.manual_seed(1)
@@ -236,7 +236,7 @@ def test_cuda_host_adamw_matches_adamw_and_keeps_pinned_states():
     ref = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
     got = [torch.nn.Parameter(p.detach().clone()) for p in ref]
     kw = {"lr": 1e-2, "weight_decay": 0.1}
-    opt_ref, opt = torch.optim.AdamW(ref, **kw), offload.HostOffloadAdamW(got, **kw)
+    opt_ref, opt = torch.optim.AdamW(ref, **kw), memory.HostOffloadAdamW(got, **kw)
     for _ in range(3):
         for a, b in zip(ref, got):
             a.grad = torch.randn(a.shape, device="cuda")
