@@ -1,6 +1,6 @@
 """Measure the real code's communication (spawned gloo ranks) and predict the same cases.
 
-Run by ``python -m simulations validate`` and by ``tests/simulations/test_measured.py`` through
+Run by ``python -m simulations validate`` and by ``tests/simulator/test_measured.py`` through
 :func:`dtensor_ulysses.launch.run_local_world`, which needs a module-level worker: this module.
 torch is imported only inside the worker, so importing ``simulations`` stays torch-free.
 
