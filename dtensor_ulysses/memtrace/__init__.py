@@ -14,6 +14,7 @@ from dtensor_ulysses._public import lazy_exports
 _EXPORTS = {
     "CATEGORIES": "_results",
     "extrapolate": "trace",
+    "fake_world": "_setup",
     "PhasePeak": "_results",
     "PHASES": "trace",
     "rank0_batch": "_setup",
@@ -27,6 +28,7 @@ _EXPORTS = {
 __all__ = [
     "CATEGORIES",
     "extrapolate",
+    "fake_world",
     "PhasePeak",
     "PHASES",
     "rank0_batch",
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         TraceUnavailable,
     )
     from dtensor_ulysses.memtrace._setup import (
+        fake_world,
         rank0_batch,
         trace_config,
     )

@@ -31,7 +31,7 @@ from dtensor_ulysses.memtrace._timeline import _Timeline
 from dtensor_ulysses.plan import PRESETS, SeqLayout, get_shape
 from dtensor_ulysses.train import TrainConfig
 
-__all__ = ["rank0_batch", "trace_config"]
+__all__ = ["fake_world", "rank0_batch", "trace_config"]
 
 
 # ----------------------------------------------------------------------------------------------
