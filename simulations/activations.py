@@ -351,7 +351,7 @@ def loss_bytes(w: Workload, tokens: int) -> tuple[float, float]:
         tile = w.loss_chunk_tokens or prof.loss_tile_tokens or prof.loss_tile_bytes // (FP32 * V)
         tile = max(1, min(tokens, tile))
         if prof.staged_backward:
-            # _tiling.py, traced: one tile replayed and differentiated, its fp32 log-softmax and
+            # memory/tiling.py, traced: one tile replayed and differentiated, its fp32 log-softmax and
             # the incoming and produced fp32 gradients (12 V), next to the output weight's
             # gradient (e, summed over the tiles); the hidden states' gradient (one tensor)
             D = w.shape.dim

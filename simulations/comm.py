@@ -413,7 +413,7 @@ def _loss(w: Workload) -> list[Collective]:
     out = []
     if w.world > 1:
         # dtensor_ulysses/models/loss.py global_valid_tokens: one int64 all-reduce before backward;
-        # train.py: the gradient-norm clip (one fp32 scalar) and the logged loss sum (one fp32)
+        # train/loop.py: the gradient-norm clip (one fp32 scalar) and the logged loss sum (one fp32)
         out += [
             Collective("valid token count", "all_reduce", "world", w.world, w.world,
                        "forward", "step", 1, 8),

@@ -106,7 +106,7 @@ IMPL_PROFILES: dict[str, ImplProfile] = {
     # output is the next matmul's input (e): 2e, 4 at bf16 as a fused kernel (traced; it was 10
     # with F.rms_norm on an fp32 upcast). Eager SwiGLU (4). The loss is computed inside the
     # model's forward and returns a scalar: the caller keeps no logits (loss_kept 0; traced).
-    # The tiled MLP and loss (_tiling.py) keep their input only and write the input's gradient
+    # The tiled MLP and loss (memory/tiling.py) keep their input only and write the input's gradient
     # chunk by chunk into one tensor; head-chunked attention (_head_stages.py) keeps q and the
     # exchanged k, v. Backward frees stage by stage (staged_backward); FSDP2 casts the RoPE
     # tables per block (cast_block_inputs).

@@ -71,7 +71,7 @@ class CheckConfig:
 
 
 # ``ac+tiled`` is held to TOLERANCE, the others to 3%: with checkpointing and tiled loss and MLP
-# the step's peak falls inside an RMSNorm (``_layers.py``), whose output / gradient buffer is
+# the step's peak falls inside an RMSNorm (``models/layers.py``), whose output / gradient buffer is
 # ``torch.empty_like`` and written only after its one chunk's temporaries are computed; the trace
 # (like CUDA's caching allocator) counts it when allocated, the kernel counts its pages when
 # written, so the real growth is 4-7% below the trace there (zero-filling those buffers at

@@ -40,8 +40,8 @@ listed in a fixed order. Reading and packing it takes well under a second and is
 
 **Where the code lives.** This module holds the sampling and the batches (:func:`sample_index`,
 :class:`Batch`, :func:`get_batch`, the document positions); the tokenizer, packing and
-:class:`PackedCorpus` are in ``_data_corpus.py``, reading data files and the built-in corpus in
-``_data_read.py``; import every public name from this module.
+:class:`PackedCorpus` are in ``corpus.py``, reading data files and the built-in corpus in
+``read.py``; import every public name from :mod:`dtensor_ulysses.data`.
 """
 
 from __future__ import annotations
