@@ -351,9 +351,9 @@ def loss_bytes(w: Workload, tokens: int) -> tuple[float, float]:
         tile = w.loss_chunk_tokens or prof.loss_tile_tokens or prof.loss_tile_bytes // (FP32 * V)
         tile = max(1, min(tokens, tile))
         if prof.staged_backward:
-            # memory/tiling.py, traced: one tile replayed and differentiated, its fp32 log-softmax and
-            # the incoming and produced fp32 gradients (12 V), next to the output weight's
-            # gradient (e, summed over the tiles); the hidden states' gradient (one tensor)
+            # memory/tiling.py, traced: one tile replayed and differentiated, its fp32
+            # log-softmax and the incoming and produced fp32 gradients (12 V), next to the output
+            # weight's gradient (e, summed over the tiles); the hidden states' gradient (one tensor)
             D = w.shape.dim
             return 3 * FP32 * V * tile + e * V * D // w.tp + e * D * tokens, 0.0
         # one tile: logits (e), fp32 log-softmax, fp32 gradient (forward and backward fused);
