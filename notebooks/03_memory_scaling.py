@@ -179,9 +179,10 @@ assert [n for _, n in stacked] == sorted(n for _, n in stacked), "no feature may
 
 # %%
 def plot_stack(stacked):
-    import matplotlib.pyplot as plt
+    from tutorial.figures import new_figure  # not pyplot's: the figure is shown once
 
-    fig, ax = plt.subplots(figsize=(7, 2.8))
+    fig = new_figure(6.4, 2.8)  # as wide as the docs' text at 90 dpi
+    ax = fig.subplots()
     labels, tokens = zip(*stacked)
     ax.barh(range(len(tokens)), [t / 1e6 for t in tokens], color="tab:blue")
     ax.set_yticks(range(len(tokens)), labels)
@@ -189,7 +190,7 @@ def plot_stack(stacked):
     ax.set_xlabel("longest sequence (million tokens), llama3-8b, 8x H100, sp=8")
     for i, t in enumerate(tokens):
         ax.text(t / 1e6, i, f" {t / 1e6:.2f}M", va="center", fontsize=8)
-    fig.tight_layout()
+    ax.set_xlim(0, max(tokens) / 1e6 * 1.15)
     return fig
 
 

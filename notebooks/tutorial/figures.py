@@ -225,16 +225,26 @@ def plot_round_trip(
             "from",
         ),
     ]
-    fig = new_figure(0.8 + sp * max(2.0, 0.17 * S), 1.0 + 3 * (0.9 + 0.2 * N))
-    axes = fig.subplots(3, sp, squeeze=False)
+    # At most two ranks side by side, so the figure stays as wide as the docs' text (6.4 in at
+    # 90 dpi) and its labels legible; each stage takes ceil(sp / 2) rows of panels.
+    cols = min(sp, 2)
+    per_stage = -(-sp // cols)
+    fig = new_figure(6.4, 1.0 + 3 * per_stage * (0.75 + 0.2 * N))
+    grid = fig.subplots(3 * per_stage, cols, squeeze=False)
+    for row in range(3):  # the empty slot of an odd sp
+        for r in range(sp, per_stage * cols):
+            grid[row * per_stage + r // cols][r % cols].set_axis_off()
     for row, (key, title, color_of, word) in enumerate(stages):
         for r in range(sp):
             img = np.empty((N, S, 3))
             img[:] = GREY
             for t, h in cells[key].get(r, ()):
                 img[h, t] = rank_color(color_of(t, h))
-            ax = axes[row][r]
-            cell_grid(ax, img, xlabel="token" if row == 2 else "", ylabel="head" if r == 0 else "")
+            ax = grid[row * per_stage + r // cols][r % cols]
+            last = row == 2 and r // cols == per_stage - 1
+            cell_grid(
+                ax, img, xlabel="token" if last else "", ylabel="head" if r % cols == 0 else ""
+            )
             ax.set_xticks(few_ticks(S))
             ax.set_yticks(range(N))
             ax.set_title(f"rank {r}" + (f"\n{title}" if r == 0 else ""), fontsize=8, loc="left")
@@ -261,7 +271,7 @@ def plot_round_trip(
                     )
     src = "measured on a gloo world" if observed is not None else "from the plan"
     fig.suptitle(
-        f"seq -> head -> seq for S={S}, N={N}, sp={sp} ({src}); color: the rank the chunk "
+        f"seq -> head -> seq for S={S}, N={N}, sp={sp} ({src});\ncolor: the rank the chunk "
         f"comes from, label: the peer it goes to (\u2192) or came from (\u2190)",
         fontsize=9,
     )
@@ -298,8 +308,8 @@ def plot_a2a_bytes(
             for _ in range(sp)
         ]
     )
-    fig = new_figure(10, 3.6)
-    ax0, ax1 = fig.subplots(1, 2, width_ratios=[1, 1.4])
+    fig = new_figure(6.4, 7.4)  # one column: as wide as the docs' text at 90 dpi
+    ax0, ax1 = fig.subplots(2, 1, height_ratios=[1, 1])
     ax0.imshow(m, cmap="Blues", vmin=0, vmax=max(1, m.max()) * 2.5)
     for i in range(sp):
         for j in range(sp):
@@ -414,8 +424,8 @@ def plot_gqa(n_q: int = 8, n_kv: int = 2, sp: int = 4):
 
 def plot_training(runs: Mapping[str, Sequence[Mapping[str, Any]]]):
     """Loss and tokens/s per step for several runs (``--metrics-file`` records, by label)."""
-    fig = new_figure(11, 3.6)
-    ax0, ax1 = fig.subplots(1, 2)
+    fig = new_figure(6.4, 6.4)  # one column: as wide as the docs' text at 90 dpi
+    ax0, ax1 = fig.subplots(2, 1)
     styles = ["o-", "s--", "^:", "v-.", "d-"]
     for i, (name, recs) in enumerate(runs.items()):
         steps = [r["step"] for r in recs]

@@ -62,17 +62,20 @@ def plot_memory_scaling(
 ):
     """Per-rank memory vs sequence length for every valid sp, the components, and the wall.
 
-    Left: peak per rank vs S (one line per sp; solid where it fits, dotted beyond); the dashed line
-    is the GPU's usable memory. Middle: the components at ``seq_len`` for each sp. Right: the
-    longest sequence that fits (the out-of-memory wall) for each sp. All from the simulator, bf16,
-    FSDP2 over all ``gpus`` ranks with ``dp = gpus / sp``.
+    Top: peak per rank vs S (one line per sp; solid where it fits, dotted beyond); the dashed line
+    is the GPU's usable memory. Bottom left: the components at ``seq_len`` for each sp. Bottom
+    right: the longest sequence that fits (the out-of-memory wall) for each sp. All from the
+    simulator, bf16, FSDP2 over all ``gpus`` ranks with ``dp = gpus / sp``. Two rows, 6.4 in wide:
+    at the notebooks' 90 dpi that is the docs column's width, so its 8 pt text is shown at 8 pt.
     """
     opts = {"ac": ac, "tiled_loss": tiled_loss}
     rows = memory_sweep(model, gpu, gpus, **opts)
     walls = oom_walls(model, gpu, gpus, **opts)
     sps = sorted(walls)
-    fig = new_figure(15, 4.4)
-    ax0, ax1, ax2 = fig.subplots(1, 3, width_ratios=[1.3, 1, 0.9])
+    fig = new_figure(6.4, 7.4)
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.15, 1])
+    ax0 = fig.add_subplot(grid[0, :])
+    ax1, ax2 = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
     cap = rows[0]["capacity"] / GiB if rows else 0
     for sp in sps:
         pts = [(r["seq_len"], r["peak"] / GiB, r["fits"]) for r in rows if r["sp"] == sp]
@@ -87,8 +90,8 @@ def plot_memory_scaling(
     ax0.axhline(cap, color="k", ls="--", lw=1, label=f"{gpu} usable ({cap:.0f} GiB)")
     ax0.set(xlabel="sequence length S", ylabel="GiB per rank", ylim=(0, cap * 1.6))
     log_axis(ax0, "x", [2**k for k in range(11, 23, 2)], fmt_tokens)
-    ax0.set_title("peak memory per rank (vertical lines: the OOM wall)", fontsize=9)
-    ax0.legend(fontsize=7)
+    ax0.set_title("peak memory per rank (vertical lines: the OOM wall)", fontsize=10)
+    ax0.legend(fontsize=8, ncol=2, loc="upper left")
     # components at seq_len
     bottoms = [0.0] * len(sps)
     at = {r["sp"]: r for r in memory_sweep(model, gpu, gpus, [seq_len], sps, **opts)}
@@ -99,20 +102,24 @@ def plot_memory_scaling(
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     ax1.axhline(cap, color="k", ls="--", lw=1)
     ax1.set(ylabel="GiB per rank")
-    ax1.set_title(f"components at S={fmt_tokens(seq_len)} (the peak moment)", fontsize=9)
-    ax1.legend(fontsize=7)
+    ax1.set_title(f"components at S={fmt_tokens(seq_len)}\n(the peak moment)", fontsize=10)
+    ax1.legend(fontsize=8)
     # the wall
     vals = [walls[sp] for sp in sps]
     bars = ax2.bar(labels, vals, color=[rank_color(i) for i in range(len(sps))])
     base = walls[sps[0]] or None
     for b, v in zip(bars, vals):
         txt = fmt_tokens(v) + (f"\n({v / base:.1f}x)" if base and v else "")
-        ax2.text(b.get_x() + b.get_width() / 2, v, txt, ha="center", va="bottom", fontsize=7)
+        ax2.text(b.get_x() + b.get_width() / 2, v, txt, ha="center", va="bottom", fontsize=8)
     ax2.set(ylabel="tokens", ylim=(0, max(vals + [1]) * 1.25))
     top = max(vals + [1])
     ax2.yaxis.set_major_locator(MultipleLocator(2 ** max(10, math.ceil(math.log2(top / 5)))))
     ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: fmt_tokens(v)))
-    ax2.set_title("longest sequence that fits (OOM wall)", fontsize=9)
+    ax2.set_title("longest sequence that fits\n(the OOM wall)", fontsize=10)
+    for ax in (ax0, ax1, ax2):
+        ax.tick_params(labelsize=8)
+        ax.xaxis.label.set_size(9)
+        ax.yaxis.label.set_size(9)
     fig.suptitle(
         f"{model} on {gpus}x {gpu}, bf16, ac={ac}, tiled_loss={tiled_loss} (simulator)",
         fontsize=10,
@@ -129,8 +136,8 @@ def plot_activation_check(measured: Sequence[Mapping[str, Any]], model: str = "t
     """
     sps = sorted({r["sp"] for r in measured})
     seqs = sorted({r["seq_len"] for r in measured})
-    fig = new_figure(11, 3.8)
-    ax0, ax1 = fig.subplots(1, 2)
+    fig = new_figure(6.4, 6.6)  # one column: as wide as the docs' text at 90 dpi
+    ax0, ax1 = fig.subplots(2, 1)
     for i, sp in enumerate(sps):
         rows = sorted((r for r in measured if r["sp"] == sp), key=lambda r: r["seq_len"])
         color = rank_color(i)
@@ -165,7 +172,7 @@ def plot_activation_check(measured: Sequence[Mapping[str, Any]], model: str = "t
     ax1.set_title("measured / predicted", fontsize=9)
     ax1.legend(fontsize=7)
     fig.suptitle(
-        f"{model} preset, fp32 on CPU, no checkpointing, one sequence per rank: measured with "
+        f"{model} preset, fp32 on CPU, no checkpointing, one sequence per rank:\nmeasured with "
         f"torch.autograd.graph.saved_tensors_hooks (unique storages, parameters excluded)",
         fontsize=9,
     )
@@ -198,8 +205,8 @@ def plot_comm_methods(
         shape = shape.with_(n_kv_heads=kv_heads)
     g = gpu_with_links(gpu, intra_gbps, inter_gbps, gpus_per_node)
     colors = dict(zip(METHODS, ("tab:blue", "tab:green", "tab:red", "tab:purple")))
-    fig = new_figure(16, 4.2)
-    ax0, ax1, ax2, ax3 = fig.subplots(1, 4)
+    fig = new_figure(6.4, 7.8)  # two by two: as wide as the docs' text at 90 dpi
+    (ax0, ax1), (ax2, ax3) = fig.subplots(2, 2)
     seqs = [2**k for k in range(13, 21)]
     Ps = [2**k for k in range(1, 7)]
     for m in METHODS:
@@ -260,7 +267,7 @@ def plot_comm_methods(
     log_axis(ax2, "x", Ps)
     log_axis(ax2, "y")
     ax2.set_title(
-        f"comm time vs P: NVLink {g.intra_bw / 1e9:.0f} GB/s inside a node of "
+        f"comm time vs P: NVLink {g.intra_bw / 1e9:.0f} GB/s\ninside a node of "
         f"{g.gpus_per_node}, {g.inter_bw / 1e9:.0f} GB/s across",
         fontsize=8,
     )
@@ -280,7 +287,7 @@ def plot_comm_methods(
     ax3.legend(fontsize=7)
     ax3.tick_params(axis="x", labelsize=7)
     fig.suptitle(
-        f"{shape.name}: N={shape.n_heads} q heads, K={shape.n_kv_heads} kv heads; {g.name}; "
+        f"{shape.name}: N={shape.n_heads} q heads, K={shape.n_kv_heads} kv heads; {g.name};\n"
         f"attention collectives only (FSDP excluded); simulator",
         fontsize=10,
     )
@@ -362,8 +369,8 @@ def plot_hybrid(model: str = "llama3-8b", tokens_per_gpu: int = 32768, gpu: str 
     g = sim.get_gpu(gpu)
     shape = sim.Workload(shape=model, seq_len=1).shape
     colors = {"ulysses": "tab:blue", "ulysses x ring": "tab:purple"}
-    fig = new_figure(12, 4.2)
-    ax0, ax1 = fig.subplots(1, 2)
+    fig = new_figure(6.4, 7.4)  # one column: as wide as the docs' text at 90 dpi
+    ax0, ax1 = fig.subplots(2, 1)
     Ps = sorted({r["gpus"] for r in rows})
     for method, color in colors.items():
         mine = [r for r in rows if r["method"] == method]
@@ -395,7 +402,7 @@ def plot_hybrid(model: str = "llama3-8b", tokens_per_gpu: int = 32768, gpu: str 
     ax1.set_title("bytes per rank: all-to-all and ring p2p", fontsize=9)
     fig.suptitle(
         f"{shape.name} ({shape.n_heads} q, {shape.n_kv_heads} kv heads) on {gpu}, "
-        f"{fmt_tokens(tokens_per_gpu)} tokens per GPU; shaded: beyond a node of "
+        f"{fmt_tokens(tokens_per_gpu)} tokens per GPU;\nshaded: beyond a node of "
         f"{g.gpus_per_node}; simulator",
         fontsize=10,
     )

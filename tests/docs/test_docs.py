@@ -9,7 +9,9 @@ exist, and it loads in headless Chromium without errors.
 * The built site has no ``<script>``, stylesheet, image or frame from another host.
 * Chromium (Debian's ``chromium``, driven by Playwright; never a downloaded browser) loads every
   page of the nav from a local ``http.server``: no console error, no failed or off-host request,
-  every ``<img>`` decoded, formulas laid out, the nav and the search work. Screenshots go to
+  every ``<img>`` decoded, formulas laid out, the nav and the search work; every notebook figure
+  shown at a scale where its smallest text stays legible (``MIN_FIGURE_SCALE``), and every code
+  block too wide for the column scrolls instead of being cut. Screenshots go to
   ``build/screenshots/`` (a CI artifact, not committed).
 * A notebook with outputs, math and an image renders as a tutorial page the same way.
 
@@ -321,7 +323,27 @@ def _browser():
 
 
 _IMAGES_JS = """() => Array.from(document.images).map(i => ({
-    src: i.currentSrc || i.src, complete: i.complete, width: i.naturalWidth}))"""
+    src: i.currentSrc || i.src, complete: i.complete, width: i.naturalWidth,
+    shown: i.getBoundingClientRect().width, output: !!i.closest('.jupyter-wrapper')}))"""
+# A notebook figure is a PNG at ``tutorial.widgets.figure_png``'s dpi whose smallest text (legends,
+# bar labels) is SMALLEST_PT; shown scaled down to fit the column, that text must stay at least
+# MIN_TEXT_PX CSS pixels tall (8 px: below it digits like 3/8 and 1/7 blur together at 1x). At
+# 90 dpi, 7 pt is 8.75 px, so a figure may be shown at no less than 0.91 of its natural width:
+# a figure is drawn about as wide as the column (6.4 in = 576 px; the column is ~584 px at 1280).
+FIGURE_DPI = int(
+    re.search(r"def figure_png\(.*?dpi: int = (\d+)",
+              (ROOT / "notebooks/tutorial/widgets.py").read_text()).group(1)
+)  # fmt: skip
+SMALLEST_PT = 7
+MIN_TEXT_PX = 8.0
+MIN_FIGURE_SCALE = MIN_TEXT_PX / (SMALLEST_PT * FIGURE_DPI / 72)
+# Every code block (a Markdown ``pre > code``, a notebook cell or output ``pre``) wider than its box
+# must scroll (overflow-x auto/scroll, scrollbar not hidden), never be cut.
+_PRE_JS = """() => Array.from(document.querySelectorAll('.md-content pre, .md-content pre > code'))
+    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => {
+        const s = getComputedStyle(e); return {tag: e.tagName, x: s.overflowX,
+        bar: s.scrollbarWidth, w: e.scrollWidth, cw: e.clientWidth,
+        text: e.textContent.trim().slice(0, 60)}; })"""
 _MATH_JS = """() => Array.from(document.querySelectorAll('math')).map(m => {
     const r = m.getBoundingClientRect(); return {w: r.width, h: r.height,
     tex: m.getAttribute('alttext')}; })"""
@@ -348,6 +370,20 @@ def _check_page(context, url: str, shot: Path | None, settle: bool = False) -> l
         for img in page.evaluate(_IMAGES_JS):
             if not img["complete"] or img["width"] == 0:
                 problems.append(f"image did not load: {img['src']}")
+            elif img["output"] and img["shown"] < MIN_FIGURE_SCALE * img["width"]:
+                scale = img["shown"] / img["width"]
+                problems.append(
+                    f"figure shown at {img['shown']:.0f} of its {img['width']} px (x{scale:.2f} "
+                    f"< x{MIN_FIGURE_SCALE:.2f}): its {SMALLEST_PT} pt text is "
+                    f"{scale * SMALLEST_PT * FIGURE_DPI / 72:.1f} px, under {MIN_TEXT_PX:.0f} px: "
+                    f"{img['src'][:60]}"
+                )
+        for pre in page.evaluate(_PRE_JS):
+            if pre["x"] not in ("auto", "scroll") or pre["bar"] == "none":
+                problems.append(
+                    f"{pre['tag'].lower()} cut at {pre['cw']} of {pre['w']} px (overflow-x "
+                    f"{pre['x']}, scrollbar {pre['bar']}): {pre['text']!r}"
+                )
         for m in page.evaluate(_MATH_JS):
             if m["w"] <= 0 or m["h"] <= 0:
                 problems.append(f"formula not laid out: {m['tex']}")
