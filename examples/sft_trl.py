@@ -3,7 +3,7 @@
 On CPU with a tiny model built on the spot (``--model DIR`` for a local checkpoint)::
 
     torchrun --standalone --nproc-per-node 2 examples/sft_trl.py --sp 2
-    torchrun --standalone --nproc-per-node 4 examples/sft_trl.py --sp 2 --packing
+    torchrun --standalone --nproc-per-node 4 examples/sft_trl.py --sp 2 --packing --tiled-loss
 
 Chat data with the loss on assistant tokens only, or (``--packing``) packed text without
 padding (``padding_free``: documents kept apart by position ids restarting at 0).
@@ -20,6 +20,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sp", type=int, default=2, help="Ulysses degree (divides the rank count)")
     p.add_argument("--packing", action="store_true", help="packed text, padding_free")
+    p.add_argument("--tiled-loss", action="store_true", help="the loss without [B, s, V] logits")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--model", default=None, help="a local model directory (default: tiny)")
     p.add_argument("--out", default="runs/sft_trl")
@@ -43,7 +44,7 @@ def main() -> None:
         logging_steps=1, bf16=False, report_to=[], save_strategy="no",
         use_cpu=not torch.cuda.is_available(), **extra,
     )  # fmt: skip
-    trainer = with_ulysses(SFTTrainer, sp=a.sp)(  # Ulysses (was: SFTTrainer()
+    trainer = with_ulysses(SFTTrainer, sp=a.sp, tiled_loss=a.tiled_loss)(  # Ulysses
         model=model, args=args, train_dataset=data, processing_class=tokenizer
     )
     trainer.train()

@@ -69,7 +69,8 @@ def build(spec: dict) -> Any:
         learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, lr_scheduler_type="linear",
         weight_decay=0.1, seed=0, report_to=[], save_strategy=spec.get("save", "no"),
         save_steps=spec.get("save_steps", 2), use_cpu=True, disable_tqdm=True,
-        dataloader_drop_last=True, bf16=False, **spec.get("args", {}),
+        dataloader_drop_last=True, bf16=False, include_num_input_tokens_seen="non_padding",
+        **spec.get("args", {}),
     )  # fmt: skip
     collator = None
     if kind in ("trainer", "masked"):
@@ -128,7 +129,36 @@ def _history(trainer: Any) -> dict:
         "loss": [e["loss"] for e in h if "loss" in e],
         "grad_norm": [e["grad_norm"] for e in h if "grad_norm" in e],
         "lr": [e["learning_rate"] for e in h if "learning_rate" in e],
+        "tokens_seen": [e["num_input_tokens_seen"] for e in h if "loss" in e],
+        # TRL's SFT metrics (absent for transformers.Trainer)
+        **{k: [e[k] for e in h if "loss" in e and k in e] for k in TRL_METRICS},
     }
+
+
+TRL_METRICS = ("entropy", "mean_token_accuracy", "num_tokens")
+
+
+def _logit_rows(vocab: int, hidden: int):
+    """A dispatch mode recording the most rows of any ``[..., vocab]`` tensor an op makes (the
+    logits, their softmax and gradient): the tiled loss keeps it at its chunk. The output
+    weight's transpose and its gradient, ``[hidden, vocab]``, are not logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Rows(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if (
+                    isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == vocab
+                    and tuple(t.shape) != (hidden, vocab)
+                ):  # fmt: skip
+                    Rows.most = max(Rows.most, t.numel() // vocab)
+            return out
+
+    return Rows()
 
 
 def run(spec: dict) -> dict:
@@ -137,7 +167,14 @@ def run(spec: dict) -> dict:
     out: dict = {}
     if spec.get("eval_first"):
         out["eval"] = trainer.evaluate()
-    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    if spec.get("count_logit_rows"):
+        cfg = trainer.model.config
+        rows = _logit_rows(cfg.vocab_size, cfg.hidden_size)
+        with rows:
+            trainer.train(resume_from_checkpoint=spec.get("resume"))
+        out["logit_rows"] = rows.most
+    else:
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
     out.update(_history(trainer))
     if spec.get("eval"):
         out["eval_after"] = trainer.evaluate()

@@ -55,6 +55,24 @@ __all__ = [
 _HEAD_EXTRAS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier")
 
 
+def _plain_head(model: Any) -> nn.Linear:
+    """The output head, if the logits are exactly ``h @ lm_head.weight.T`` (what the tiled loss
+    computes); else a ``ValueError`` naming what it does more."""
+    cfg = model.config.get_text_config()
+    head = model.get_output_embeddings()
+    extras = [a for a in _HEAD_EXTRAS if getattr(cfg, a, None) not in (None, 1, 1.0)]
+    if type(head) is not nn.Linear:
+        extras.append(f"a {type(head).__name__}, not a plain Linear")
+    elif head.bias is not None:
+        extras.append("a bias")
+    if extras:
+        raise ValueError(
+            f"the tiled loss computes h @ lm_head.weight.T, but the output head of "
+            f"{type(model).__name__} does more ({', '.join(extras)}); train without the tiled loss"
+        )
+    return head
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM with the trainer's call; parameter names are transformers'.
 
@@ -82,15 +100,7 @@ class HFCausalLM(nn.Module):
             raise ValueError(f"{type(model).__name__} has parameters outside its submodules")
         self.loss_chunk_tokens = loss_chunk_tokens
         if loss_chunk_tokens is not None:
-            cfg = model.config.get_text_config()
-            head = model.get_output_embeddings()
-            extras = [a for a in _HEAD_EXTRAS if getattr(cfg, a, None) not in (None, 1, 1.0)]
-            if not isinstance(head, nn.Linear) or head.bias is not None or extras:
-                raise ValueError(
-                    f"the tiled loss computes h @ lm_head.weight.T, but the output head of "
-                    f"{type(model).__name__} does more ({extras or type(head).__name__}); "
-                    f"train without the tiled loss"
-                )
+            _plain_head(model)
 
     @property
     def config(self) -> Any:

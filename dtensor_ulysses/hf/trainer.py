@@ -26,11 +26,18 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   optimizer step (all micro-batches, all dp ranks; ``-100`` and assistant / completion masks
   respected), so the summed gradients are the single-process gradients and gradient
   accumulation needs no rescaling. The value handed back to the Trainer (logged, averaged over
-  ranks) is the all-reduced global one. A slice with no valid target contributes ``0``.
+  ranks) is the all-reduced global one. A slice with no valid target contributes ``0``. With
+  ``tiled_loss`` the output head returns that sum itself, computed in chunks of rows (the head
+  stays the model's ``Linear``, its class swapped for ``_LossHead``), so no ``[B, s, V]``
+  logits exist in training.
 * **Evaluation**: sharded at the training length (no fallback to one rank): the eval loss of a
   batch is its global token mean; with ``compute_metrics`` the logits are gathered over sp to
   the full sequence and ``labels`` are the collator's, so metrics see what they see on one
   process.
+* **Tokens seen** (``include_num_input_tokens_seen``): the stock count, which sums every rank's
+  rows, divided by sp, since the sp ranks of a group read the same rows; it equals the count of
+  a single-process run. TRL's ``entropy``, ``mean_token_accuracy`` (not with the tiled loss)
+  and ``num_tokens`` are those of the global batch.
 * **Files**: ``save_model`` / checkpoints write the files of a single-process run (full weights
   gathered one by one to rank 0, full optimizer state keyed by parameter name); resume reads
   them on every rank, each keeping its shard.
@@ -47,12 +54,12 @@ metrics gathered over dp.
 Every other piece of the Trainer's loop (schedules, logging, callbacks, checkpoint cadence,
 RNG files) is the stock one.
 
-Refused at construction, with the reason: models the engine cannot run exactly (sliding
-window, ...), trainers that build their inputs by generation (GRPO, RLOO, online DPO, ...) or
-whose loss is not the token cross entropy (DPO, KTO, reward, ...), DeepSpeed or accelerate's
-FSDP also enabled, a ``parallelism_config`` with ``cp_size``, ``sp_size`` or ``tp_size > 1``,
-a ``compute_loss_func``, label smoothing, optimizers passed in (built before sharding),
-iterable datasets, ``save_on_each_node``.
+Refused at construction, with the reason: models the engine cannot run exactly (sliding window,
+...), trainers that build their inputs by generation (GRPO, RLOO, online DPO, ...) or whose loss
+is not the token cross entropy (DPO, KTO, reward, ...), a Mixture-of-Experts router loss,
+DeepSpeed or accelerate's FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
+``sp_size`` or ``tp_size > 1``, a ``compute_loss_func``, label smoothing, optimizers passed in
+(built before sharding), iterable datasets, ``save_on_each_node``.
 """
 
 from __future__ import annotations
@@ -69,9 +76,11 @@ from torch.distributed.fsdp import FSDPModule
 from dtensor_ulysses.data import IGNORE_INDEX
 from dtensor_ulysses.hf import _trainer_accel, _trainer_state
 from dtensor_ulysses.hf.batch import shard_batch
+from dtensor_ulysses.hf.model import _plain_head
 from dtensor_ulysses.hf.routing import apply_ulysses, check_supported, decoder_layers
-from dtensor_ulysses.models import cross_entropy_sum
+from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.parallel import checkpoint_blocks, flatten_dp_sp, init_mesh, shard_blocks
+from dtensor_ulysses.plan import default_loss_chunk
 
 __all__ = ["UnsupportedTrainerError", "with_ulysses"]
 
@@ -80,6 +89,8 @@ OPTIONS = {
     "offload_activations": False,
     "offload_params": False,
     "head_chunks": 1,
+    "tiled_loss": False,
+    "loss_chunk_tokens": None,
     "attention_backend": "auto",
     "allow_uneven_heads": False,
     "mixed_precision": "auto",
@@ -107,7 +118,10 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
         sp: the Ulysses degree; the launch's world size ``P`` must be a multiple (``dp = P/sp``).
         **options: ``activation_checkpointing`` (also turned on by the arguments'
             ``gradient_checkpointing``), ``offload_activations``, ``offload_params``,
-            ``head_chunks``, ``attention_backend`` (``"auto"``, ``"flash_attn"``, ``"sdpa"``),
+            ``head_chunks``, ``tiled_loss`` (the loss from the final hidden states in chunks of
+            ``loss_chunk_tokens``, default ``min(2048, local tokens)``: no ``[B, s, V]``
+            logits; needs a plain output head), ``attention_backend`` (``"auto"``,
+            ``"flash_attn"``, ``"sdpa"``),
             ``allow_uneven_heads`` (q heads that sp does not divide), ``mixed_precision`` (an
             FSDP2 ``MixedPrecisionPolicy``, ``None``, or ``"auto"``: bf16 on CUDA).
 
@@ -128,6 +142,11 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"unknown with_ulysses options {unknown}; known: {sorted(OPTIONS)}")
+    chunk = options.get("loss_chunk_tokens")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"loss_chunk_tokens={chunk!r} is not a positive int; e.g. 2048")
+    if chunk is not None and not options.get("tiled_loss"):
+        raise ValueError(f"loss_chunk_tokens={chunk} needs tiled_loss=True")
     names = [c.__name__ for c in cls.__mro__]
     generation = [n for n in names if n in _GENERATION]
     if generation:
@@ -149,6 +168,8 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
 
 
 def _refuse_args(args: Any, sp: int) -> None:
+    from transformers import Trainer
+
     problems = []
     if getattr(args, "deepspeed", None):
         problems.append(
@@ -176,11 +197,38 @@ def _refuse_args(args: Any, sp: int) -> None:
     loss_type = getattr(args, "loss_type", None)
     if loss_type not in (None, "nll"):
         problems.append(f"loss_type={loss_type!r}: only 'nll' is made exact; set loss_type='nll'")
+    tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
+    if tokens_seen not in ("no", False, None) and not hasattr(Trainer, "_track_num_input_tokens"):
+        problems.append(
+            f"include_num_input_tokens_seen={tokens_seen!r}: this transformers version counts "
+            f"tokens where with_ulysses cannot undo the sp-fold count; set it to 'no'"
+        )
     if getattr(args, "save_on_each_node", False):
         problems.append("save_on_each_node=True: the full weights are gathered to rank 0 only")
     if problems:
         raise UnsupportedTrainerError(
             "with_ulysses cannot run this exactly: " + "; ".join(problems)
+        )
+
+
+def _refuse_aux_loss(model: Any, args: Any) -> None:
+    """Refuse a Mixture-of-Experts router loss, which the stock trainers add to the loss: the
+    model's own with ``output_router_logits`` (Trainer), TRL's rule with its SFTConfig's
+    ``router_aux_loss_coef`` (``None``: the model config's)."""
+    text = model.config.get_text_config()
+    if hasattr(args, "router_aux_loss_coef"):  # TRL's rule, as SFTTrainer.__init__ applies it
+        coef = args.router_aux_loss_coef
+        coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+        on = hasattr(text, "output_router_logits") and coef != 0
+        fix = "set router_aux_loss_coef=0.0 in the SFTConfig"
+    else:
+        coef = getattr(text, "router_aux_loss_coef", None)
+        on = bool(getattr(text, "output_router_logits", False))
+        fix = "set output_router_logits=False in the model config"
+    if on:
+        raise UnsupportedTrainerError(
+            f"{type(model).__name__} adds a router auxiliary loss (router_aux_loss_coef="
+            f"{coef}): with_ulysses computes the token cross entropy only; {fix}"
         )
 
 
@@ -216,6 +264,8 @@ class _UlyssesTrainer:
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module):
             check_supported(_trainer_state.base_model(model))
+            if self._du_options["tiled_loss"]:
+                _plain_head(_trainer_state.base_model(model))
         opts = kwargs.get("optimizers")
         if opts is not None and any(o is not None for o in opts):
             raise UnsupportedTrainerError(
@@ -233,7 +283,11 @@ class _UlyssesTrainer:
                     f"{key} is an IterableDataset: accelerate dispatches its batches over all "
                     f"ranks, not per dp group; pass a map-style dataset (datasets.Dataset)"
                 )
+        train_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if isinstance(model, nn.Module):
+            _refuse_aux_loss(_trainer_state.base_model(model), train_args)
         super().__init__(*args, **kwargs)
+        _refuse_aux_loss(_trainer_state.base_model(self.model), self.args)
         if self.args.gradient_checkpointing:  # ours, per decoder layer, inside FSDP2
             self._du_options = {**self._du_options, "activation_checkpointing": True}
             self.args.gradient_checkpointing = False
@@ -292,6 +346,8 @@ class _UlyssesTrainer:
             checkpoint_blocks(layers, offload=o["offload_activations"])
         elif o["offload_activations"]:
             raise ValueError("offload_activations needs activation_checkpointing=True")
+        if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
+            _plain_head(hf).__class__ = _LossHead
         shard_blocks(model, layers, self._du_mesh, mixed_precision=o["mixed_precision"],
                      offload_params=o["offload_params"])  # fmt: skip
         return model
@@ -303,6 +359,14 @@ class _UlyssesTrainer:
             if isinstance(module, FSDPModule):
                 module.reshard()
         return super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
+
+    def _track_num_input_tokens(self, inputs: dict) -> None:
+        # the stock count sums each rank's batch over the world, and the sp ranks of a group
+        # hold the same rows: the count it adds is exactly sp times the tokens seen
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)  # type: ignore[misc]
+        added = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + added // self._du_sp
 
     # ------------------------------------------------------------------------------------------
     # loss
@@ -319,7 +383,10 @@ class _UlyssesTrainer:
             dist.all_reduce(count, group=self._du_mesh["dp"].get_group())
         return batches, count[0]
 
-    def _du_forward(self, model: nn.Module, inputs: dict, num_items: Any):
+    def _du_forward(self, model: nn.Module, inputs: dict, num_items: Any, *, logits: bool):
+        """This rank's slice through the model: the loss (its value the global one, its gradient
+        this rank's part), the slice's logits (``None`` with the tiled loss unless ``logits``),
+        and the sharded batch."""
         extra = sorted(
             k for k, v in inputs.items()
             if k not in _READ | _DROPPED and isinstance(v, torch.Tensor)
@@ -337,25 +404,76 @@ class _UlyssesTrainer:
             dist.all_reduce(n, group=group)
             num_items = n[0]
         n_valid = max(int(num_items), 1)
-        out = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
-                    ulysses_layout=sb.layout, use_cache=False)  # fmt: skip
-        logits = out.logits
-        local = cross_entropy_sum(logits, sb.labels) / n_valid
+        head: Any = None
+        if self._du_options["tiled_loss"] and not logits:
+            head = _trainer_state.base_model(model).get_output_embeddings()  # type: ignore[operator]
+            head.labels = sb.labels
+            head.chunk_tokens = self._du_options["loss_chunk_tokens"] or default_loss_chunk(
+                sb.labels.numel()
+            )
+        try:
+            out = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
+                        ulysses_layout=sb.layout, use_cache=False)  # fmt: skip
+        finally:
+            if head is not None:
+                head.labels = None
+        if head is not None:
+            if out.logits.dim() != 0:
+                raise RuntimeError("the model changed its output head's result (the tiled loss)")
+            slice_logits, ce_sum = None, out.logits
+        else:
+            slice_logits = out.logits
+            ce_sum = cross_entropy_sum(slice_logits, sb.labels)
+        local = ce_sum / n_valid
         total = local.detach().clone()
         dist.all_reduce(total, group=group)
+        if hasattr(self, "_metrics"):  # TRL's SFT metrics
+            self._du_trl_metrics(inputs, sb.labels, slice_logits, group)
         # the value is the global loss (what the Trainer logs), the gradient this rank's part
-        return total + (local - local.detach()), logits, sb
+        return total + (local - local.detach()), slice_logits, sb
+
+    def _du_trl_metrics(self, inputs: dict, labels: torch.Tensor, logits: torch.Tensor | None,
+                        group: Any) -> None:  # fmt: skip
+        """What ``SFTTrainer.compute_loss`` logs, over the global batch: ``entropy`` and
+        ``mean_token_accuracy`` at the valid targets (summed over every slice of every row; not
+        with the tiled loss, which makes no logits), and ``num_tokens`` seen."""
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]  # type: ignore[attr-defined]
+        if logits is not None:
+            with torch.no_grad():
+                valid = labels != IGNORE_INDEX
+                logp = logits.detach().float().log_softmax(-1)
+                entropy = -(logp.exp() * logp).sum(-1)
+                top1 = logits.argmax(-1) == labels
+                sums = torch.stack([valid.sum(), entropy[valid].sum(), top1[valid].sum()])
+                sums = sums.to(torch.float64)
+                dist.all_reduce(sums, group=group)
+            n, ent, correct = sums.tolist()
+            metrics["entropy"].append(ent / n if n > 0 else 0.0)
+            metrics["mean_token_accuracy"].append(correct / n if n > 0 else 0.0)
+        if mode == "train":  # the rows' tokens, as TRL counts them; sp ranks share the rows
+            if "attention_mask" in inputs:
+                seen = int(inputs["attention_mask"].sum())
+            else:
+                seen = inputs["position_ids"].size(1)
+            count = torch.tensor([seen], dtype=torch.int64)
+            if self._du_mesh["dp"].size() > 1:
+                dist.all_reduce(count, group=self._du_mesh["dp"].get_group())
+            self._total_train_tokens += int(count[0]) // getattr(self, "_tp_size", 1)  # type: ignore[attr-defined]
+            metrics["num_tokens"] = [self._total_train_tokens]  # type: ignore[attr-defined]
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: Any = None):  # fmt: skip
-        loss, logits, _ = self._du_forward(model, inputs, num_items_in_batch)
+        loss, logits, _ = self._du_forward(model, inputs, num_items_in_batch,
+                                           logits=return_outputs)  # fmt: skip
         return (loss, {"loss": loss, "logits": logits}) if return_outputs else loss
 
     def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool,
                         ignore_keys: Any = None):  # fmt: skip
         inputs = self._prepare_inputs(inputs)  # type: ignore[attr-defined]
         with torch.no_grad():
-            loss, logits, sb = self._du_forward(model, inputs, None)
+            loss, logits, sb = self._du_forward(model, inputs, None,
+                                                logits=not prediction_loss_only)  # fmt: skip
         loss = loss.detach()
         if prediction_loss_only:
             return loss, None, None
@@ -400,6 +518,21 @@ class _UlyssesTrainer:
 
     def _load_best_model(self) -> None:
         _trainer_state.load_model_files(self.model, self.state.best_model_checkpoint)
+
+
+class _LossHead(nn.Linear):
+    """The model's output head (the same parameters, the same names) that, while ``labels`` is
+    set, returns the cross-entropy sum of its input in chunks of ``chunk_tokens`` rows
+    (:func:`~dtensor_ulysses.models.tiled_cross_entropy_sum`) instead of ``[B, s, V]`` logits.
+    It runs inside the model's own forward, so FSDP2's root unit has its weight gathered."""
+
+    labels: torch.Tensor | None = None
+    chunk_tokens: int = 0
+
+    def forward(self, h_BsD: torch.Tensor) -> torch.Tensor:
+        if self.labels is None:
+            return super().forward(h_BsD)
+        return tiled_cross_entropy_sum(h_BsD, self.weight, self.labels, self.chunk_tokens)
 
 
 def _gather_seq(local_BsV: torch.Tensor, layout: Any, mesh: Any) -> torch.Tensor:

@@ -5,8 +5,9 @@ Tiny local Llama / Qwen3 checkpoints and a BPE tokenizer trained on the spot (no
 The references run in this process with the stock classes and stock attention (sdpa); the
 Ulysses runs in spawned gloo worlds of 2 and 4 ranks (several runs per world). Global batch 4
 rows per step, fp32, 3 steps, compared at rtol 1e-4: logged losses, gradient norms, learning
-rates; also gradient accumulation, resume from the trainer's own checkpoint, ``save_model`` ->
-``from_pretrained`` logits, LoRA, sharded evaluation and metrics, a slice with no target,
+rates, and exactly the tokens seen (``include_num_input_tokens_seen``); also gradient
+accumulation, resume from the trainer's own checkpoint, ``save_model`` -> ``from_pretrained``
+logits, LoRA, sharded evaluation and metrics, a slice with no target,
 heads that sp does not divide, and the refusals.
 """
 
@@ -25,15 +26,19 @@ from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
 
 RTOL = 1e-4
-KEYS = ("loss", "grad_norm", "lr")
+KEYS = ("loss", "grad_norm", "lr", "tokens_seen")
 # what each kind trains: (model, data)
 MODELS = {"trainer": "llama", "sft_chat": "qwen3", "sft_packed": "llama", "masked": "llama"}
 
 
-def _close(got: dict, ref: dict, keys=KEYS) -> None:
-    for k in keys:
+def _close(got: dict, ref: dict, keys=KEYS, trl: tuple = T.TRL_METRICS) -> None:
+    """``keys``, and TRL's SFT metrics ``trl`` where the reference logs them."""
+    for k in keys + tuple(m for m in trl if ref.get(m)):
         assert len(got[k]) == len(ref[k]) == 3, (k, got[k], ref[k])
-        assert got[k] == pytest.approx(ref[k], rel=RTOL), (k, got[k], ref[k])
+        if k in ("tokens_seen", "num_tokens"):  # counts: exact (sp ranks share their rows)
+            assert got[k] == ref[k], (k, got[k], ref[k])
+        else:
+            assert got[k] == pytest.approx(ref[k], rel=RTOL), (k, got[k], ref[k])
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +64,7 @@ def _spec(assets, kind: str, name: str, **kw) -> dict:
 
 
 EVAL = dict(eval=8, metrics=True, eval_first=True)
+TILED = {"tiled_loss": True, "loss_chunk_tokens": 5}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +85,15 @@ def refs(assets):
 def world2(assets):
     r = assets["root"]
     specs = [
-        _spec(assets, "trainer", "t2", sp=2, save_to=str(r / "sp_saved"), **EVAL),
+        _spec(
+            assets,
+            "trainer",
+            "t2",
+            sp=2,
+            save_to=str(r / "sp_saved"),
+            count_logit_rows=True,
+            **EVAL,
+        ),  # fmt: skip
         _spec(assets, "sft_chat", "c2", sp=2),
         _spec(assets, "sft_packed", "p2", sp=2),
         _spec(assets, "trainer", "ga2", sp=2, batch=2, ga=2),
@@ -109,9 +123,12 @@ def world2(assets):
             args={"gradient_checkpointing": True},
             options={"head_chunks": 2},
         ),  # fmt: skip
+        _spec(assets, "trainer", "tl2", sp=2, options=TILED, count_logit_rows=True, **EVAL),
+        _spec(assets, "sft_packed", "tlp2", sp=2, options=TILED),
     ]
     names = ["trainer", "sft_chat", "sft_packed", "ga", "ckpt", "resume", "lora", "masked",
-             "uneven", "sp3", "lora_ckpt", "lora_resume", "checkpointing"]  # fmt: skip
+             "uneven", "sp3", "lora_ckpt", "lora_resume", "checkpointing", "tiled",
+             "tiled_packed"]  # fmt: skip
     return dict(zip(names, run_local_world(T.run_specs, 2, specs, timeout_s=400)[0]))
 
 
@@ -228,6 +245,22 @@ def test_slice_without_targets_is_finite(world2, refs):
 
 
 @pytest.mark.timeout(600)
+def test_tiled_loss_equals_one_process_without_full_logits(world2, refs):
+    """``tiled_loss=True, loss_chunk_tokens=5`` at sp=2, Trainer (with sharded eval and
+    metrics, which get full logits) and packed SFT: the one-process losses, grad norms, eval.
+    While training, no op makes more than 5 rows of ``[..., V]`` (logits, softmax, their
+    gradient); without the tiled loss the same run makes ``[B, s, V]`` (s: this rank's slice)."""
+    got, ref = world2["tiled"], refs["trainer"]
+    _close(got, ref)
+    _close(world2["tiled_packed"], refs["sft_packed"], trl=("num_tokens",))
+    for when in ("eval", "eval_after"):
+        for k in ("eval_loss", "eval_acc", "eval_n_labels"):
+            assert got[when][k] == pytest.approx(ref[when][k], rel=RTOL), (when, k)
+    assert got["logit_rows"] == TILED["loss_chunk_tokens"], got["logit_rows"]
+    assert world2["trainer"]["logit_rows"] >= 4 * 8, world2["trainer"]["logit_rows"]
+
+
+@pytest.mark.timeout(600)
 def test_heads_not_divisible_by_sp(world2, refs):
     """3 q heads, 1 kv head at sp=2 (allow_uneven_heads)."""
     _close(world2["uneven"], refs["uneven"])
@@ -319,6 +352,46 @@ def test_loss_and_optimizer_overrides_refused(assets, tmp_path):
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     with pytest.raises(UnsupportedTrainerError, match="optimizers="):
         cls(model=m, args=a, train_dataset=data, optimizers=(opt, None))
+
+
+def test_tiled_loss_needs_a_plain_head(assets, tmp_path):
+    """A head that does more than ``h @ W.T`` (here logit softcapping) is refused."""
+    import transformers as tf
+
+    from dtensor_ulysses.hf import with_ulysses
+
+    m, a, data = _stock(assets, tmp_path)
+    m.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"does more \(final_logit_softcapping\)"):
+        with_ulysses(tf.Trainer, sp=2, tiled_loss=True)(model=m, args=a, train_dataset=data)
+    with pytest.raises(ValueError, match="loss_chunk_tokens=64 needs tiled_loss=True"):
+        with_ulysses(tf.Trainer, sp=2, loss_chunk_tokens=64)
+    with pytest.raises(ValueError, match="loss_chunk_tokens=0 is not a positive int"):
+        with_ulysses(tf.Trainer, sp=2, tiled_loss=True, loss_chunk_tokens=0)
+
+
+def test_router_aux_loss_refused(assets, tmp_path):
+    """A Mixture-of-Experts model whose stock trainer adds the router loss: SFTTrainer by
+    default (the config's coefficient), Trainer with ``output_router_logits``."""
+    import transformers as tf
+    import trl
+
+    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+
+    small = {k: v for k, v in W.SMALL.items() if k != "intermediate_size"}
+    moe = tf.AutoModelForCausalLM.from_config(
+        tf.Qwen3MoeConfig(**small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    )
+    tok = tf.AutoTokenizer.from_pretrained(assets["tok"])
+    sft = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(UnsupportedTrainerError, match="router_aux_loss_coef=0.001"):
+        with_ulysses(trl.SFTTrainer, sp=2)(
+            model=moe, args=sft, train_dataset=T._data("sft_chat", tok), processing_class=tok
+        )
+    _, a, data = _stock(assets, tmp_path)
+    moe.config.output_router_logits = True
+    with pytest.raises(UnsupportedTrainerError, match="set output_router_logits=False"):
+        with_ulysses(tf.Trainer, sp=2)(model=moe, args=a, train_dataset=data)
 
 
 def test_needs_distributed_launch(assets, tmp_path):
