@@ -3,6 +3,7 @@ the small random-init transformers models they use (saved locally, no downloads)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -267,3 +268,45 @@ def hf_features(rank: int, world: int, dirs: dict, out_dir: str, tok_dir: str, d
 def run_jobs(rank: int, world: int, jobs: list):
     """Several workers of this module in one world (a world costs seconds to start)."""
     return [globals()[name](rank, world, *args) for name, args in jobs]
+
+
+def host_data_per_depth(rank: int, world: int, depths: list, backend: str = "sdpa") -> dict:
+    """Per model depth: tensors made from host data (``aten.lift_fresh``) and reads back to the
+    host (``aten._local_scalar_dense``) in one packed forward/backward of a transformers Llama
+    through ``apply_ulysses`` and ``shard_batch`` (after a warm-up step: per-plan caches)."""
+    from transformers import AutoModelForCausalLM
+
+    from dtensor_ulysses import hf
+    from dtensor_ulysses._torch_private import TorchDispatchMode
+
+    watched = {"lift_fresh": 0, "_local_scalar_dense": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in watched:
+                watched[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    mesh = init_mesh(1, world, device_type="cpu")
+    ids, labels, pos, _ = global_batch(packed=True)
+    out = {}
+    for depth in depths:
+        torch.manual_seed(0)
+        cfg = make_config("llama")
+        cfg.num_hidden_layers = depth
+        dtype = torch.bfloat16 if backend == "flash_attn" else torch.float32
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        hf.apply_ulysses(model, mesh, backend=backend)
+        for step in range(2):
+            watched.update(lift_fresh=0, _local_scalar_dense=0)
+            with Count() if step else contextlib.nullcontext():
+                sb = hf.shard_batch(
+                    {"input_ids": ids, "labels": labels, "position_ids": pos}, mesh,
+                    count_valid=False,
+                )  # fmt: skip
+                out_logits = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
+                                   ulysses_layout=sb.layout).logits  # fmt: skip
+                out_logits.float().square().mean().backward()
+        out[depth] = dict(watched)
+    return out

@@ -272,6 +272,10 @@ def local_attention(
     return _sdpa(q_BSNH, k_BSKH, v_BSKH, causal, softmax_scale)
 
 
+# the engine may hand over a layout's doc_tensors= (built once per step, not per layer)
+local_attention.takes_doc_tensors = True  # type: ignore[attr-defined]
+
+
 class LocalAttention(nn.Module):
     """The model's default ``inner_attention``: :func:`local_attention` on full-length tensors.
 

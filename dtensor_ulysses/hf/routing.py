@@ -11,8 +11,9 @@ A forward pre-hook on the base model (``model.model``) fixes the step's layout o
 from ``ulysses_layout=`` when the caller passes one (the trainer, :func:`~dtensor_ulysses.hf.
 shard_batch`), otherwise from the slices themselves (one all-gather of the slice lengths, one of
 the position ids when given; without position ids each rank's global positions are filled in).
-The layout then reaches every attention call as a keyword argument, so activation checkpointing
-replays exactly what the forward saw.
+The layout, with its documents' device tensors built there (varlen bounds, document ids: once
+per forward, not per layer), then reaches every attention call as a keyword argument, so
+activation checkpointing replays exactly what the forward saw.
 
 Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
 layers without attention (linear attention, Mamba / GatedDeltaNet mixers), sliding-window and
@@ -35,6 +36,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
+from dtensor_ulysses.attention.doc_tensors import with_doc_tensors
 from dtensor_ulysses.attention.local import BACKENDS, local_attention
 from dtensor_ulysses.attention.ulysses import (
     UlyssesAttention,
@@ -348,7 +350,8 @@ def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
         lo = layout.offset(me)
         pos = torch.arange(lo, lo + s, device=x.device).expand(B, s)
     kwargs["position_ids"] = pos
-    kwargs["ulysses_layout"] = layout
+    # the documents' device tensors (varlen bounds, ids) once per forward, not per layer
+    kwargs["ulysses_layout"] = with_doc_tensors(layout, x.device)
     if not state.checked:
         state.calls = {}
     return (), kwargs

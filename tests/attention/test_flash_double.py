@@ -286,6 +286,21 @@ def test_no_host_data_per_layer_in_a_packed_flash_step(flash_double, tmp_path):
             assert deep["counts"][op] == shallow["counts"][op], (rank, op, per_depth)
 
 
+@pytest.mark.timeout(120)
+def test_no_host_data_per_layer_in_a_packed_hf_step(flash_double):
+    """The same through a transformers Llama (``apply_ulysses``, ``shard_batch``, flash-attn
+    varlen) at 2 and 4 layers: the documents' device tensors are built once per forward by the
+    routing, not per attention layer (before: 9 more ``lift_fresh`` per layer)."""
+    pytest.importorskip("transformers")
+    from tests import hf_workers
+
+    out = run_local_world(hf_workers.host_data_per_depth, 2, [2, 4], "flash_attn", timeout_s=100)
+    for rank, per_depth in enumerate(out):
+        assert per_depth[2]["lift_fresh"] > 0, "the packed batch must build its doc tensors"
+        for op in ("lift_fresh", "_local_scalar_dense"):
+            assert per_depth[4][op] == per_depth[2][op], (rank, op, per_depth)
+
+
 def test_explicit_rules_kept_ring_flash_docs_cc_check_and_doc_starts(flash_double, monkeypatch):
     """The ring refuses an explicit flash_attn with documents (never a silent torch kernel), the
     trainer says so up front; auto does not pick flash-attn below sm80; bad doc_starts raise."""
