@@ -235,7 +235,7 @@ def _estimate_rank(w: Workload, g: RankGeometry) -> MemoryBreakdown:
     if not prof.cast_block_inputs:  # the float32 RoPE tables, alive through the step
         inputs += 2 * FP32 * m.head_dim * tokens
     if w.pack_docs:
-        inputs += g.att_tokens * 8  # the position ids all-gathered for document masking
+        inputs += g.att_tokens * 4  # the step's int32 document ids over the full sequence
     fixed = prof.fixed_bytes
 
     # Gradients exist only from backward to the optimizer step (zero_grad(set_to_none=True));
