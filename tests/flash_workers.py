@@ -13,7 +13,7 @@ from tests import flash_double
 from tests.ring_workers import get_mesh as ring_mesh
 from tests.ring_workers import reference as doc_reference
 from tests.ring_workers import ring_worker
-from tests.workers import get_mesh
+from tests.workers import OpCounts, get_mesh
 
 __all__ = ["engine_worker", "ring_flash_worker", "train_bf16"]
 
@@ -128,7 +128,6 @@ def host_data_ops_per_step(rank: int, world_size: int, cfg_kw: dict, depths: lis
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dtensor_ulysses import train as du_train
-    from dtensor_ulysses._torch_private import TorchDispatchMode
     from dtensor_ulysses.data import PackedCorpus, get_batch
     from dtensor_ulysses.parallel import compose as parallel
     from dtensor_ulysses.parallel.mesh import flatten_dp_sp, init_mesh
@@ -137,15 +136,7 @@ def host_data_ops_per_step(rank: int, world_size: int, cfg_kw: dict, depths: lis
     _installed()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     parallel.default_mixed_precision = lambda device_type: bf16  # type: ignore[assignment]
-    watched = {"lift_fresh": 0, "_local_scalar_dense": 0, "_to_copy": 0}
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name in watched:
-                watched[name] += 1
-            return func(*args, **(kwargs or {}))
-
+    count = OpCounts("lift_fresh", "_local_scalar_dense", "_to_copy")
     mesh = init_mesh(1, world_size, device_type="cpu")
     group = flatten_dp_sp(mesh).get_group()
     out = {}
@@ -162,10 +153,8 @@ def host_data_ops_per_step(rank: int, world_size: int, cfg_kw: dict, depths: lis
                 corpus, step, global_batch_size=cfg.batch_size, dp_rank=0, dp=1, sp_rank=rank,
                 sp=world_size, seed=cfg.seed, pack_docs=True,
             )  # fmt: skip
-            for k in watched:
-                watched[k] = 0
-            with Count():
+            with count:
                 du_train.forward_backward(model, batch, group)
-            counts.append(dict(watched))
+            counts.append(dict(count.counts))
         out[depth] = {"counts": counts[1], "docs": max(len(r) for r in batch.layout.doc_starts)}
     return out

@@ -277,17 +277,9 @@ def host_data_per_depth(rank: int, world: int, depths: list, backend: str = "sdp
     from transformers import AutoModelForCausalLM
 
     from dtensor_ulysses import hf
-    from dtensor_ulysses._torch_private import TorchDispatchMode
+    from tests.workers import OpCounts
 
-    watched = {"lift_fresh": 0, "_local_scalar_dense": 0}
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name in watched:
-                watched[name] += 1
-            return func(*args, **(kwargs or {}))
-
+    count = OpCounts("lift_fresh", "_local_scalar_dense")
     mesh = init_mesh(1, world, device_type="cpu")
     ids, labels, pos, _ = global_batch(packed=True)
     out = {}
@@ -299,8 +291,7 @@ def host_data_per_depth(rank: int, world: int, depths: list, backend: str = "sdp
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         hf.apply_ulysses(model, mesh, backend=backend)
         for step in range(2):
-            watched.update(lift_fresh=0, _local_scalar_dense=0)
-            with Count() if step else contextlib.nullcontext():
+            with count if step else contextlib.nullcontext():
                 sb = hf.shard_batch(
                     {"input_ids": ids, "labels": labels, "position_ids": pos}, mesh,
                     count_valid=False,
@@ -308,5 +299,5 @@ def host_data_per_depth(rank: int, world: int, depths: list, backend: str = "sdp
                 out_logits = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
                                    ulysses_layout=sb.layout).logits  # fmt: skip
                 out_logits.float().square().mean().backward()
-        out[depth] = dict(watched)
+        out[depth] = dict(count.counts)
     return out

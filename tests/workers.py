@@ -13,9 +13,30 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ulysses as du
+from dtensor_ulysses._torch_private import TorchDispatchMode
 from tests.reference import reference_attention
 
 _MESHES: dict[tuple, DeviceMesh] = {}
+
+
+class OpCounts(TorchDispatchMode):
+    """Counts the calls of the named aten ops (by overload packet, e.g. ``"lift_fresh"``: a
+    tensor made from host data; ``"_local_scalar_dense"``: a read back to the host) while
+    active; ``counts`` holds them, zeroed on each entry."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        self.counts = dict.fromkeys(names, 0)
+
+    def __enter__(self):
+        self.counts = dict.fromkeys(self.counts, 0)
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.counts:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def get_mesh(dp: int, sp: int, one_d: bool = False) -> DeviceMesh:
