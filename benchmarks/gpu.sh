@@ -18,6 +18,9 @@
 #                                                                  -> OUT_DIR/bench_long_context_8b_gpu.json
 #   a2a    with 2+ GPUs: the Ulysses exchange against NCCL's own all-to-all at equal bytes
 #          (issue #14: within 10%)                                 -> OUT_DIR/bench_a2a_gpu.json
+#   hf     with 2+ GPUs and trl installed: with_ulysses in TRL's SFTTrainer (packed, tiled loss,
+#          sp = the GPUs) and in transformers' Trainer (sp 2, evaluation), the examples/ scripts
+#                                                                  -> OUT_DIR/gpu_hf.txt
 # Each step prints as it goes; a failing step (any command of it, also inside a pipe) is reported
 # and the next one still runs; the exit status is 1 if any step failed.
 # Environment: PYTHON (default python3); DRY_RUN=1 runs every step on the CPU with the tiny model
@@ -26,7 +29,7 @@ set -uo pipefail
 out=${1:-benchmarks/results}
 shift || true
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env tests mfu long long8b a2a)
+[ ${#steps[@]} -eq 0 ] && steps=(env tests mfu long long8b a2a hf)
 py=${PYTHON:-python3}
 dry=${DRY_RUN:-0}
 mkdir -p "$out"
@@ -76,7 +79,19 @@ for s in "${steps[@]}"; do
                 echo "== a2a: skipped ($gpus GPU; it needs 2 or more)"
             fi
         fi ;;
-    *) echo "unknown step '$s' (use: env tests mfu long long8b a2a)"; exit 2 ;;
+    hf)
+        if [ "$dry" = 1 ]; then n=2; else n=$(nvidia-smi -L 2>/dev/null | wc -l); fi
+        if [ "$n" -lt 2 ]; then
+            echo "== hf: skipped ($n GPU; with_ulysses needs 2 or more processes)"
+        elif ! "$py" -c 'import trl' 2>/dev/null; then
+            echo "== hf: skipped (no trl: pip install -e \".[hf]\")"
+        else
+            launch=("$py" -m torch.distributed.run --standalone --nproc-per-node "$n")
+            run hf eval '{ "${launch[@]}" examples/sft_trl.py --sp "$n" --packing --tiled-loss \
+                --out "$out/hf_sft" && "${launch[@]}" examples/trainer_hf.py --sp 2 --eval \
+                --out "$out/hf_trainer"; } 2>&1 | tee "$out/gpu_hf.txt"'
+        fi ;;
+    *) echo "unknown step '$s' (use: env tests mfu long long8b a2a hf)"; exit 2 ;;
     esac
 done
 [ "$status" = 0 ] && echo "== all steps passed" || echo "!! some step failed (see above)"

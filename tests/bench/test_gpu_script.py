@@ -26,7 +26,7 @@ def test_dry_run_executes_every_step_on_cpu(tmp_path):
     res = _run(tmp_path)
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
-    for step in ("env", "tests", "mfu", "long", "long8b", "a2a"):
+    for step in ("env", "tests", "mfu", "long", "long8b", "a2a", "hf"):
         assert f"== {step}\n" in res.stdout, log[-4000:]
     assert "!! failed" not in res.stdout
     for name, n_rows in (("bench_mfu_gpu.json", 2), ("bench_long_context_gpu.json", 1),
@@ -34,6 +34,8 @@ def test_dry_run_executes_every_step_on_cpu(tmp_path):
         rows = json.loads((tmp_path / name).read_text())["rows"]
         assert len(rows) == n_rows and all("error" not in r["measured"] for r in rows), name
     assert "flash_attn" in (tmp_path / "gpu_environment.txt").read_text()
+    # the examples/ scripts: with_ulysses in SFTTrainer and in Trainer, each trained to the end
+    assert (tmp_path / "gpu_hf.txt").read_text().count("'train_loss'") == 2, log[-4000:]
 
 
 @pytest.mark.timeout(120)
