@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ulysses import train as du_train
 from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
+from tests.reference import reference_adamw
 
 SMALL = dict(
     vocab_size=96,
@@ -138,12 +139,7 @@ def reference_three_steps(model_dir: str, packed: bool, attn: str = "sdpa"):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation=attn)  # fmt: skip
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=(0.9, 0.95), eps=1e-8,
-    )  # fmt: skip
+    opt = reference_adamw(model, LR)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_lambda(SimpleNamespace(warmup_steps=0, decay_steps=10, min_lr_ratio=0.1))
     )

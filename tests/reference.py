@@ -33,3 +33,14 @@ def reference_attention(
         weights_BSS = torch.softmax(scores_BSS, dim=-1)
         heads.append(torch.einsum("bij,bjh->bih", weights_BSS, v_BSH))
     return torch.stack(heads, dim=2)
+
+
+def reference_adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
+    """Plain AdamW with the trainer's settings: weight decay 0.1 on matrices, none on vectors,
+    betas (0.9, 0.95), eps 1e-8."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), eps=1e-8,
+    )  # fmt: skip

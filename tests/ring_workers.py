@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dtensor_ulysses.attention import RingAttention, UlyssesAttention, ring_attention
 from dtensor_ulysses.debug import CommCounter
 from dtensor_ulysses.plan import zigzag_positions
-from tests.reference import reference_attention
+from tests.reference import reference_adamw, reference_attention
 
 _MESHES: dict[tuple, DeviceMesh] = {}
 
@@ -173,12 +173,7 @@ def ring_training(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
         )  # fmt: skip
         model.to_empty(device="cpu")
         init_weights(model, seed=run["seed"])
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=run["lr"], betas=(0.9, 0.95), eps=1e-8,
-        )  # fmt: skip
+        opt = reference_adamw(model, run["lr"])
         dp_rank, sp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
         ring_rank = mesh.get_local_rank("ring") if R > 1 else 0
         group = flatten_dp_sp(mesh).get_group()

@@ -26,6 +26,7 @@ from dtensor_ulysses.data import PackedCorpus, get_batch
 from dtensor_ulysses.launch import run_local_world
 from dtensor_ulysses.models import build_model, init_weights
 from tests import train_workers
+from tests.reference import reference_adamw
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = dict(model="tiny", seq_len=64, batch_size=4, seed=0, lr=3e-3, warmup_steps=2, decay_steps=8)
@@ -36,12 +37,7 @@ def _plain_model_and_optimizer():
     """The tiny model on CPU with the trainer's weights, and plain AdamW with its settings."""
     model = build_model(CFG["model"], device="cpu")
     init_weights(model, seed=CFG["seed"])
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=CFG["lr"], betas=(0.9, 0.95), eps=1e-8,
-    )  # fmt: skip
+    opt = reference_adamw(model, CFG["lr"])
     return model, opt
 
 

@@ -19,6 +19,7 @@ from dtensor_ulysses.launch import run_local_world
 from dtensor_ulysses.models import build_model, init_weights
 from dtensor_ulysses.plan import SeqLayout, zigzag_permutation
 from tests import ring_workers
+from tests.reference import reference_adamw
 
 # tiny: 8 q heads, 2 kv heads; seq_len a multiple of 2 * ring * sp
 CFG = dict(model="tiny", seq_len=64, batch_size=4, seed=0, lr=3e-3, steps=3)
@@ -41,12 +42,7 @@ def _reference(cfg: dict) -> dict:
     """Plain single-device training: the first step's loss and grads, and every step's loss."""
     model = build_model(cfg["model"], device="cpu")
     init_weights(model, seed=cfg["seed"])
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8,
-    )  # fmt: skip
+    opt = reference_adamw(model, cfg["lr"])
     corpus = PackedCorpus.from_paths(cfg.get("data"), seq_len=cfg["seq_len"])
     losses, grads = [], None
     for step in range(cfg["steps"]):
