@@ -39,7 +39,10 @@ listed in a fixed order. Reading and packing it takes well under a second and is
 (:meth:`PackedCorpus.from_paths`).
 
 **Where the code lives.** This module holds the sampling and the batches (:func:`sample_index`,
-:class:`Batch`, :func:`get_batch`, the document positions); the tokenizer, packing and
+:class:`Batch`, :func:`get_batch`, :func:`eval_batches`, the document positions) and the one
+slicer every batch goes through, :func:`slice_batch` (dp rows, sp slices, ring x sp zigzag,
+uneven lengths, packed documents; the built-in model's and ``--hf-model`` batches, evaluation,
+and :func:`dtensor_ulysses.hf.shard_batch`); the tokenizer, packing and
 :class:`PackedCorpus` are in ``corpus.py``, reading data files and the built-in corpus in
 ``read.py``; import every public name from :mod:`dtensor_ulysses.data`.
 """
@@ -47,7 +50,9 @@ listed in a fixed order. Reading and packing it takes well under a second and is
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,6 +66,11 @@ from dtensor_ulysses.plan.splits import (
 
 __all__ = [
     "Batch",
+    "dp_rows",
+    "eval_batches",
+    "full_batch",
+    "slice_batch",
+    "window_rows",
     "document_positions",
     "starts_from_separators",
     "get_batch",
@@ -177,8 +187,134 @@ def starts_from_separators(ids_bS: torch.Tensor) -> tuple[tuple[int, ...], ...]:
     return tuple(rows)
 
 
+def dp_rows(global_batch_size: int, dp: int, dp_rank: int) -> range:
+    """The samples ``[r*b, (r+1)*b)`` of the global batch that dp rank ``r`` reads (``b = G/dp``).
+
+    Raises:
+        ValueError: ``G`` not divisible by ``dp``; a rank out of range.
+    """
+    _check_int("global_batch_size", global_batch_size, 1)
+    _check_int("dp", dp, 1)
+    _check_rank("dp_rank", dp_rank, dp)
+    if global_batch_size % dp:
+        raise ValueError(
+            f"global batch {global_batch_size} is not divisible by dp={dp}; use a multiple of "
+            f"{dp}, e.g. {-(-global_batch_size // dp) * dp}"
+        )
+    b = global_batch_size // dp
+    return range(dp_rank * b, (dp_rank + 1) * b)
+
+
+def _check_rank(name: str, rank: object, size: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+        axis = name.removesuffix("_rank")
+        raise ValueError(f"{name}={rank!r} is out of range for {axis}={size}; use 0..{size - 1}")
+
+
+def full_batch(
+    input_ids_BS: torch.Tensor,
+    labels_BS: torch.Tensor,
+    position_ids_BS: torch.Tensor | None = None,
+    doc_starts: tuple[tuple[int, ...], ...] | None = None,
+) -> Batch:
+    """Whole rows as one :class:`Batch` for :func:`slice_batch`: labels already shifted (the
+    target of each input), positions global (``0..S-1`` when ``None``), ``doc_starts`` the
+    packed documents' starts per row (``None``: one sequence)."""
+    B, S = input_ids_BS.shape
+    if position_ids_BS is None:
+        position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
+    return Batch(input_ids_BS, labels_BS, position_ids_BS, SeqLayout.split(S, 1, doc_starts))
+
+
+def slice_batch(
+    full: Batch,
+    *,
+    sp: int = 1,
+    sp_rank: int = 0,
+    ring: int = 1,
+    ring_rank: int = 0,
+    dp: int = 1,
+    dp_rank: int = 0,
+    uneven: bool = True,
+) -> Batch:
+    """The one slicer: this rank's piece of whole rows (:func:`full_batch`), for every layout.
+
+    * ``dp``: rows ``[r*b, (r+1)*b)`` of ``full`` (:func:`dp_rows`; ``dp=1`` when ``full`` holds
+      this dp rank's rows already).
+    * ``sp`` (``ring = 1``): tokens ``[q*s, (q+1)*s)``, DTensor's ``Shard(1)`` piece (uneven
+      ``S``: chunks of ``ceil(S / sp)``, the last ones shorter or empty).
+    * ``ring x sp``: the zigzag tokens :func:`~dtensor_ulysses.plan.zigzag_positions`
+      ``(S, ring, sp, ring_rank, sp_rank)``, in local order.
+
+    Ids, labels (shifted over the whole row before slicing, so a slice's last token keeps its
+    target) and positions (global, so RoPE is right) are cut alike; the returned layout is the
+    step's :class:`~dtensor_ulysses.plan.SeqLayout` over ``sp`` (and ``ring``), with the full
+    rows' document starts.
+
+    Raises:
+        ValueError: a rank out of range; ``S`` not divisible by ``sp`` (``uneven=False``); with a
+            ring, ``S`` not a multiple of ``2 * ring`` or ``S / ring`` not divisible by ``sp``
+            (``uneven=False``); rows not divisible by ``dp``.
+    """
+    _check_int("sp", sp, 1)
+    _check_int("ring", ring, 1)
+    _check_rank("sp_rank", sp_rank, sp)
+    _check_rank("ring_rank", ring_rank, ring)
+    ids_BS, labels_BS, pos_BS = full.input_ids, full.labels, full.position_ids
+    if dp > 1 or dp_rank:
+        rows = dp_rows(ids_BS.shape[0], dp, dp_rank)
+        ids_BS, labels_BS, pos_BS = (t[rows.start : rows.stop] for t in (ids_BS, labels_BS, pos_BS))
+    S = ids_BS.shape[1]
+    docs = full.layout.doc_starts
+    if docs is not None and (dp > 1 or dp_rank):
+        docs = docs[rows.start : rows.stop]
+    if ring > 1:
+        check_ring_seq(S, ring)  # S / (2 * ring) zigzag chunks
+        if (S // ring) % sp and not uneven:
+            raise ValueError(
+                f"seq_len {S} gives each of the ring={ring} ranks {S // ring} tokens, not "
+                f"divisible by sp={sp}; use a multiple of {2 * ring * sp}, e.g. "
+                f"{nearby_multiples(S, 2 * ring * sp)}"
+            )
+        layout = SeqLayout.split(S, sp, docs, ring=ring)
+        mine = torch.tensor(zigzag_positions(S, ring, sp, ring_rank, sp_rank), dtype=torch.int64)
+        mine = mine.to(ids_BS.device)
+        cut = [t[:, mine].contiguous() for t in (ids_BS, labels_BS, pos_BS)]
+        return Batch(cut[0], cut[1], cut[2], layout)
+    if S % sp and not uneven:
+        raise ValueError(
+            f"seq_len {S} is not divisible by sp={sp}; use a multiple of {sp}, "
+            f"e.g. {nearby_multiples(S, sp)}"
+        )
+    layout = SeqLayout.split(S, sp, docs)
+    lo = layout.offset(sp_rank)
+    hi = lo + layout.seq_sizes[sp_rank]
+    cut = [t[:, lo:hi].contiguous() for t in (ids_BS, labels_BS, pos_BS)]
+    return Batch(cut[0], cut[1], cut[2], layout)
+
+
+def window_rows(corpus: Any, index: Sequence[int], pack_docs: bool) -> Batch:
+    """Windows ``index`` of a corpus as whole rows (:func:`full_batch`), labels shifted.
+
+    A corpus with a ``rows(index, pack_docs)`` method (the tokenized corpus of
+    :mod:`dtensor_ulysses.hf`) gives them itself; a :class:`PackedCorpus` reads its windows:
+    inputs ``window[:-1]``, labels ``window[1:]``, with ``pack_docs`` positions restarting at
+    each ``SEP`` and the documents' starts.
+    """
+    rows = getattr(corpus, "rows", None)
+    if rows is not None:
+        return rows(index, pack_docs)
+    win_bL = corpus.windows(list(index))
+    ids_bS, labels_bS = win_bL[:, :-1], win_bL[:, 1:]  # shift first, then slice
+    if pack_docs:  # document starts may lie on an earlier slice: positions over all of S
+        return full_batch(
+            ids_bS, labels_bS, document_positions(ids_bS), starts_from_separators(ids_bS)
+        )
+    return full_batch(ids_bS, labels_bS)
+
+
 def get_batch(
-    corpus: PackedCorpus,
+    corpus: Any,
     step: int,
     *,
     global_batch_size: int,
@@ -195,11 +331,13 @@ def get_batch(
     """This rank's slice ``[b, S_sp]`` of the global batch ``[G, S]`` at ``step``.
 
     dp rank ``r`` reads samples ``[r*b, (r+1)*b)`` (``b = G / dp``) of the global batch, whose
-    windows are given by :func:`sample_index`; sp rank ``q`` keeps tokens ``[q*s, (q+1)*s)``
-    (``s = S / sp``) of each. Labels are shifted before slicing.
+    windows are given by :func:`sample_index`; :func:`slice_batch` cuts them for the rank
+    (labels shifted before slicing). One function for both model families: ``corpus`` is a
+    :class:`PackedCorpus` or any corpus with ``rows(index, pack_docs)``, ``len()`` and
+    ``seq_len`` (:class:`dtensor_ulysses.hf.TokenCorpus`).
 
     Args:
-        corpus: the packed corpus; ``S = corpus.seq_len``.
+        corpus: the corpus; ``S = corpus.seq_len``.
         step: training step (0-based); the batch is a pure function of ``(step, seed)``.
         global_batch_size: samples per step over all dp ranks, ``G``.
         dp_rank: this rank's coordinate on the ``dp`` mesh axis.
@@ -229,64 +367,49 @@ def get_batch(
             ``S`` not a multiple of ``2 * ring``, or ``S / ring`` not divisible by ``sp``); a
             rank out of range; a negative step.
     """
-    if not isinstance(corpus, PackedCorpus):
+    if not (hasattr(corpus, "rows") or isinstance(corpus, PackedCorpus)):
         raise TypeError(f"corpus must be a PackedCorpus, got {type(corpus).__name__}")
     _check_int("step", step, 0)
-    _check_int("global_batch_size", global_batch_size, 1)
-    _check_int("dp", dp, 1)
     _check_int("sp", sp, 1)
     _check_int("ring", ring, 1)
-    ranks = (("dp_rank", dp_rank, dp), ("sp_rank", sp_rank, sp), ("ring_rank", ring_rank, ring))
-    for name, rank, size in ranks:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-            axis = name.removesuffix("_rank")
-            raise ValueError(
-                f"{name}={rank!r} is out of range for {axis}={size}; use 0..{size - 1}"
-            )
-    if global_batch_size % dp:
-        raise ValueError(
-            f"global batch {global_batch_size} is not divisible by dp={dp}; use a multiple of "
-            f"{dp}, e.g. {-(-global_batch_size // dp) * dp}"
-        )
-    S = corpus.seq_len
-    if ring > 1:
-        check_ring_seq(S, ring)  # S / (2 * ring) zigzag chunks
-        if (S // ring) % sp and not uneven:
-            raise ValueError(
-                f"seq_len {S} gives each of the ring={ring} ranks {S // ring} tokens, not "
-                f"divisible by sp={sp}; use a multiple of {2 * ring * sp}, e.g. "
-                f"{nearby_multiples(S, 2 * ring * sp)}"
-            )
-    elif S % sp and not uneven:
-        raise ValueError(
-            f"seq_len {S} is not divisible by sp={sp}; use a multiple of {sp}, "
-            f"e.g. {nearby_multiples(S, sp)}"
-        )
-    b = global_batch_size // dp
-    samples = range(dp_rank * b, (dp_rank + 1) * b)
+    _check_rank("sp_rank", sp_rank, sp)
+    _check_rank("ring_rank", ring_rank, ring)
+    samples = dp_rows(global_batch_size, dp, dp_rank)
     index = [sample_index(step, i, global_batch_size, len(corpus), seed) for i in samples]
-    win_bL = corpus.windows(index)
-    ids_bS, labels_bS = win_bL[:, :-1], win_bL[:, 1:]  # shift first, then slice
-    if pack_docs:  # document starts may lie on an earlier slice: positions over all of S
-        pos_bS = document_positions(ids_bS)
-        layout = SeqLayout.split(S, sp, starts_from_separators(ids_bS), ring=ring)
-    else:
-        pos_bS = torch.arange(S, dtype=torch.int64).expand(b, S)
-        layout = SeqLayout.split(S, sp, ring=ring)
-    if ring > 1:  # this rank's zigzag tokens, in local order (global positions, for RoPE)
-        mine = torch.tensor(zigzag_positions(S, ring, sp, ring_rank, sp_rank), dtype=torch.int64)
-        return Batch(
-            input_ids=ids_bS[:, mine].contiguous(),
-            labels=labels_bS[:, mine].contiguous(),
-            position_ids=pos_bS[:, mine].contiguous(),
-            layout=layout,
+    full = window_rows(corpus, index, pack_docs)
+    return slice_batch(full, sp=sp, sp_rank=sp_rank, ring=ring, ring_rank=ring_rank, uneven=uneven)
+
+
+def eval_batches(
+    corpus: Any,
+    *,
+    global_batch_size: int,
+    dp_rank: int,
+    dp: int,
+    sp_rank: int,
+    sp: int,
+    pack_docs: bool = False,
+    max_batches: int | None = None,
+    ring: int = 1,
+    ring_rank: int = 0,
+) -> Iterator[Batch]:
+    """Held-out batches: the windows in order, ``global_batch_size`` per batch (a last partial
+    batch is dropped, so every rank runs the same number), this rank's slice of each (any
+    layout :func:`slice_batch` cuts, uneven lengths accepted).
+
+    Raises:
+        ValueError: fewer windows than one global batch.
+    """
+    n = len(corpus) // global_batch_size
+    if n == 0:
+        raise ValueError(
+            f"the evaluation data has {len(corpus)} windows of {corpus.seq_len} tokens, fewer "
+            f"than one global batch of {global_batch_size}; add data or shorten --seq-len"
         )
-    sizes = layout.seq_sizes
-    lo = layout.offset(sp_rank)
-    hi = lo + sizes[sp_rank]
-    return Batch(
-        input_ids=ids_bS[:, lo:hi].contiguous(),
-        labels=labels_bS[:, lo:hi].contiguous(),
-        position_ids=pos_bS[:, lo:hi].contiguous(),
-        layout=layout,
-    )
+    if max_batches is not None:
+        n = min(n, max_batches)
+    rows = dp_rows(global_batch_size, dp, dp_rank)
+    for k in range(n):
+        first = k * global_batch_size
+        full = window_rows(corpus, range(first + rows.start, first + rows.stop), pack_docs)
+        yield slice_batch(full, sp=sp, sp_rank=sp_rank, ring=ring, ring_rank=ring_rank)

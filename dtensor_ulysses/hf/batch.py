@@ -10,7 +10,9 @@ shifted over the *full* sequence first (``labels[:, t] <- labels[:, t + 1]``, th
 run of real tokens becomes a document of the layout, and positions whose input or target is
 padding get label ``-100``. Position ids stay global (given, or ``0..S-1``); packed documents
 (position ids restarting at 0) become the layout's document starts. The valid-token count is
-summed over the ``dp x sp`` ranks, for the loss ``sum / n_valid``.
+summed over the ``dp x sp`` ranks, for the loss ``sum / n_valid``. The cut itself is the one slicer
+(:func:`dtensor_ulysses.data.slice_batch`), so a ``("dp", "ring", "sp")`` mesh gets its zigzag
+tokens.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses.attention.local import starts_from_positions
-from dtensor_ulysses.data.batch import IGNORE_INDEX
-from dtensor_ulysses.parallel.mesh import flatten_dp_sp
+from dtensor_ulysses.data.batch import IGNORE_INDEX, full_batch, slice_batch
+from dtensor_ulysses.parallel.mesh import ParallelDims, flatten_dp_sp
 from dtensor_ulysses.parallel.tokens import global_valid_tokens
 from dtensor_ulysses.plan.splits import SeqLayout
 
@@ -96,7 +98,7 @@ def shard_batch(batch: Any, mesh: DeviceMesh, *, count_valid: bool = True) -> Sh
             ``attention_mask`` (1 real, 0 padding; left or right padding) and ``position_ids``
             (global; restarting at 0 per packed document). Every sp rank of a dp group passes
             the same batch.
-        mesh: the ``("dp", "sp")`` mesh.
+        mesh: the ``("dp", "sp")`` mesh (or ``("dp", "ring", "sp")``).
         count_valid: count the batch's valid labels over ``dp x sp`` (the all-reduce; raises
             when there are none); ``False``: no collective, ``n_valid`` is 0 (the caller
             counts, e.g. over a gradient-accumulation window).
@@ -130,13 +132,7 @@ def shard_batch(batch: Any, mesh: DeviceMesh, *, count_valid: bool = True) -> Sh
     shifted[:, :-1] = labels[:, 1:]
     if mask is not None:
         shifted[~mask] = IGNORE_INDEX  # no loss where the input is padding
-    sp, me = mesh["sp"].size(), mesh.get_local_rank("sp")
     docs = None if all(len(r) == 1 for r in starts) else tuple(tuple(r) for r in starts)
-    layout = SeqLayout.split(S, sp, docs)
-    lo = layout.offset(me)
-    hi = lo + layout.seq_sizes[me]
-    out_labels = shifted[:, lo:hi].contiguous()
-    n_valid = global_valid_tokens(out_labels, flatten_dp_sp(mesh).get_group()) if count_valid else 0
-    return ShardedBatch(
-        ids[:, lo:hi].contiguous(), out_labels, pos[:, lo:hi].contiguous(), layout, n_valid
-    )
+    out = slice_batch(full_batch(ids, shifted, pos, docs), **ParallelDims.from_mesh(mesh).cut(mesh))
+    n_valid = global_valid_tokens(out.labels, flatten_dp_sp(mesh).get_group()) if count_valid else 0
+    return ShardedBatch(out.input_ids, out.labels, out.position_ids, out.layout, n_valid)

@@ -5,41 +5,34 @@ documents' token ids packed into one stream, read as overlapping windows of ``se
 (inputs ``window[:-1]``, labels ``window[1:]``), with two per-token flags beside the ids: whether a
 token may be a *target* (chat: assistant tokens only) and whether it *starts* a document (its
 label from the previous token is never taken; with ``pack_docs`` attention and positions restart
-there). :func:`get_batch` has the signature of :func:`dtensor_ulysses.data.get_batch` and the same
-sampling (:func:`~dtensor_ulysses.data.sample_index`), so any ``(dp, sp)`` with the same global
-batch and seed trains on the same tokens.
+there). Its :meth:`TokenCorpus.rows` gives whole rows to the one slicer
+(:func:`dtensor_ulysses.data.slice_batch`), so :func:`dtensor_ulysses.data.get_batch` (re-exported
+here as :func:`get_batch`) reads both families' corpora with the same sampling: any
+``(dp, sp)`` with the same global batch and seed trains on the same tokens.
 
 Chat lines ``{"messages": [{"role": ..., "content": ...}, ...]}`` go through the tokenizer's chat
 template (:func:`encode_chat`); loss is taken on the assistant tokens only.
 
-:func:`evaluate` is the held-out loss with the sequence sharded (no grad; each rank holds its
-slice only), for the built-in model and transformers models alike.
+:func:`eval_batches` (:mod:`dtensor_ulysses.data`) and :func:`evaluate`
+(:mod:`dtensor_ulysses.parallel`, the trainer's evaluation component is
+:mod:`dtensor_ulysses.train.evaluation`) are re-exported here, where they lived before.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dtensor_ulysses.data import (
-    IGNORE_INDEX,
-    Batch,
-    PackedCorpus,
-    document_positions,
-    read_documents,
-    sample_index,
-    starts_from_separators,
-)
-from dtensor_ulysses.plan import SeqLayout, nearby_multiples
+from dtensor_ulysses.data import IGNORE_INDEX, Batch, full_batch, read_documents
+from dtensor_ulysses.data.batch import eval_batches, get_batch
+from dtensor_ulysses.parallel.tokens import evaluate
 
 __all__ = [
     "TokenCorpus",
@@ -137,6 +130,11 @@ class TokenCorpus:
     def __len__(self) -> int:
         return self.n_windows
 
+    def rows(self, index: Sequence[int], pack_docs: bool) -> Batch:
+        """Windows ``index`` as whole rows (:func:`~dtensor_ulysses.data.full_batch`): labels
+        shifted, ``-100`` where a token may not be a target; the one slicer cuts them."""
+        return full_batch(*self.full_batch(index, pack_docs))
+
     def full_batch(self, index: Sequence[int], pack_docs: bool):
         """``(ids, labels, position_ids, doc_starts)`` of windows ``index``, full length."""
         w = torch.as_tensor(list(index), dtype=torch.int64)
@@ -158,122 +156,6 @@ class TokenCorpus:
         return (
             f"TokenCorpus(n_tokens={self.n_tokens}, seq_len={self.seq_len}, n_windows={len(self)})"
         )
-
-
-def _slice(ids, labels, pos, docs, sp_rank: int, sp: int, uneven: bool) -> Batch:
-    S = ids.shape[1]
-    if S % sp and not uneven:
-        raise ValueError(
-            f"seq_len {S} is not divisible by sp={sp}; use e.g. {nearby_multiples(S, sp)}"
-        )
-    layout = SeqLayout.split(S, sp, docs)
-    lo = layout.offset(sp_rank)
-    hi = lo + layout.seq_sizes[sp_rank]
-    ids, labels, pos = (t[:, lo:hi].contiguous() for t in (ids, labels, pos))
-    return Batch(ids, labels, pos, layout)
-
-
-def _windows_batch(corpus, index, pack_docs: bool, sp_rank: int, sp: int, uneven: bool) -> Batch:
-    if isinstance(corpus, TokenCorpus):
-        ids, labels, pos, docs = corpus.full_batch(index, pack_docs)
-        return _slice(ids, labels, pos, docs, sp_rank, sp, uneven)
-    win = corpus.windows(index)
-    ids, labels = win[:, :-1], win[:, 1:]
-    if pack_docs:
-        pos, docs = document_positions(ids), starts_from_separators(ids)
-    else:
-        pos, docs = torch.arange(ids.shape[1]).expand(ids.shape), None
-    return _slice(ids, labels, pos, docs, sp_rank, sp, uneven)
-
-
-def get_batch(
-    corpus: TokenCorpus,
-    step: int,
-    *,
-    global_batch_size: int,
-    dp_rank: int,
-    dp: int,
-    sp_rank: int,
-    sp: int,
-    seed: int,
-    pack_docs: bool = False,
-    uneven: bool = False,
-) -> Batch:
-    """:func:`dtensor_ulysses.data.get_batch` for a :class:`TokenCorpus`: this rank's
-    ``[b, S_sp]`` slice of the global batch at ``step`` (labels shifted before slicing)."""
-    if global_batch_size % dp:
-        raise ValueError(f"global batch {global_batch_size} is not divisible by dp={dp}")
-    b = global_batch_size // dp
-    samples = range(dp_rank * b, (dp_rank + 1) * b)
-    index = [sample_index(step, i, global_batch_size, len(corpus), seed) for i in samples]
-    return _windows_batch(corpus, index, pack_docs, sp_rank, sp, uneven)
-
-
-def eval_batches(
-    corpus: TokenCorpus | PackedCorpus,
-    *,
-    global_batch_size: int,
-    dp_rank: int,
-    dp: int,
-    sp_rank: int,
-    sp: int,
-    pack_docs: bool = False,
-    max_batches: int | None = None,
-) -> Iterator[Batch]:
-    """Held-out batches: the windows in order, ``global_batch_size`` per batch (a last partial
-    batch is dropped, so every rank runs the same number), this rank's slice of each."""
-    n = len(corpus) // global_batch_size
-    if n == 0:
-        raise ValueError(
-            f"the evaluation data has {len(corpus)} windows of {corpus.seq_len} tokens, fewer "
-            f"than one global batch of {global_batch_size}; add data or shorten --seq-len"
-        )
-    if max_batches is not None:
-        n = min(n, max_batches)
-    b = global_batch_size // dp
-    for k in range(n):
-        first = k * global_batch_size + dp_rank * b
-        yield _windows_batch(corpus, range(first, first + b), pack_docs, sp_rank, sp, True)
-
-
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module,
-    batches: Iterator[Batch] | Sequence[Batch],
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | str | None = None,
-) -> dict[str, float]:
-    """Loss and perplexity over held-out batches, the sequence sharded as in training.
-
-    ``model(input_ids, position_ids, layout=, labels=)`` returns the loss sum of this rank's
-    slice (the built-in model, :class:`~dtensor_ulysses.hf.HFCausalLM`). Every rank of
-    ``group`` (the ``dp x sp`` ranks) must pass its slices of the same batches.
-
-    Returns:
-        ``{"loss", "perplexity", "tokens"}``, equal on every rank.
-    """
-    was = model.training
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
-    try:
-        for batch in batches:
-            if device is not None:
-                batch = batch.to(device)
-            s = model(batch.input_ids, batch.position_ids, layout=batch.layout, labels=batch.labels)
-            total += s.detach().double().cpu()
-            count += int((batch.labels != IGNORE_INDEX).sum())
-    finally:
-        model.train(was)
-    dev = next(model.parameters()).device if device is None else torch.device(device)
-    sums = torch.tensor([float(total), float(count)], dtype=torch.float64, device=dev)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(sums, group=group)
-    loss_sum, n = float(sums[0]), int(sums[1])
-    if n == 0:
-        raise ValueError("the evaluation batches have no valid labels")
-    loss = loss_sum / n
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": n}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -79,7 +79,8 @@ from dtensor_ulysses.hf.batch import shard_batch
 from dtensor_ulysses.hf.model import _plain_head
 from dtensor_ulysses.hf.routing import apply_ulysses, check_supported, decoder_layers
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
-from dtensor_ulysses.parallel import checkpoint_blocks, flatten_dp_sp, init_mesh, shard_blocks
+from dtensor_ulysses.parallel import checkpoint_blocks, flatten_dp_sp, shard_blocks
+from dtensor_ulysses.parallel.mesh import ParallelDims
 from dtensor_ulysses.plan import default_loss_chunk
 
 __all__ = ["UnsupportedTrainerError", "with_ulysses"]
@@ -319,13 +320,8 @@ class _UlyssesTrainer:
                 f"(its distributed type is {kind or 'NO'}); on CPU pass use_cpu=True in the "
                 f"training arguments so that it runs multi-process"
             )
-        if world % self._du_sp:
-            raise ValueError(
-                f"sp={self._du_sp} does not divide the {world} ranks; launch a multiple of "
-                f"{self._du_sp} ranks or choose sp among the divisors of {world}"
-            )
-        self._du_mesh = init_mesh(world // self._du_sp, self._du_sp,
-                                  device_type=self.args.device.type)  # fmt: skip
+        self._du_dims = ParallelDims.resolve(world, dp=None, sp=self._du_sp)  # the checks
+        self._du_mesh = self._du_dims.build_mesh(self.args.device.type)
         _trainer_accel.install(self.accelerator, self._du_mesh)
         self.gather_function = self.accelerator.gather_for_metrics
 

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from dtensor_ulysses._torch_private import TorchDispatchMode, fake_world_classes, tree_flatten
-from dtensor_ulysses.data import Batch
+from dtensor_ulysses.data import Batch, full_batch, slice_batch
 from dtensor_ulysses.memory import allocating_host, is_host
 from dtensor_ulysses.memtrace._results import TraceUnavailable
 from dtensor_ulysses.memtrace._timeline import _Timeline
-from dtensor_ulysses.plan import PRESETS, SeqLayout, get_shape
+from dtensor_ulysses.plan import PRESETS, get_shape
 from dtensor_ulysses.train import TrainConfig
 
 __all__ = ["fake_world", "rank0_batch", "trace_config"]
@@ -136,12 +136,9 @@ def trace_config(model: str, seq_len: int, dp: int, sp: int, ac: bool, features:
 
 def rank0_batch(seq_len: int, sp: int, micro_batch: int = 1) -> Batch:
     """Rank 0's slice of a ``[micro_batch, seq_len]`` batch of zeros split over ``sp`` ranks
-    (token values do not change the memory)."""
-    layout = SeqLayout.split(seq_len, sp)
-    s = layout.seq_sizes[0]
-    ids = torch.zeros(micro_batch, s, dtype=torch.long)
-    pos = torch.arange(s).expand(micro_batch, s)
-    return Batch(ids, ids.clone(), pos, layout)
+    by the one slicer (token values do not change the memory)."""
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+    return slice_batch(full_batch(ids, ids.clone()), sp=sp, sp_rank=0)
 
 
 def _n_layers(model: str) -> int:

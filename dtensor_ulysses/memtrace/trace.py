@@ -79,7 +79,7 @@ from dtensor_ulysses.memtrace._setup import (
     rank0_batch,
     trace_config,
 )
-from dtensor_ulysses.parallel import default_mixed_precision, flatten_dp_sp, init_mesh
+from dtensor_ulysses.parallel import ParallelDims, default_mixed_precision, flatten_dp_sp
 from dtensor_ulysses.train import build, train_step
 
 __all__ = [
@@ -267,11 +267,12 @@ def trace_train_step(
     with _temporary_preset(model, layers) as name:
         cfg = trace_config(name, seq_len, dp, sp, ac, features)
         n_layers = (layers if layers is not None else None) or _n_layers(model)
-        with fake_world(dp * sp) as (fake_mode, make_recorder):
+        dims = ParallelDims(dp=dp, sp=sp)
+        with fake_world(dims.world_size) as (fake_mode, make_recorder):
             rec = make_recorder()
             tl = rec.timeline
             tl.where_min_bytes = 2**20 if breakdown else None
-            mesh = init_mesh(dp, sp, device_type="cpu")
+            mesh = dims.build_mesh("cpu")
             group = flatten_dp_sp(mesh).get_group()
             with fake_mode, rec, schedule:
                 cpu = torch.device("cpu")

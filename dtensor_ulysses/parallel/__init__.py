@@ -13,6 +13,8 @@ _EXPORTS = {
     "checkpoint_blocks": "compose",
     "default_device_type": "mesh",
     "default_mixed_precision": "compose",
+    "evaluate": "tokens",
+    "ParallelDims": "mesh",
     "flatten_dp_sp": "mesh",
     "global_valid_tokens": "tokens",
     "init_mesh": "mesh",

@@ -19,7 +19,9 @@ the demo builds a mesh this way::
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -28,10 +30,169 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dtensor_ulysses._torch_private import flatten_mesh
 from dtensor_ulysses.plan.splits import check_ring_mesh, divisors
 
-__all__ = ["init_mesh", "flatten_dp_sp", "default_device_type", "mesh_ring"]
+__all__ = [
+    "DP",
+    "RING",
+    "SP",
+    "ParallelDims",
+    "init_mesh",
+    "flatten_dp_sp",
+    "default_device_type",
+    "mesh_ring",
+]
 
-MESH_AXES = ("dp", "sp")
-RING_MESH_AXES = ("dp", "ring", "sp")
+# the mesh's axis names: the one place they are spelled
+DP, RING, SP = "dp", "ring", "sp"
+MESH_AXES = (DP, SP)
+RING_MESH_AXES = (DP, RING, SP)
+
+
+class RankCut(TypedDict):
+    """A rank's sequence degrees and coordinates: the one slicer's keyword arguments."""
+
+    sp: int
+    sp_rank: int
+    ring: int
+    ring_rank: int
+
+
+class RankCoords(RankCut):
+    """:class:`RankCut` with the dp degree and coordinate (``get_batch``'s)."""
+
+    dp: int
+    dp_rank: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The parallel degrees of a run in one object (torchtitan's ``ParallelDims``): ``dp``
+    data-parallel groups x ``ring`` ring-attention ranks x ``sp`` Ulysses ranks, the world size
+    they make, the mesh's axis names, and the checks between them.
+
+    Build it once (:meth:`resolve` from the command line or ``with_ulysses``' arguments, or
+    :meth:`from_mesh`), then :meth:`build_mesh`; :meth:`cut` gives a rank's coordinates for the
+    one slicer (:func:`dtensor_ulysses.data.slice_batch`).
+
+    Raises:
+        ValueError: a degree that is not a positive int.
+    """
+
+    dp: int = 1
+    ring: int = 1
+    sp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in (DP, RING, SP):
+            _check_degree(name, getattr(self, name))
+
+    @classmethod
+    def resolve(
+        cls, world_size: int, dp: int | None = 1, sp: int | None = None, ring: int = 1
+    ) -> ParallelDims:
+        """The degrees for ``world_size`` ranks: ``sp=None`` takes the ranks left,
+        ``world_size // (dp * ring)``; ``dp=None`` (``with_ulysses(sp=...)``) likewise
+        ``world_size // (ring * sp)``.
+
+        Raises:
+            ValueError: a degree that does not divide the world, or ``dp * ring * sp`` is not it.
+        """
+        _check_degree(RING, ring)
+        if dp is None:
+            if sp is None:
+                raise ValueError("give dp or sp (or both); the other takes the ranks left")
+            _check_degree(SP, sp)
+            if world_size % (sp * ring):
+                raise ValueError(
+                    f"sp={sp} does not divide the {world_size} ranks; launch a multiple of "
+                    f"{sp} ranks or choose sp among the divisors of {world_size}"
+                )
+            dp = world_size // (sp * ring)
+        _check_degree(DP, dp)
+        if sp is None:
+            if world_size % (dp * ring):
+                what = f"dp x ring = {dp} x {ring} = {dp * ring}" if ring > 1 else f"dp={dp}"
+                raise ValueError(
+                    f"{what} does not divide world_size={world_size}; choose "
+                    f"dp{' * ring' if ring > 1 else ''} in {divisors(world_size)}"
+                )
+            sp = world_size // (dp * ring)
+        dims = cls(dp, ring, sp)
+        dims.check_world(world_size)
+        return dims
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> ParallelDims:
+        """The degrees of a ``("dp", "sp")`` or ``("dp", "ring", "sp")`` mesh."""
+        names = mesh.mesh_dim_names or ()
+        if names not in (MESH_AXES, RING_MESH_AXES):
+            raise ValueError(
+                f"expected a mesh with axes {MESH_AXES} or {RING_MESH_AXES}, got {names}"
+            )
+        return cls(*(mesh[n].size() if n in names else 1 for n in (DP, RING, SP)))
+
+    def check_world(self, world_size: int) -> None:
+        """``dp * ring * sp`` must be the world size."""
+        if self.ring > 1:
+            check_ring_mesh(self.dp, self.ring, self.sp, world_size)
+        elif self.world_size != world_size:
+            raise ValueError(
+                f"dp * sp = {self.dp} * {self.sp} = {self.world_size} but the world size is "
+                f"{world_size}; choose dp and sp whose product is {world_size} "
+                f"(e.g. dp=1, sp={world_size})"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """``dp * ring * sp``."""
+        return self.dp * self.ring * self.sp
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """``("dp", "sp")``, or ``("dp", "ring", "sp")`` with a ring."""
+        return RING_MESH_AXES if self.ring > 1 else MESH_AXES
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The mesh's shape, in :attr:`axis_names` order."""
+        return (self.dp, self.ring, self.sp) if self.ring > 1 else (self.dp, self.sp)
+
+    def build_mesh(
+        self, device_type: str | None = None, *, timeout_s: float | None = None
+    ) -> DeviceMesh:
+        """:func:`init_mesh` with these degrees."""
+        return init_mesh(
+            self.dp, self.sp, ring=self.ring, device_type=device_type, timeout_s=timeout_s
+        )
+
+    def cut(self, mesh: DeviceMesh) -> RankCut:
+        """This rank's degrees and coordinates as the slicer's keyword arguments
+        (``sp, sp_rank, ring, ring_rank``; dp rows are chosen by the caller)."""
+        return {
+            "sp": self.sp,
+            "sp_rank": mesh.get_local_rank(SP),
+            "ring": self.ring,
+            "ring_rank": mesh.get_local_rank(RING) if self.ring > 1 else 0,
+        }
+
+    def coords(self, mesh: DeviceMesh) -> RankCoords:
+        """:meth:`cut` with the dp degree and coordinate (``get_batch``'s keyword arguments)."""
+        return RankCoords(dp=self.dp, dp_rank=mesh.get_local_rank(DP), **self.cut(mesh))
+
+    def sp_group(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The ``sp`` submesh (Ulysses' all-to-all group)."""
+        return mesh[SP]
+
+    def dp_group(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The ``dp`` submesh."""
+        return mesh[DP]
+
+    def describe(self) -> str:
+        """``dp=2 x ring=2 x sp=2`` (no ring term without one)."""
+        return (
+            f"dp={self.dp} x "
+            + (f"ring={self.ring} x " if self.ring > 1 else "")
+            + (f"sp={self.sp}")
+        )
 
 
 def default_device_type() -> str:
@@ -88,30 +249,8 @@ def init_mesh(
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timeout)
-    world_size = dist.get_world_size()
-    if ring > 1:
-        if sp is None:
-            if world_size % (dp * ring):
-                raise ValueError(
-                    f"dp x ring = {dp} x {ring} = {dp * ring} does not divide world_size="
-                    f"{world_size}; choose dp * ring in {divisors(world_size)}"
-                )
-            sp = world_size // (dp * ring)
-        check_ring_mesh(dp, ring, sp, world_size)
-        return init_device_mesh(device_type, (dp, ring, sp), mesh_dim_names=RING_MESH_AXES)
-    if sp is None:
-        if world_size % dp:
-            raise ValueError(
-                f"dp={dp} does not divide world_size={world_size}; choose dp in "
-                f"{divisors(world_size)}"
-            )
-        sp = world_size // dp
-    if dp * sp != world_size:
-        raise ValueError(
-            f"dp * sp = {dp} * {sp} = {dp * sp} but the world size is {world_size}; "
-            f"choose dp and sp whose product is {world_size} (e.g. dp=1, sp={world_size})"
-        )
-    return init_device_mesh(device_type, (dp, sp), mesh_dim_names=MESH_AXES)
+    dims = ParallelDims.resolve(dist.get_world_size(), dp, sp, ring)
+    return init_device_mesh(device_type, dims.shape, mesh_dim_names=dims.axis_names)
 
 
 def flatten_dp_sp(mesh: DeviceMesh) -> DeviceMesh:
@@ -128,4 +267,4 @@ def flatten_dp_sp(mesh: DeviceMesh) -> DeviceMesh:
 def mesh_ring(mesh: DeviceMesh) -> int:
     """The ring degree of a mesh: the size of its ``"ring"`` axis, 1 when it has none."""
     names = mesh.mesh_dim_names or ()
-    return mesh["ring"].size() if "ring" in names else 1
+    return mesh[RING].size() if RING in names else 1

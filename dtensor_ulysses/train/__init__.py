@@ -17,6 +17,7 @@ from dtensor_ulysses._public import lazy_exports
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
     "build": "loop",
+    "Evaluator": "evaluation",
     "forward_backward": "loop",
     "lr_lambda": "spec",
     "main": "loop",

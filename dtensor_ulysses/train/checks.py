@@ -8,13 +8,14 @@ The ``--hf-model`` checks and the corpora are in :mod:`dtensor_ulysses.train.inp
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from dtensor_ulysses.attention.local import flash_attn_available, flash_attn_module
 from dtensor_ulysses.attention.ulysses import check_head_chunks
-from dtensor_ulysses.parallel.mesh import default_device_type
+from dtensor_ulysses.parallel.mesh import ParallelDims, default_device_type
 from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
 from dtensor_ulysses.plan.presets import ModelShape, get_shape
 from dtensor_ulysses.plan.splits import check_ring_seq, check_sp_for_heads, nearby_multiples
@@ -28,8 +29,10 @@ __all__ = ["validate"]
 
 
 def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
-    """Check the configuration before any process group exists; resolve ``sp`` (and ``model``:
-    ``"tiny"`` unless ``--hf-model`` is given).
+    """Check the configuration before any process group exists and return it resolved: a new
+    :class:`TrainConfig` with ``sp`` (:class:`~dtensor_ulysses.parallel.ParallelDims`),
+    ``model`` (``"tiny"`` unless ``--hf-model`` is given) and ``resume_from`` filled in; ``cfg``
+    itself is left as it was.
 
     Raises:
         UsageError: with the numbers and the fix, for every bad combination.
@@ -45,7 +48,6 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
                 raise UsageError(
                     f"{flag} applies to --hf-model only; this run trains the built-in model"
                 )
-        cfg.model = cfg.model or "tiny"
     for name in ("dp", "ring", "seq_len", "batch_size", "steps"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
@@ -56,37 +58,22 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise UsageError(f"--eval-every {cfg.eval_every} must be >= 0 (0: only at the end)")
     if cfg.eval_every and not cfg.eval_data:
         raise UsageError("--eval-every needs --eval-data (the held-out files)")
-    if cfg.sp is None:
-        if world_size % (cfg.dp * cfg.ring):
-            what = f"--dp {cfg.dp}" + (f" x --ring {cfg.ring}" if cfg.ring > 1 else "")
-            raise UsageError(f"{what} does not divide the world size {world_size}")
-        cfg.sp = world_size // (cfg.dp * cfg.ring)
-    if cfg.sp < 1:
-        raise UsageError(f"--sp={cfg.sp} must be >= 1")
-    if cfg.ring > 1:
-        if cfg.dp * cfg.ring * cfg.sp != world_size:
-            raise UsageError(
-                f"--dp {cfg.dp} x --ring {cfg.ring} x --sp {cfg.sp} = "
-                f"{cfg.dp * cfg.ring * cfg.sp} but torchrun started {world_size} processes; "
-                f"make dp * ring * sp equal --nproc-per-node x --nnodes"
-            )
-        if cfg.hf_model is not None or cfg.eval_data:
-            raise UsageError("--ring applies to the built-in model without --eval-data for now")
+    dims = _resolve_dims(cfg, world_size)
+    # the resolved configuration, made once here (the caller's is never edited)
+    cfg = replace(cfg, sp=dims.sp, model=cfg.model if cfg.hf_model else cfg.model or "tiny")
+    if dims.ring > 1:
+        if cfg.hf_model is not None:
+            raise UsageError("--ring applies to the built-in model, not to --hf-model")
         try:
             check_ring_seq(cfg.seq_len, cfg.ring)
         except ValueError as e:
             raise UsageError(f"--seq-len: {e}") from None
-    elif cfg.dp * cfg.sp != world_size:
-        raise UsageError(
-            f"--dp {cfg.dp} x --sp {cfg.sp} = {cfg.dp * cfg.sp} but torchrun started "
-            f"{world_size} processes; make dp * sp equal --nproc-per-node x --nnodes"
-        )
     shape = validate_hf(cfg) if cfg.hf_model is not None else _validate_preset(cfg)
     device_type = _validate_device(cfg, shape)
-    if (cfg.seq_len // cfg.ring) % cfg.sp and cfg.strict_seq_len:
+    if (cfg.seq_len // cfg.ring) % dims.sp and cfg.strict_seq_len:
         raise UsageError(
-            f"--seq-len {cfg.seq_len} is not divisible by sp={cfg.sp}; use a multiple of "
-            f"{cfg.sp}, e.g. {nearby_multiples(cfg.seq_len, cfg.sp)} (or drop --strict-seq-len)"
+            f"--seq-len {cfg.seq_len} is not divisible by sp={dims.sp}; use a multiple of "
+            f"{dims.sp}, e.g. {nearby_multiples(cfg.seq_len, dims.sp)} (or drop --strict-seq-len)"
         )
     if cfg.batch_size % cfg.dp:
         raise UsageError(
@@ -105,9 +92,10 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise UsageError(str(e)) from None
     if cfg.resume:
         assert cfg.checkpoint_dir is not None
-        cfg.resume_from = str(select_checkpoint(cfg.checkpoint_dir))
+        resume_from = str(select_checkpoint(cfg.checkpoint_dir))
+        cfg = replace(cfg, resume_from=resume_from)
         try:
-            check_resumable(Path(cfg.resume_from), cfg)  # before any model is built
+            check_resumable(Path(resume_from), cfg)  # before any model is built
         except ValueError as e:
             raise UsageError(str(e)) from None
     check_targets(cfg)  # the paths written, steps left to --resume, checkpoints of another run
@@ -119,6 +107,24 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
     else:
         _preflight(cfg, shape, device_type)  # last: the run is otherwise valid
     return cfg
+
+
+def _resolve_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """The run's degrees (``--sp`` unset: the ranks left), refused with the flags' names."""
+    ring = f" x --ring {cfg.ring}" if cfg.ring > 1 else ""
+    if cfg.sp is None and world_size % (cfg.dp * cfg.ring):
+        raise UsageError(f"--dp {cfg.dp}{ring} does not divide the world size {world_size}")
+    sp = world_size // (cfg.dp * cfg.ring) if cfg.sp is None else cfg.sp
+    if sp < 1:
+        raise UsageError(f"--sp={sp} must be >= 1")
+    dims = ParallelDims(cfg.dp, cfg.ring, sp)
+    if dims.world_size != world_size:
+        raise UsageError(
+            f"--dp {cfg.dp}{ring} x --sp {sp} = {dims.world_size} but torchrun started "
+            f"{world_size} processes; make dp{' * ring' if cfg.ring > 1 else ''} * sp equal "
+            f"--nproc-per-node x --nnodes"
+        )
+    return dims
 
 
 def _validate_preset(cfg: TrainConfig) -> ModelShape:

@@ -11,9 +11,12 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from dtensor_ulysses.plan import local_tokens
+
+if TYPE_CHECKING:
+    from dtensor_ulysses.parallel.mesh import ParallelDims
 
 __all__ = ["TrainConfig", "UsageError", "parse_args"]
 
@@ -75,6 +78,13 @@ class TrainConfig:
     eval_data: list[str] | None = None
     eval_every: int = 0  # steps; 0: only at the end
 
+    def dims(self) -> ParallelDims:
+        """The run's :class:`~dtensor_ulysses.parallel.ParallelDims` (after ``validate``)."""
+        from dtensor_ulysses.parallel.mesh import ParallelDims
+
+        assert self.sp is not None, "validate() resolves sp"
+        return ParallelDims(self.dp, self.ring, self.sp)
+
     def local_tokens(self) -> int:
         """Tokens of the busiest rank's slice (:func:`dtensor_ulysses.plan.local_tokens`)."""
         assert self.sp is not None, "validate() resolves sp"
@@ -112,13 +122,8 @@ class _Parser(argparse.ArgumentParser):
             super().print_help(file)
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    p = _Parser(
-        prog="python -m dtensor_ulysses.train",
-        description="FSDP2 + Ulysses training (launch with torchrun).",
-        formatter_class=_HelpFormatter,
-    )
-    d = TrainConfig()
+def _add_layout_args(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The flags of the mesh degrees, the model, the sequence, the batch and the data."""
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree")
     p.add_argument(
         "--sp", type=int, default=None, help="Ulysses degree (default: world / (dp x ring))"
@@ -146,6 +151,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         default=None,
         help="UTF-8 text or JSONL files (default: the Python standard library's sources)",
     )
+
+
+def _add_checkpoints_args(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The flags of metrics, checkpoints and resuming."""
     p.add_argument("--metrics-file", default=None, help="JSONL, one line per step")
     p.add_argument("--checkpoint-dir", default=None, help="where checkpoints are written and read")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end")
@@ -167,6 +176,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         help="start from step 0 in a --checkpoint-dir that holds checkpoints, deleting them "
         "when the run starts (without it such a run is refused)",
     )
+
+
+def _add_optimizer_args(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The flags of AdamW, its schedule, clipping and non-finite steps."""
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup")
@@ -179,6 +192,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         help="skip a step whose loss or gradient norm is not finite (no update; counted as "
         "skipped_nonfinite in the metrics) instead of stopping the run",
     )
+
+
+def _add_model_args(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """How the model runs: checkpointing, the attention kernel, documents, uneven splits."""
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute each block in backward"
     )
@@ -201,6 +218,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         action="store_true",
         help="accept q heads not divisible by sp (ranks get ceil/floor heads)",
     )
+
+
+def _add_memory_args(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The memory features (million-token training; each is exact), and ``--compile``."""
     mem = p.add_argument_group("memory (million-token training; each is exact)")
     mem.add_argument(
         "--tiled-loss",
@@ -261,6 +282,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         action="store_true",
         help="parameters, gradients and optimizer states on the host (FSDP2 CPU offload)",
     )
+
+
+def _add_eval_args(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The flags of the held-out loss."""
     p.add_argument(
         "--eval-data",
         nargs="+",
@@ -273,6 +298,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         default=d.eval_every,
         help="evaluate every N steps (needs --eval-data; default 0: only after the last step)",
     )
+
+
+def _add_hf_args(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The flags of ``--hf-model`` and its tokenizer."""
     hf = p.add_argument_group(
         "Hugging Face models (from a clone: pip install -e '.[hf]')",
         '--data also takes chat JSONL ({"messages": [...]}, loss on assistant tokens only); '
@@ -297,6 +326,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         metavar="DIR",
         help="at the end, write the trained model (and tokenizer) for from_pretrained",
     )
+
+
+def _add_run_args(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The flags of the memory preflight, the device and the collective timeout."""
     p.add_argument(
         "--allow-oversubscribe",
         action="store_true",
@@ -320,6 +353,29 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         default=d.collective_timeout_s,
         help="a collective waiting longer fails the run",
     )
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """The command line as a :class:`TrainConfig`, unresolved (the checks of
+    :func:`~dtensor_ulysses.train.validate` return it resolved); one helper per argument group.
+
+    Raises:
+        UsageError: an unknown flag or a bad value.
+    """
+    p = _Parser(
+        prog="python -m dtensor_ulysses.train",
+        description="FSDP2 + Ulysses training (launch with torchrun).",
+        formatter_class=_HelpFormatter,
+    )
+    d = TrainConfig()
+    _add_layout_args(p, d)
+    _add_checkpoints_args(p, d)
+    _add_optimizer_args(p, d)
+    _add_model_args(p, d)
+    _add_memory_args(p, d)
+    _add_eval_args(p, d)
+    _add_hf_args(p, d)
+    _add_run_args(p, d)
     args = p.parse_args(argv)
     return TrainConfig(**{k: v for k, v in vars(args).items()})
 

@@ -31,6 +31,7 @@ modules, each with one concern:
   preflight last);
 * ``inputs.py``: the ``--hf-model`` directory (config, weights, tokenizer), read while
   validating and cached for the run;
+* ``evaluation.py``: the held-out loss (:class:`Evaluator`), any layout the trainer trains;
 * ``spec.py``: the model spec (build, corpus, batches, FLOPs, export) of the built-in model and
   of ``--hf-model``, and the optimizer with its schedule;
 * ``resume.py`` and ``checkpoint.py``: the checkpoint ``--resume`` loads, whether it fits this
@@ -65,15 +66,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses._exit import leave_together
 from dtensor_ulysses.data import Batch
-from dtensor_ulysses.parallel import (
-    default_device_type,
-    flatten_dp_sp,
-    global_valid_tokens,
-    init_mesh,
-)
+from dtensor_ulysses.parallel import default_device_type, flatten_dp_sp, global_valid_tokens
 from dtensor_ulysses.train import checkpoint as ckpt
 from dtensor_ulysses.train.checks import validate
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, parse_args
+from dtensor_ulysses.train.evaluation import Evaluator
 from dtensor_ulysses.train.guard import (
     GuardStop,
     RunGuard,
@@ -108,7 +105,7 @@ def build(
 
     Args:
         cfg: a validated configuration.
-        mesh: the ``("dp", "sp")`` mesh.
+        mesh: the ``("dp", "sp")`` mesh (``("dp", "ring", "sp")`` with a ring).
         device: where the model computes.
         init: draw the initial weights of the built-in model (``False`` leaves them
             uninitialized: for memory tracing under fake tensors, where values do not matter).
@@ -196,22 +193,22 @@ def train(cfg: TrainConfig) -> list[dict]:
 def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
     """:func:`train`, also returning the trained (sharded) model."""
     device_type = cfg.device or default_device_type()
-    assert cfg.sp is not None, "call validate(cfg, world_size) first: it resolves sp"
-    mesh = init_mesh(
-        cfg.dp, cfg.sp, ring=cfg.ring, device_type=device_type, timeout_s=cfg.collective_timeout_s
-    )
+    dims = cfg.dims()  # resolved by validate()
+    mesh = dims.build_mesh(device_type, timeout_s=cfg.collective_timeout_s)
     rank = dist.get_rank()
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(device_type)
-    dp_rank, sp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
-    ring_kw = {"ring": cfg.ring, "ring_rank": mesh.get_local_rank("ring")} if cfg.ring > 1 else {}
+    coords = dims.coords(mesh)  # this rank's (dp, ring, sp) coordinates, for the slicer
     group = flatten_dp_sp(mesh).get_group()
 
     spec = model_spec(cfg)
     corpus = spec.corpus(cfg, cfg.data, "--data")
-    eval_corpus = spec.corpus(cfg, cfg.eval_data, "--eval-data") if cfg.eval_data else None
+    evaluator = None
+    if cfg.eval_data:
+        eval_corpus = spec.corpus(cfg, cfg.eval_data, "--eval-data")
+        evaluator = Evaluator(cfg, eval_corpus, dims, mesh, group, device)
     model, optimizer, scheduler = build(cfg, mesh, device)
     meta = checkpoint_meta(cfg)
     start, path = 0, None
@@ -233,9 +230,8 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
     name, n_params, flops_per_token = spec.describe(cfg, model)
     if rank == 0:
         print(
-            f"model {name} ({n_params / 1e6:.2f}M params) | mesh dp={cfg.dp} x "
-            + (f"ring={cfg.ring} x " if cfg.ring > 1 else "")
-            + f"sp={cfg.sp} on {device_type} | seq {cfg.seq_len}, global batch {cfg.batch_size} | "
+            f"model {name} ({n_params / 1e6:.2f}M params) | mesh {dims.describe()} "
+            f"on {device_type} | seq {cfg.seq_len}, global batch {cfg.batch_size} | "
             f"data: {'stdlib sources' if not cfg.data else ', '.join(cfg.data)} "
             f"({corpus.n_tokens / 1e6:.1f}M tokens, {len(corpus)} windows) | pack-docs "
             f"{'on' if cfg.pack_docs else 'off'} | steps {start}->"
@@ -245,7 +241,7 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
     logger = StepLogger(
         total_steps=cfg.steps,
         flops_per_token=flops_per_token,
-        n_gpus=mesh.size(),
+        n_gpus=dims.world_size,
         device=device,
         metrics_file=cfg.metrics_file,
         is_main=rank == 0,
@@ -258,9 +254,8 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
         guard.before_step(step + 1, model)
         t0 = time.perf_counter()
         batch = spec.get_batch(
-            corpus, step, global_batch_size=cfg.batch_size, dp_rank=dp_rank, dp=cfg.dp,
-            sp_rank=sp_rank, sp=cfg.sp, seed=cfg.seed, pack_docs=cfg.pack_docs, uneven=True,
-            **ring_kw,
+            corpus, step, global_batch_size=cfg.batch_size, seed=cfg.seed,
+            pack_docs=cfg.pack_docs, uneven=True, **coords,
         ).to(device)  # fmt: skip
         result = train_step(
             model, batch, optimizer, scheduler, group=group, grad_clip=cfg.grad_clip,
@@ -274,10 +269,8 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
         if result.grad_norm is not None:
             extra["grad_norm"] = result.grad_norm
         done = step + 1
-        if eval_corpus is not None and (
-            done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)
-        ):
-            extra.update(_evaluate(cfg, model, eval_corpus, dp_rank, sp_rank, group, device))
+        if evaluator is not None and evaluator.due(done):
+            extra.update(evaluator(model))
         records.append(logger.log(done, result.loss, result.tokens, elapsed, **extra))
         guard.heartbeat(records[-1])
         if "eval_loss" in extra and rank == 0:
@@ -298,19 +291,6 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
     if spec.export is not None:
         spec.export(cfg, model)
     return records, model
-
-
-def _evaluate(cfg: TrainConfig, model, corpus, dp_rank: int, sp_rank: int, group, device) -> dict:
-    """Held-out loss over every full global batch of ``corpus``, the sequence sharded."""
-    from dtensor_ulysses.hf.data import eval_batches, evaluate
-
-    assert cfg.sp is not None
-    batches = eval_batches(
-        corpus, global_batch_size=cfg.batch_size, dp_rank=dp_rank, dp=cfg.dp, sp_rank=sp_rank,
-        sp=cfg.sp, pack_docs=cfg.pack_docs,
-    )  # fmt: skip
-    out = evaluate(model, batches, group, device)
-    return {f"eval_{k}": v for k, v in out.items()}
 
 
 def _free_port() -> int:

@@ -40,16 +40,17 @@ class ModelSpec:
             ``"auto"``), materialized, and (``init``) its initial weights.
         corpus: ``(cfg, paths, what) -> corpus`` that ``get_batch`` reads (``what`` names the
             flag in errors).
-        get_batch: the data's ``get_batch`` (same keyword arguments for both families).
+        get_batch: :func:`dtensor_ulysses.data.get_batch`, the same for both families (each
+            corpus gives whole rows, the one slicer cuts them for the rank).
         describe: ``(cfg, model) -> (name, parameters, training FLOPs per token)``.
         export: ``(cfg, model) -> None``, the end-of-run export (``--save-hf``), or ``None``.
     """
 
     build: Callable[[TrainConfig, DeviceMesh, torch.device, bool, Any], torch.nn.Module]
     corpus: Callable[[TrainConfig, list[str] | None, str], Any]
-    get_batch: Callable[..., Any]
     describe: Callable[[TrainConfig, torch.nn.Module], tuple[str, int, float]]
     export: Callable[[TrainConfig, torch.nn.Module], None] | None = None
+    get_batch: Callable[..., Any] = get_batch
 
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
@@ -105,7 +106,6 @@ def _builtin_corpus(cfg: TrainConfig, paths: list[str] | None, what: str) -> Pac
 _BUILTIN = ModelSpec(
     build=_build_builtin,
     corpus=_builtin_corpus,
-    get_batch=get_batch,
     describe=_describe_builtin,
 )
 
@@ -142,12 +142,6 @@ def _hf_corpus(cfg: TrainConfig, paths: list[str] | None, what: str) -> Any:
         return load_corpus(paths, run_tokenizer(cfg), cfg.seq_len)
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
-
-
-def _hf_get_batch(*args: Any, **kwargs: Any) -> Any:
-    from dtensor_ulysses.hf import get_batch as hf_get_batch
-
-    return hf_get_batch(*args, **kwargs)
 
 
 def _describe_hf(cfg: TrainConfig, model: torch.nn.Module) -> tuple[str, int, float]:
@@ -193,7 +187,6 @@ def _export_hf(cfg: TrainConfig, model: torch.nn.Module) -> None:
 _HF = ModelSpec(
     build=_build_hf,
     corpus=_hf_corpus,
-    get_batch=_hf_get_batch,
     describe=_describe_hf,
     export=_export_hf,
 )
