@@ -43,6 +43,14 @@ def _plain_model_and_optimizer():
 
 def _reference(steps: int):
     """Plain single-device training: (step-1 loss, step-1 grads, losses of ``steps`` steps)."""
+    first, losses, _ = reference_run(steps)
+    return first[0], first[1], losses
+
+
+def reference_run(steps: int, eval_corpus: PackedCorpus | None = None):
+    """Plain single-device training: ``((step-1 loss, grads), losses, eval losses)``; with
+    ``eval_corpus``, the held-out loss after every step: every full global batch of its windows
+    in order (read here with ``PackedCorpus.windows``), one mean over all their tokens."""
     model, opt = _plain_model_and_optimizer()
     warm, horizon, floor = CFG["warmup_steps"], CFG["decay_steps"], 0.1
 
@@ -53,7 +61,7 @@ def _reference(steps: int):
         return CFG["lr"] * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
 
     corpus = PackedCorpus.from_paths(None, seq_len=CFG["seq_len"])
-    losses, first = [], None
+    losses, first, evals = [], None, []
     for step in range(steps):
         b = get_batch(corpus, step, global_batch_size=CFG["batch_size"], dp_rank=0, dp=1,
                       sp_rank=0, sp=1, seed=CFG["seed"])  # fmt: skip
@@ -68,7 +76,23 @@ def _reference(steps: int):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return first[0], first[1], losses
+        if eval_corpus is not None:
+            evals.append(_reference_eval(model, eval_corpus))
+    assert first is not None
+    return first, losses, evals
+
+
+@torch.no_grad()
+def _reference_eval(model, corpus: PackedCorpus) -> float:
+    G, S = CFG["batch_size"], CFG["seq_len"]
+    total, count = 0.0, 0
+    for k in range(len(corpus) // G):
+        win = corpus.windows(list(range(k * G, (k + 1) * G)))
+        logits = model(win[:, :-1], torch.arange(S).expand(G, S))
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
+                             win[:, 1:].reshape(-1), reduction="sum")  # fmt: skip
+        total, count = total + ce.item(), count + G * S
+    return total / count
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,7 @@ def world4(assets):
     runs = [
         dict(base, dp=1, sp=4, eval_every=2, save_hf=str(saved), probe=True),
         dict(base, dp=4, sp=1, eval_every=2),
-        dict(base, dp=2, sp=2, eval_data=None),
+        dict(base, dp=2, sp=2),  # (dp, ring, sp) = (2, 1, 2): evaluated after the last step
         dict(base, dp=2, sp=2, eval_data=None, steps=2, checkpoint_dir=str(ck)),
         dict(base, dp=2, sp=2, eval_data=None, checkpoint_dir=str(ck), resume=True),
     ]
@@ -99,8 +99,29 @@ def test_sp4_sp1_and_sp2_give_the_same_losses_and_eval(world4):
         if "eval_loss" in a:
             assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5)
             assert a["eval_tokens"] == b["eval_tokens"] > 0
+    # dp=2 x sp=2 evaluates once, at the end, as sp=4 (equal to one process: the test below)
+    assert ["eval_loss" in r for r in sp2] == [False, False, True]
+    assert sp2[-1]["eval_loss"] == pytest.approx(sp4[-1]["eval_loss"], rel=1e-5)
+    assert sp2[-1]["eval_tokens"] == sp4[-1]["eval_tokens"]
     for rank_runs in world4["ranks"]:  # every rank returns the same records
         assert _losses(rank_runs[0]["records"]) == _losses(sp4)
+
+
+@pytest.mark.timeout(300)
+def test_sp2_eval_equals_sp4(assets, world4):
+    """(dp, ring, sp) = (1, 1, 2): the held-out loss after every second step and the last equals
+    sp=4's (itself equal to one process, see the ``from_pretrained`` test below)."""
+    base = dict(hf_model=assets["model"], data=assets["data"], eval_data=assets["eval"],
+                seq_len=S, batch_size=G, lr=1e-2, warmup_steps=1, decay_steps=10,
+                attention_backend="sdpa", steps=3, dp=1, sp=2, eval_every=2)  # fmt: skip
+    sp2 = run_local_world(hf_train_workers.train_runs, 2, [base], timeout_s=240)[0][0]["records"]
+    sp4 = world4["ranks"][0][0]["records"]
+    assert ["eval_loss" in r for r in sp2] == [False, True, True]
+    for a, b in zip(sp2, sp4):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        if "eval_loss" in a:
+            assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5)
+            assert a["eval_tokens"] == b["eval_tokens"] > 0
 
 
 @pytest.mark.timeout(300)
