@@ -13,64 +13,13 @@ test holds the order): ``plan`` < ``comm``, ``memory``, ``debug`` < ``attention`
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dtensor_ulysses._public import lazy_exports
 
 __version__ = "0.1.0"
 
-# public name -> submodule that defines it
-_EXPORTS = {
-    "CommCounter": "debug",
-    "UlyssesAttention": "attention",
-    "build_model": "models",
-    "init_weights": "models",
-    "parallelize": "parallel",
-    "flatten_dp_sp": "parallel",
-    "force_backend": "attention",
-    "head_to_seq": "attention",
-    "init_mesh": "parallel",
-    "kv_head_index": "plan",
-    "LocalAttention": "attention",
-    "DeferredQ": "attention",
-    "SeqLayout": "plan",
-    "local_attention": "attention",
-    "seq_to_head": "attention",
-    "ulysses_attention": "attention",
-}
-
-__all__ = [
-    "CommCounter",
-    "DeferredQ",
-    "LocalAttention",
-    "SeqLayout",
-    "UlyssesAttention",
-    "build_model",
-    "flatten_dp_sp",
-    "force_backend",
-    "head_to_seq",
-    "init_mesh",
-    "init_weights",
-    "kv_head_index",
-    "local_attention",
-    "parallelize",
-    "seq_to_head",
-    "ulysses_attention",
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-if TYPE_CHECKING:  # for type checkers and IDEs
+if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.attention import (
         DeferredQ,
         LocalAttention,
@@ -85,3 +34,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from dtensor_ulysses.models import build_model, init_weights
     from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh, parallelize
     from dtensor_ulysses.plan import SeqLayout, kv_head_index
+
+# the names belong to their subpackages (their __module__ stays the subpackage's)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, own_module=False)

@@ -10,74 +10,7 @@ from typing import TYPE_CHECKING
 
 from dtensor_ulysses._public import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "BACKENDS": "local",
-    "build_doc_tensors": "doc_tensors",
-    "check_doc_starts": "doc_tensors",
-    "check_head_chunks": "ulysses",
-    "DeferredQ": "local",
-    "DocTensors": "doc_tensors",
-    "flash_attn_available": "local",
-    "flash_attn_module": "local",
-    "force_backend": "local",
-    "gather_doc_starts": "ulysses",
-    "head_to_seq": "dtensor_api",
-    "local_attention": "local",
-    "LocalAttention": "local",
-    "resolve_backend": "local",
-    "ring_attention": "ring",
-    "RING_AXIS": "ring",
-    "ring_group": "ring",
-    "RingAttention": "ring",
-    "seq_to_head": "dtensor_api",
-    "SP_AXIS": "ulysses",
-    "sp_axis": "ulysses",
-    "sp_group": "ulysses",
-    "starts_from_positions": "local",
-    "to_heads": "ulysses",
-    "to_seq": "ulysses",
-    "ulysses_attention": "dtensor_api",
-    "UlyssesAttention": "ulysses",
-    "use_flash_attn_module": "local",
-    "with_doc_tensors": "doc_tensors",
-}
-
-__all__ = [
-    "BACKENDS",
-    "build_doc_tensors",
-    "check_doc_starts",
-    "check_head_chunks",
-    "DeferredQ",
-    "DocTensors",
-    "flash_attn_available",
-    "flash_attn_module",
-    "force_backend",
-    "gather_doc_starts",
-    "head_to_seq",
-    "local_attention",
-    "LocalAttention",
-    "resolve_backend",
-    "ring_attention",
-    "RING_AXIS",
-    "ring_group",
-    "RingAttention",
-    "seq_to_head",
-    "SP_AXIS",
-    "sp_axis",
-    "sp_group",
-    "starts_from_positions",
-    "to_heads",
-    "to_seq",
-    "ulysses_attention",
-    "UlyssesAttention",
-    "use_flash_attn_module",
-    "with_doc_tensors",
-]
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:  # for type checkers and IDEs
+if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.attention.doc_tensors import (
         DocTensors,
         build_doc_tensors,
@@ -117,3 +50,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         to_heads,
         to_seq,
     )
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -8,32 +8,7 @@ from typing import TYPE_CHECKING
 
 from dtensor_ulysses._public import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "all_to_all": "alltoall",
-    "AllToAllInFlight": "alltoall",
-    "dim_order": "alltoall",
-    "even_sizes": "alltoall",
-    "PendingExchange": "alltoall",
-    "ring_shift": "p2p",
-    "RingShift": "p2p",
-    "start_exchange": "alltoall",
-}
-
-__all__ = [
-    "all_to_all",
-    "AllToAllInFlight",
-    "dim_order",
-    "even_sizes",
-    "PendingExchange",
-    "ring_shift",
-    "RingShift",
-    "start_exchange",
-]
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:  # for type checkers and IDEs
+if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.comm.alltoall import (
         AllToAllInFlight,
         PendingExchange,
@@ -46,3 +21,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         RingShift,
         ring_shift,
     )
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__)

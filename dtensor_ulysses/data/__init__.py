@@ -8,54 +8,19 @@ from typing import TYPE_CHECKING
 
 from dtensor_ulysses._public import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "Batch": "batch",
-    "decode": "corpus",
-    "default_corpus_paths": "read",
-    "document_positions": "batch",
-    "dp_rows": "batch",
-    "eval_batches": "batch",
-    "full_batch": "batch",
-    "slice_batch": "batch",
-    "window_rows": "batch",
-    "encode": "corpus",
-    "get_batch": "batch",
-    "IGNORE_INDEX": "batch",
-    "PackedCorpus": "corpus",
-    "read_documents": "read",
-    "sample_index": "batch",
-    "SEP_ID": "corpus",
-    "starts_from_separators": "batch",
-    "VOCAB_SIZE": "corpus",
-}
-
-__all__ = [
-    "Batch",
-    "decode",
-    "default_corpus_paths",
-    "document_positions",
-    "encode",
-    "get_batch",
-    "IGNORE_INDEX",
-    "PackedCorpus",
-    "read_documents",
-    "sample_index",
-    "SEP_ID",
-    "starts_from_separators",
-    "VOCAB_SIZE",
-]
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:  # for type checkers and IDEs
+if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.data.batch import (
         IGNORE_INDEX,
         Batch,
         document_positions,
+        dp_rows,
+        eval_batches,
+        full_batch,
         get_batch,
         sample_index,
+        slice_batch,
         starts_from_separators,
+        window_rows,
     )
     from dtensor_ulysses.data.corpus import (
         SEP_ID,
@@ -68,3 +33,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         default_corpus_paths,
         read_documents,
     )
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -26,80 +26,16 @@ trainer's ``build``), :mod:`~dtensor_ulysses.hf.data` (tokenized and chat corpor
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-_EXPORTS = {
-    "ATTN_IMPLEMENTATION": "routing",
-    "UnsupportedModelError": "routing",
-    "UnroutedAttentionError": "routing",
-    "apply_ulysses": "routing",
-    "attention_modules": "routing",
-    "check_supported": "routing",
-    "ShardedBatch": "batch",
-    "shard_batch": "batch",
-    "HFCausalLM": "model",
-    "check_model_dir": "model",
-    "check_weights": "model",
-    "check_tokenizer": "model",
-    "load_pretrained": "model",
-    "load_tokenizer": "model",
-    "load_weights": "model",
-    "parallelize": "model",
-    "save_pretrained": "model",
-    "TokenCorpus": "data",
-    "encode_chat": "data",
-    "eval_batches": "data",
-    "evaluate": "data",
-    "get_batch": "data",
-    "load_corpus": "data",
-    "UnsupportedTrainerError": "trainer",
-    "with_ulysses": "trainer",
-}
+from dtensor_ulysses._public import lazy_exports
+from dtensor_ulysses.hf import _deps  # one ImportError line naming the extra without transformers
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "HFCausalLM",
-    "ShardedBatch",
-    "TokenCorpus",
-    "UnroutedAttentionError",
-    "UnsupportedModelError",
-    "UnsupportedTrainerError",
-    "apply_ulysses",
-    "attention_modules",
-    "check_model_dir",
-    "check_weights",
-    "check_supported",
-    "check_tokenizer",
-    "encode_chat",
-    "eval_batches",
-    "evaluate",
-    "get_batch",
-    "load_corpus",
-    "load_pretrained",
-    "load_tokenizer",
-    "load_weights",
-    "parallelize",
-    "save_pretrained",
-    "shard_batch",
-    "with_ulysses",
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-if TYPE_CHECKING:
-    from dtensor_ulysses.hf.batch import ShardedBatch, shard_batch
+if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
+    from dtensor_ulysses.hf.batch import (
+        ShardedBatch,
+        shard_batch,
+    )
     from dtensor_ulysses.hf.data import (
         TokenCorpus,
         encode_chat,
@@ -127,4 +63,10 @@ if TYPE_CHECKING:
         attention_modules,
         check_supported,
     )
-    from dtensor_ulysses.hf.trainer import UnsupportedTrainerError, with_ulysses
+    from dtensor_ulysses.hf.trainer import (
+        UnsupportedTrainerError,
+        with_ulysses,
+    )
+
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -10,38 +10,7 @@ from typing import TYPE_CHECKING
 
 from dtensor_ulysses._public import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "CATEGORIES": "_results",
-    "extrapolate": "trace",
-    "fake_world": "_setup",
-    "PhasePeak": "_results",
-    "PHASES": "trace",
-    "rank0_batch": "_setup",
-    "StepTrace": "trace",
-    "trace_config": "_setup",
-    "TRACE_DEVICES": "trace",
-    "trace_train_step": "trace",
-    "TraceUnavailable": "_results",
-}
-
-__all__ = [
-    "CATEGORIES",
-    "extrapolate",
-    "fake_world",
-    "PhasePeak",
-    "PHASES",
-    "rank0_batch",
-    "StepTrace",
-    "trace_config",
-    "TRACE_DEVICES",
-    "trace_train_step",
-    "TraceUnavailable",
-]
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:  # for type checkers and IDEs
+if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.memtrace._results import (
         CATEGORIES,
         PhasePeak,
@@ -59,3 +28,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         extrapolate,
         trace_train_step,
     )
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -8,52 +8,7 @@ from typing import TYPE_CHECKING
 
 from dtensor_ulysses._public import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "apply_rope": "layers",
-    "Attention": "llama",
-    "bare_name": "weights",
-    "build_model": "llama",
-    "copy_full_": "weights",
-    "cross_entropy_sum": "loss",
-    "FeedForward": "layers",
-    "INIT_STD": "weights",
-    "init_std": "weights",
-    "init_weights": "weights",
-    "model_flops_per_token": "llama",
-    "OutputHead": "layers",
-    "RMSNorm": "layers",
-    "rope_cos_sin": "layers",
-    "set_tiling": "llama",
-    "tiled_cross_entropy_sum": "loss",
-    "Transformer": "llama",
-    "TransformerBlock": "llama",
-}
-
-__all__ = [
-    "apply_rope",
-    "Attention",
-    "bare_name",
-    "build_model",
-    "copy_full_",
-    "cross_entropy_sum",
-    "FeedForward",
-    "INIT_STD",
-    "init_std",
-    "init_weights",
-    "model_flops_per_token",
-    "OutputHead",
-    "RMSNorm",
-    "rope_cos_sin",
-    "set_tiling",
-    "tiled_cross_entropy_sum",
-    "Transformer",
-    "TransformerBlock",
-]
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:  # for type checkers and IDEs
+if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.models.layers import (
         FeedForward,
         OutputHead,
@@ -80,3 +35,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         init_std,
         init_weights,
     )
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__)

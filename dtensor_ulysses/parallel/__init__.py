@@ -8,36 +8,7 @@ from typing import TYPE_CHECKING
 
 from dtensor_ulysses._public import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "checkpoint_blocks": "compose",
-    "default_device_type": "mesh",
-    "default_mixed_precision": "compose",
-    "evaluate": "tokens",
-    "ParallelDims": "mesh",
-    "flatten_dp_sp": "mesh",
-    "global_valid_tokens": "tokens",
-    "init_mesh": "mesh",
-    "mesh_ring": "mesh",
-    "parallelize": "compose",
-    "shard_blocks": "compose",
-}
-
-__all__ = [
-    "checkpoint_blocks",
-    "default_device_type",
-    "default_mixed_precision",
-    "flatten_dp_sp",
-    "global_valid_tokens",
-    "init_mesh",
-    "mesh_ring",
-    "parallelize",
-    "shard_blocks",
-]
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:  # for type checkers and IDEs
+if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.parallel.compose import (
         checkpoint_blocks,
         default_mixed_precision,
@@ -45,11 +16,15 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         shard_blocks,
     )
     from dtensor_ulysses.parallel.mesh import (
+        ParallelDims,
         default_device_type,
         flatten_dp_sp,
         init_mesh,
         mesh_ring,
     )
     from dtensor_ulysses.parallel.tokens import (
+        evaluate,
         global_valid_tokens,
     )
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -14,45 +14,7 @@ from typing import TYPE_CHECKING
 
 from dtensor_ulysses._public import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "build": "loop",
-    "Evaluator": "evaluation",
-    "forward_backward": "loop",
-    "lr_lambda": "spec",
-    "main": "loop",
-    "make_optimizer": "spec",
-    "model_spec": "spec",
-    "ModelSpec": "spec",
-    "parse_args": "cli",
-    "StepResult": "loop",
-    "train": "loop",
-    "train_step": "loop",
-    "TrainConfig": "cli",
-    "UsageError": "cli",
-    "validate": "checks",
-}
-
-__all__ = [
-    "build",
-    "forward_backward",
-    "lr_lambda",
-    "main",
-    "make_optimizer",
-    "model_spec",
-    "ModelSpec",
-    "parse_args",
-    "StepResult",
-    "train",
-    "train_step",
-    "TrainConfig",
-    "UsageError",
-    "validate",
-]
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:  # for type checkers and IDEs
+if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.train.checks import (
         validate,
     )
@@ -60,6 +22,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         TrainConfig,
         UsageError,
         parse_args,
+    )
+    from dtensor_ulysses.train.evaluation import (
+        Evaluator,
     )
     from dtensor_ulysses.train.loop import (
         StepResult,
@@ -75,3 +40,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         make_optimizer,
         model_spec,
     )
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__)
