@@ -53,6 +53,13 @@ LAYERS: list[set[str]] = [
     {"memtrace", "demo", "launch"},
 ]
 THE_MODEL = ("models/llama.py", "models/layers.py", "models/loss.py")
+# the built-in model's train and eval path (``python -m dtensor_ulysses.train`` without
+# --hf-model): never imports dtensor_ulysses.hf or transformers at import time; the one slicer
+# lives in data/batch.py, evaluation in train/evaluation.py (the sums in parallel/tokens.py)
+BUILTIN_TRAIN_PATH = (
+    "train/loop.py", "train/evaluation.py", "train/checks.py", "train/spec.py",
+    "data/batch.py", "parallel/tokens.py", "parallel/mesh.py",
+)  # fmt: skip
 
 
 def _is_type_checking(node: ast.AST) -> bool:
@@ -369,6 +376,63 @@ def test_the_model_never_imports_torch_distributed():
     assert not found, "the model must not import torch.distributed, even indirectly:\n" + (
         "\n".join(found)
     )
+
+
+def test_the_builtin_train_and_eval_path_never_imports_hf():
+    found = [
+        f"{_rel(f)}:{line} imports {module}"
+        for f, line, module in import_time_closure([LIBRARY / m for m in BUILTIN_TRAIN_PATH])
+        if _top(module) == "transformers" or module.startswith("dtensor_ulysses.hf")
+    ]
+    assert not found, "the built-in train/eval path must not import hf:\n" + "\n".join(found)
+
+
+def test_facades_derive_all_from_their_one_list_and_the_docs_show_every_module():
+    """Each ``__init__`` lists its names once (the ``TYPE_CHECKING`` imports): ``__all__`` is that
+    list, every name resolves, and each defining module has its ``:::`` block on the API page."""
+    code = (
+        "import importlib, pathlib, json\n"
+        "from dtensor_ulysses._public import public_names\n"
+        "out = {}\n"
+        "for p in sorted(pathlib.Path('dtensor_ulysses').glob('*/__init__.py')):\n"
+        "    name = 'dtensor_ulysses.' + p.parent.name\n"
+        "    pkg = importlib.import_module(name)\n"
+        "    names = public_names(name)\n"
+        "    assert list(pkg.__all__) == list(names), name\n"
+        "    out[p.parent.name] = sorted(set(names.values()))\n"
+        "print(json.dumps(out))\n"
+    )
+    import json
+
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    missing = []
+    for pkg, modules in json.loads(run.stdout).items():
+        page = ROOT / "docs" / "reference" / "api" / f"{'tools' if pkg == 'memtrace' else pkg}.md"
+        text = page.read_text()
+        missing += [
+            f"{pkg}.{m}"
+            for m in modules
+            if not m.startswith("_") and f"::: dtensor_ulysses.{pkg}.{m}\n" not in text + "\n"
+        ]
+    assert not missing, f"modules with public names missing from the API pages: {missing}"
+
+
+def test_hf_without_transformers_is_one_line_naming_the_extra():
+    code = (
+        "import importlib.abc, sys\n"
+        "class F(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'transformers':\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, F())\n"
+        "import dtensor_ulysses.train.loop\n"
+        "import dtensor_ulysses.hf.model\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 1 and last.startswith("ImportError: dtensor_ulysses.hf needs"), last
+    assert 'pip install -e ".[hf]"' in last
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
