@@ -16,7 +16,7 @@ Legend: ``R`` ring ranks, ``S`` the full sequence, ``L = S / R`` tokens per ring
   block's probabilities from the final ``lse``, keeps ``dq`` locally and sends ``dk, dv``
   accumulators (``[2, B, L, K, H]`` in float32, float64 for float64 inputs) around the ring with
   k/v; one last hop brings each rank its own. Memory: one block's ``[B, N, Lq, Lk]`` scores at a
-  time (kernel: ``_ring_kernel.py``; p2p: ``_p2p.py``).
+  time (kernel: ``_ring_kernel.py``; p2p: ``comm/p2p.py``).
 * **Packed documents**: ``doc_starts`` per batch row in *global* positions ``[0, S)``; a token
   attends only inside its document (and causally). **GQA**: local q head ``j`` uses kv head
   ``j // (N/K)``. **Lengths**: ``S`` must be a multiple of ``2R`` (zigzag) or ``R``, else a

@@ -20,7 +20,7 @@ What is counted, and how it maps to a CUDA run (see ``simulations/README.md``):
   when it starts (sharded parameters, optimizer states, ...) is in its baseline.
 * **Device or host**: every fake tensor is a CPU tensor, so the device is not told apart by
   device type. A storage is *host* memory when (a) an op creates it while
-  :func:`dtensor_ulysses.memory.allocating_host` is true (``offload.py``'s one host allocator
+  :func:`dtensor_ulysses.memory.allocating_host` is true (``memory/host.py``'s one host allocator
   ``host_empty`` and its CPU optimizer math ``host_compute``), (b) it is a sharded parameter,
   gradient or optimizer state while FSDP2's ``CPUOffloadPolicy`` is on (``--offload-params``;
   a gradient stays on the device until the block whose backward produced it is done, as on
