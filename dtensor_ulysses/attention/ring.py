@@ -57,6 +57,7 @@ from dtensor_ulysses.attention._ring_kernel import RingAttentionFn, RingPlan
 
 # torch-free: shared with the data loader and the simulator
 from dtensor_ulysses.plan.splits import (
+    RING_AXIS,
     RING_ORDERS,
     check_ring_seq,
     ring_chunks,
@@ -69,7 +70,6 @@ __all__ = [
     "RingAttention",
 ]
 
-RING_AXIS = "ring"
 ORDERS = RING_ORDERS
 
 

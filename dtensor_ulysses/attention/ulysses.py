@@ -47,6 +47,7 @@ from dtensor_ulysses.comm.alltoall import AllToAllInFlight, all_to_all
 from dtensor_ulysses.plan import (
     HEAD_DIM,
     SEQ_DIM,
+    SP_AXIS,
     SeqLayout,
     divisors,
     head_plan,
@@ -65,7 +66,6 @@ __all__ = [
     "to_seq",
 ]
 
-SP_AXIS = "sp"
 AttnFn = Callable[..., torch.Tensor]
 
 

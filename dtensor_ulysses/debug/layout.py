@@ -19,7 +19,7 @@ Example::
 
     with du.CommCounter() as comm:
         o = du.ulysses_attention(q, k, v)
-    comm.count("all_to_all", group=mesh.get_group("sp")), comm.bytes("all_to_all")
+    comm.count("all_to_all", group=mesh.get_group(SP_AXIS)), comm.bytes("all_to_all")
     print(describe(q))  # every rank's slice of q, this rank marked
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from dtensor_ulysses.plan.splits import head_plan, head_split, seq_split
+from dtensor_ulysses.plan.splits import DP_AXIS, SP_AXIS, head_plan, head_split, seq_split
 
 __all__ = [
     "a2a_plan",
@@ -147,7 +147,7 @@ def ownership(
 
 
 def layout_notation(
-    placements: Sequence[Any], axis_names: Sequence[str] = ("dp", "sp"), name: str = "q"
+    placements: Sequence[Any], axis_names: Sequence[str] = (DP_AXIS, SP_AXIS), name: str = "q"
 ) -> str:
     """The layout in scaling-book notation: ``(Shard(0), Shard(1)) -> "q[B_dp, S_sp, N, H]"``."""
     subs: list[list[str]] = [[] for _ in DIM_NAMES]
@@ -159,7 +159,7 @@ def layout_notation(
     return f"{name}[{', '.join(dims)}]"
 
 
-def parse_layout(notation: str, axis_names: Sequence[str] = ("dp", "sp")) -> list[Any]:
+def parse_layout(notation: str, axis_names: Sequence[str] = (DP_AXIS, SP_AXIS)) -> list[Any]:
     """The placements of a layout written as ``"q[B, S_sp, N, H]"``, one per mesh axis.
 
     The inverse of :func:`layout_notation`: ``parse_layout("q[B_dp, S, N_sp, H]") ==

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dtensor_ulysses.plan.splits import DP_AXIS
+
 __all__ = ["dp_gather", "install"]
 
 
@@ -43,7 +45,7 @@ class _UlyssesAccelerator:
         import accelerate.accelerator as accelerator_module
 
         original = accelerator_module.prepare_data_loader
-        dp, dp_rank = self._du_mesh["dp"].size(), self._du_mesh.get_local_rank("dp")
+        dp, dp_rank = self._du_mesh[DP_AXIS].size(), self._du_mesh.get_local_rank(DP_AXIS)
 
         def by_dp_rank(*a: Any, **kw: Any):
             kw["num_processes"], kw["process_index"] = dp, dp_rank
@@ -56,7 +58,7 @@ class _UlyssesAccelerator:
             accelerator_module.prepare_data_loader = original
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        return dp_gather(input_data, group=self._du_mesh["dp"].get_group())
+        return dp_gather(input_data, group=self._du_mesh[DP_AXIS].get_group())
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2):
         self.unscale_gradients()  # type: ignore[attr-defined]

@@ -38,7 +38,7 @@ from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
 from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.models.weights import bare_name, copy_full_
 from dtensor_ulysses.parallel.compose import checkpoint_blocks, shard_blocks
-from dtensor_ulysses.parallel.mesh import MESH_AXES
+from dtensor_ulysses.parallel.mesh import MESH_AXES, ParallelDims
 
 __all__ = [
     "HFCausalLM",
@@ -157,8 +157,8 @@ def parallelize(
     hf = unwrap(model)
     # 1. Ulysses (always, also at sp=1: the engine is where packed documents are handled)
     apply_ulysses(
-        hf, mesh["sp"], head_chunks=head_chunks, backend=attention_backend,
-        allow_uneven_heads=allow_uneven_heads,
+        hf, ParallelDims.from_mesh(mesh).sp_group(mesh), head_chunks=head_chunks,
+        backend=attention_backend, allow_uneven_heads=allow_uneven_heads,
     )  # fmt: skip
     _, layers = decoder_layers(hf)
     # 2. activation checkpointing, per decoder layer (names unchanged)

@@ -48,7 +48,7 @@ from dtensor_ulysses.attention.ulysses import UlyssesAttention, check_head_chunk
 from dtensor_ulysses.memory.offload import fsdp_offload_policy
 from dtensor_ulysses.memory.recompute import checkpoint_module, offload_checkpoints
 from dtensor_ulysses.models.llama import Attention, Transformer
-from dtensor_ulysses.parallel.mesh import MESH_AXES, RING_MESH_AXES, flatten_dp_sp
+from dtensor_ulysses.parallel.mesh import MESH_AXES, RING_MESH_AXES, ParallelDims, flatten_dp_sp
 from dtensor_ulysses.plan.splits import check_sp_for_heads
 
 __all__ = ["checkpoint_blocks", "default_mixed_precision", "parallelize", "shard_blocks"]
@@ -119,8 +119,8 @@ def parallelize(
     if isinstance(model, FSDPModule):
         raise ValueError("the model is already parallelized; build a new one (on meta)")
     shape = model.shape
-    sp = mesh["sp"].size()
-    ring = mesh["ring"].size() if mesh.mesh_dim_names == RING_MESH_AXES else 1
+    dims = ParallelDims.from_mesh(mesh)
+    sp, ring = dims.sp, dims.ring
     check_sp_for_heads(
         shape.n_heads, sp, what=f"heads of model {shape.name!r}", allow_uneven=allow_uneven_heads
     )
@@ -145,7 +145,7 @@ def parallelize(
             kernel.backend = attention_backend
         if sp > 1 or head_chunks > 1:
             attention.inner_attention = UlyssesAttention(
-                kernel, mesh["sp"], head_chunks=head_chunks, overlap=overlap_comm
+                kernel, dims.sp_group(mesh), head_chunks=head_chunks, overlap=overlap_comm
             )
 
     # 2. Activation checkpointing, per block (parameter names are unchanged).

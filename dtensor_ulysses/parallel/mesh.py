@@ -28,12 +28,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtensor_ulysses._torch_private import flatten_mesh
+from dtensor_ulysses.plan.splits import DP_AXIS as DP
+from dtensor_ulysses.plan.splits import RING_AXIS as RING
+from dtensor_ulysses.plan.splits import SP_AXIS as SP
 from dtensor_ulysses.plan.splits import check_ring_mesh, divisors
 
 __all__ = [
-    "DP",
-    "RING",
-    "SP",
     "ParallelDims",
     "init_mesh",
     "flatten_dp_sp",
@@ -41,8 +41,6 @@ __all__ = [
     "mesh_ring",
 ]
 
-# the mesh's axis names: the one place they are spelled
-DP, RING, SP = "dp", "ring", "sp"
 MESH_AXES = (DP, SP)
 RING_MESH_AXES = (DP, RING, SP)
 
@@ -236,10 +234,10 @@ def init_mesh(
     Raises:
         ValueError: a non-positive degree, or ``dp * sp != world_size`` (``dp * ring * sp``).
     """
-    _check_degree("dp", dp)
-    _check_degree("ring", ring)
+    _check_degree(DP, dp)
+    _check_degree(RING, ring)
     if sp is not None:
-        _check_degree("sp", sp)
+        _check_degree(SP, sp)
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
         # on CUDA, gloo too for CPU tensors (FSDP2's CPU offload keeps gradients on the host,

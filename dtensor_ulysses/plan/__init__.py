@@ -45,9 +45,12 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
     )
     from dtensor_ulysses.plan.splits import (
         DEFAULT_LOSS_CHUNK_TOKENS,
+        DP_AXIS,
         HEAD_DIM,
+        RING_AXIS,
         RING_ORDERS,
         SEQ_DIM,
+        SP_AXIS,
         HeadPlan,
         SeqLayout,
         check_ring_mesh,

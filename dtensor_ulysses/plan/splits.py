@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "DP_AXIS",
+    "RING_AXIS",
+    "SP_AXIS",
     "check_ring_mesh",
     "check_ring_seq",
     "check_sp_for_heads",
@@ -38,6 +41,10 @@ __all__ = [
     "zigzag_permutation",
     "zigzag_positions",
 ]
+
+# The device mesh's axis names, spelled here only (plan is the bottom layer, so every layer reads
+# them): data-parallel, ring-attention and Ulysses sequence-parallel.
+DP_AXIS, RING_AXIS, SP_AXIS = "dp", "ring", "sp"
 
 # The Ulysses layout ``[B, S, N, H]``: the sequence and head dims the all-to-all swaps.
 SEQ_DIM, HEAD_DIM = 1, 2
@@ -423,7 +430,7 @@ def zigzag_permutation(S: int, ring: int, sp: int, order: str = "zigzag") -> lis
 
 def check_ring_mesh(dp: int, ring: int, sp: int, world_size: int) -> None:
     """``dp * ring * sp`` must equal the world size (for ``init_mesh(dp, sp, ring=...)``)."""
-    for name, n in (("dp", dp), ("ring", ring), ("sp", sp)):
+    for name, n in ((DP_AXIS, dp), (RING_AXIS, ring), (SP_AXIS, sp)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name}={n!r} must be an int >= 1")
     if dp * ring * sp != world_size:
