@@ -368,7 +368,10 @@ def get_batch(
             rank out of range; a negative step.
     """
     if not (hasattr(corpus, "rows") or isinstance(corpus, PackedCorpus)):
-        raise TypeError(f"corpus must be a PackedCorpus, got {type(corpus).__name__}")
+        raise TypeError(
+            f"corpus must be a PackedCorpus (or have rows(index, pack_docs)), got "
+            f"{type(corpus).__name__}"
+        )
     _check_int("step", step, 0)
     _check_int("sp", sp, 1)
     _check_int("ring", ring, 1)
