@@ -1,7 +1,8 @@
 """Per-rank functions for the trainer's held-out loss without ``transformers`` (imported by module
-path in spawned processes). Importing this module first makes ``transformers`` unimportable in
-the rank (a meta path finder that raises ``ImportError``), so the built-in model's train and eval
-path is shown to work without it and never to import :mod:`dtensor_ulysses.hf`."""
+path in spawned processes). :func:`train_and_evaluate` first makes ``transformers`` unimportable
+in the rank (a meta path finder that raises ``ImportError``; never in the parent pytest process),
+so the built-in model's train and eval path is shown to work without it and never to import
+:mod:`dtensor_ulysses.hf`."""
 
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ class _NoTransformers(importlib.abc.MetaPathFinder):
         return None
 
 
-_ALREADY = sorted(m for m in sys.modules if m == _BLOCKED or m.startswith("dtensor_ulysses.hf"))
-sys.meta_path.insert(0, _NoTransformers())
-
-from dtensor_ulysses import train as du_train  # noqa: E402
+def _loaded() -> list[str]:
+    return sorted(m for m in sys.modules if m == _BLOCKED or m.startswith("dtensor_ulysses.hf"))
 
 
 def train_and_evaluate(rank: int, world_size: int, runs: list[dict]) -> dict:
     """Each run: TrainConfig keyword arguments; returns the per-step records of each run, and
     which of ``transformers`` / ``dtensor_ulysses.hf`` were imported (before and after)."""
+    before = _loaded()
+    sys.meta_path.insert(0, _NoTransformers())
+    from dtensor_ulysses import train as du_train
+
     out = []
     for kw in runs:
         cfg = du_train.validate(du_train.TrainConfig(**kw), world_size)
@@ -37,5 +40,4 @@ def train_and_evaluate(rank: int, world_size: int, runs: list[dict]) -> dict:
         blocked = False
     except ImportError:
         blocked = True
-    loaded = sorted(m for m in sys.modules if m == _BLOCKED or m.startswith("dtensor_ulysses.hf"))
-    return {"records": out, "before": _ALREADY, "loaded": loaded, "blocked": blocked}
+    return {"records": out, "before": before, "loaded": _loaded(), "blocked": blocked}

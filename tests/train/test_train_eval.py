@@ -22,7 +22,7 @@ LAYOUTS = {2: [(1, 1, 2), (1, 2, 1)], 4: [(1, 2, 2), (2, 2, 1)]}
 def heldout(tmp_path_factory) -> str:
     """About 3 global batches of held-out text (64-token windows, batch 4)."""
     path = tmp_path_factory.mktemp("eval-data") / "heldout.txt"
-    path.write_text(" ".join(f"held-out line {i}: {'xyzw'[i % 4] * (i % 9)}" for i in range(30)))
+    path.write_text(" ".join(f"held-out line {i}: {'xyzw'[i % 4] * (i % 9)}" for i in range(40)))
     return str(path)
 
 
