@@ -307,12 +307,13 @@ def blockwise_attention(
     sinks_N: torch.Tensor | None = None,
     doc_ids_BS: torch.Tensor | None = None,
     doc_starts: Sequence[Sequence[int]] | None = None,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
 ) -> torch.Tensor:
     """``o[B, S, N, H]`` (see the module docstring); ``doc_ids`` mask the documents,
-    ``doc_starts`` (host ints, when known) only let whole key blocks be skipped."""
+    ``doc_starts`` (host ints, when known) only let whole key blocks be skipped; ``block``
+    (default :data:`DEFAULT_BLOCK`, read at the call) queries and keys per block."""
     S = q_BSNH.shape[1]
-    block = max(1, min(block, S))
+    block = max(1, min(DEFAULT_BLOCK if block is None else block, S))
     ranges = key_ranges(S, block, causal=causal, window=window, chunk=chunk,
                         doc_starts=doc_starts)  # fmt: skip
     o_BSNH, _ = _attn_op(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, float(scale), bool(causal),
