@@ -17,12 +17,13 @@ from dtensor_ulysses.attention import (
     KERNELS,
     AttentionBackendError,
     AttnFeatures,
+    _blockwise,
     build_doc_tensors,
+    kernels,
     local_attention,
     select_backend,
     use_flash_attn_module,
 )
-from dtensor_ulysses.attention import _blockwise, kernels
 from dtensor_ulysses.launch import run_local_world
 from tests import flash_double as fd
 from tests import kernel_workers
