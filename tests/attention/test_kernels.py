@@ -391,3 +391,31 @@ def test_engine_sinks_follow_uneven_heads_on_four_ranks():
             own = r["own_dsinks"]
             assert all(own[h] == 0 for h in range(N) if h not in mine), (rank, c, own)
             assert any(own[h] != 0 for h in mine), (rank, c, own)
+
+
+def test_compiled_packed_documents_trace_linear_in_s_without_s_squared():
+    """The kernel compiled code runs for packed documents (and a window) on a CPU, traced with
+    fake tensors at 32K, 64K and 128K tokens: no tensor of S^2 elements (the removed SDPA mask
+    was [B, 1, S, S]), the largest is an activation [B, S, N, H], and the peak grows linearly;
+    FlexAttention's block mask (CUDA's compiled path) at 128K holds (S/128)^2 entries a row."""
+    from dtensor_ulysses._torch_private import fake_world_classes
+    from dtensor_ulysses.attention._flex import flex_block_mask
+    from dtensor_ulysses.memtrace import trace_attention
+
+    peaks = {}
+    for Sl in (32768, 65536, 131072):
+        for window in (None, (4095, 0)):
+            t = trace_attention(Sl, heads=8, kv_heads=2, head_dim=64, window=window)
+            assert t.backend == "blockwise", t
+            assert t.largest_elements == Sl * 8 * 64 < Sl * Sl, t
+            peaks[Sl, window] = t.peak_bytes
+    for window in (None, (4095, 0)):
+        p32, p64, p128 = (peaks[Sl, window] for Sl in (32768, 65536, 131072))
+        assert p128 - p64 == 2 * (p64 - p32) and p32 > 0, (window, p32, p64, p128)
+    FakeTensorMode, _ = fake_world_classes()
+    Sl = 131072
+    largest = _LargestTensor()
+    with FakeTensorMode(allow_non_fake_inputs=True), largest:
+        ids = torch.zeros(1, Sl, dtype=torch.int32)
+        flex_block_mask(Sl, ids.device, causal=True, window=(4095, 0), chunk=0, doc_ids_BS=ids)
+    assert largest.largest <= 2 * (Sl // 128) ** 2 < Sl * Sl, largest.largest
