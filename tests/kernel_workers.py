@@ -13,6 +13,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 import dtensor_ulysses as du
 from dtensor_ulysses.plan import SeqLayout, seq_split
@@ -100,9 +101,21 @@ def sinks_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             layout = SeqLayout.split(S, sp, starts)
         mine = [t[rows, cols].clone().requires_grad_() for t in (q, k, v)]
         sinks_leaf = sinks.clone().requires_grad_()
-        attn_fn = functools.partial(du.local_attention, backend=case.get("backend", "auto"))
-        engine = du.UlyssesAttention(attn_fn, mesh["sp"], head_chunks=case.get("head_chunks", 1))
-        o = engine(*mine, layout=layout, seq_len=S, causal=True, sinks=sinks_leaf, **feats)
+        if case.get("dtensor"):  # the DTensor face: du.ulysses_attention (no documents)
+            placements = [Shard(0), Shard(1)]
+            qd, kd, vd = (
+                DTensor.from_local(m, mesh, placements, run_check=False, shape=t.shape,
+                                   stride=t.stride())
+                for m, t in zip(mine, (q, k, v))
+            )  # fmt: skip
+            kept = {n: x for n, x in feats.items() if x is not None}
+            o = du.ulysses_attention(qd, kd, vd, allow_uneven=True, sinks=sinks_leaf,
+                                     **kept).to_local()  # fmt: skip
+        else:
+            attn_fn = functools.partial(du.local_attention, backend=case.get("backend", "auto"))
+            engine = du.UlyssesAttention(attn_fn, mesh["sp"],
+                                         head_chunks=case.get("head_chunks", 1))  # fmt: skip
+            o = engine(*mine, layout=layout, seq_len=S, causal=True, sinks=sinks_leaf, **feats)
         o.backward(go[rows, cols])
         own = sinks_leaf.grad.clone()
         dsinks = sinks_leaf.grad.clone()

@@ -366,7 +366,8 @@ def test_blockwise_never_holds_an_s_by_s_tensor():
 @pytest.mark.timeout(300)
 def test_engine_sinks_follow_uneven_heads_on_four_ranks():
     """sp=4 with N=6 q heads (ranks attend with 2, 2, 1, 1) and K=2 or 3 kv heads, N=8
-    (even; head chunks), dp=2 x sp=2; windows, softcaps, chunks and packed documents on top:
+    (even; head chunks), dp=2 x sp=2 (also through du.ulysses_attention, the DTensor face);
+    windows, softcaps, chunks and packed documents on top:
     o, dq, dk, dv and the sinks' gradient equal the float64 reference, and each rank's own
     sinks gradient is zero outside the heads it attends with."""
     docs = [[3, 10, 9], [22]]
@@ -377,6 +378,8 @@ def test_engine_sinks_follow_uneven_heads_on_four_ranks():
         dict(dp=1, sp=4, B=2, S=22, N=8, K=2, H=4, seed=2, chunk=6, head_chunks=2, docs=docs),
         dict(dp=2, sp=2, B=2, S=22, N=6, K=2, H=4, seed=3, window=(3, -1), docs=docs,
              backend="blockwise"),
+        dict(dp=2, sp=2, B=2, S=21, N=6, K=3, H=4, seed=4, window=(2, 3), softcap=3.0,
+             dtensor=True),
     ]  # fmt: skip
     results = run_local_world(kernel_workers.sinks_worker, 4, cases, timeout_s=280)
     for rank, per_rank in enumerate(results):
