@@ -1,4 +1,5 @@
-"""Attention: the local kernel (flash-attn on CUDA when importable, SDPA otherwise), the Ulysses
+"""Attention: the local kernels (flash-attn, SDPA, FlexAttention, a blockwise kernel; see
+:mod:`~dtensor_ulysses.attention.kernels`), the Ulysses
 engine on local tensors, head-chunked stages, ring attention, and the DTensor adapters.
 
 ``q[B, S_sp, N, H] -> q[B, S, N_sp, H]`` is ``Shard(1) -> Shard(2)`` on ``sp``.
@@ -21,6 +22,13 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         head_to_seq,
         seq_to_head,
         ulysses_attention,
+    )
+    from dtensor_ulysses.attention.kernels import (
+        KERNELS,
+        AttentionBackendError,
+        AttnFeatures,
+        KernelSpec,
+        select_backend,
     )
     from dtensor_ulysses.attention.local import (
         BACKENDS,
