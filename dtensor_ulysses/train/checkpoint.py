@@ -6,6 +6,16 @@ step, config) and ``rng_rank{r}.pt`` (each rank's RNG state). It is written to `
 renamed when every rank has finished, so a run killed mid-save leaves the previous checkpoint as
 the newest one.
 
+Loading a checkpoint never runs code from it (checkpoints are shared between people and
+machines): ``trainer.pt`` and ``rng_rank*.pt`` hold only numbers, strings, lists, dicts and
+tensors, read with ``torch.load(weights_only=True)``; DCP's ``.metadata`` (a plain pickle, which
+DCP reads with ``pickle.load``) is first read by :func:`read_dcp_metadata`, an unpickler that
+admits only DCP's own metadata types and the few torch and stdlib types they hold; the small
+non-tensor items in the ``.distcp`` files (DCP loads them with ``weights_only=False``) are
+loaded with ``weights_only=True`` (:class:`_SafeLoadPlanner`). A file that fails any of these is
+damaged, like a truncated one: ``--resume`` falls back to an older intact checkpoint. Checkpoints
+of earlier versions hold the same kinds of data and are read the same safe way.
+
 Damage after the fact (a truncated or overwritten file, a disk that filled up) is found before
 anything is built: :func:`verify` checks that ``.metadata`` loads, that every file it names exists
 and holds every item it points into, and that ``trainer.pt`` and the RNG files load and agree
@@ -16,7 +26,9 @@ once the new one is complete (renamed into place).
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import re
 import shutil
 import time
@@ -26,9 +38,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["latest", "load", "prune", "read_meta", "save", "select_resume", "verify"]
+__all__ = [
+    "UnsafeCheckpoint",
+    "latest",
+    "load",
+    "prune",
+    "read_dcp_metadata",
+    "read_meta",
+    "save",
+    "select_resume",
+    "verify",
+]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -90,6 +113,76 @@ def save(
     return final
 
 
+class UnsafeCheckpoint(pickle.UnpicklingError):
+    """A checkpoint file asks to load something other than plain data (code could run)."""
+
+
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ADMITTED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a lookup of torch's layouts by name
+    ("collections", "OrderedDict"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, torch's dtypes and the names in :data:`_ADMITTED`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = None
+        if module == _DCP_METADATA_MODULE or (module, name) in _ADMITTED:
+            obj = super().find_class(module, name)
+            if module == _DCP_METADATA_MODULE and not isinstance(obj, type):
+                obj = None
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            obj = getattr(torch, name)
+        if obj is None:
+            raise UnsafeCheckpoint(f"it names {module}.{name}, which is not checkpoint metadata")
+        return obj
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Any:
+    """DCP's ``Metadata`` of the checkpoint at ``path``, unpickled with only DCP's metadata
+    types admitted (plain ``pickle.load``, DCP's own reader, would run any code in the file).
+
+    Raises:
+        UnsafeCheckpoint: the file names another class or function.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with open(Path(path) / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpoint(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+def _load_plain(file: Path) -> Any:
+    """A ``torch.save`` file of plain data and tensors; never runs code from it."""
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        first = " ".join(str(e).split("\n")[0].split())
+        raise UnsafeCheckpoint(f"it holds more than plain data ({first[:160]})") from None
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading the non-tensor items with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)  # refuses anything but plain data
+        clean = io.BytesIO()
+        torch.save(obj, clean)  # what the default planner then reads is what we wrote
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
+
+
 def _step_dirs(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
@@ -131,19 +224,17 @@ def verify(path: str | os.PathLike) -> str | None:
 
     Checks, without loading any tensor: ``.metadata`` loads; every file it names exists and is
     long enough for every item stored in it, and each item starts like a ``torch.save`` archive;
-    ``trainer.pt`` loads, with a ``step`` equal to the directory's, a scheduler state and the
-    run's metadata; every ``rng_rank*.pt`` loads. Fast: reads the small files and a few bytes per
-    item.
+    ``trainer.pt`` loads as plain data, with a ``step`` equal to the directory's, a scheduler
+    state and the run's metadata; every ``rng_rank*.pt`` loads as plain data. Fast: reads the
+    small files and a few bytes per item.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     path = Path(path)
     if not path.is_dir():
         return f"{path} is not a directory"
     if not (path / ".metadata").is_file():
         return "its .metadata file is missing (the save did not finish)"
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = read_dcp_metadata(path)
         storage = metadata.storage_data
         if not isinstance(storage, dict) or not storage:
             return ".metadata names no stored data"
@@ -182,7 +273,9 @@ def verify(path: str | os.PathLike) -> str | None:
         return f"trainer.pt says step {trainer['step']} but the directory is {path.name}"
     for rng in sorted(path.glob("rng_rank*.pt")):
         try:
-            torch.load(rng, weights_only=False)
+            state = _load_plain(rng)
+            if not isinstance(state, dict) or not isinstance(state.get("cpu"), torch.Tensor):
+                return f"{rng.name} does not hold an RNG state"
         except Exception as e:
             return f"{rng.name} cannot be read ({type(e).__name__}: {_short(e)})"
     return None
@@ -208,7 +301,7 @@ def select_resume(ckpt_dir: str | os.PathLike) -> tuple[Path | None, list[tuple[
 
 def read_meta(path: Path) -> dict:
     """The trainer metadata (step, config) of a checkpoint, without loading the tensors."""
-    return torch.load(path / "trainer.pt", weights_only=False)
+    return _load_plain(path / "trainer.pt")
 
 
 def load(
@@ -222,16 +315,17 @@ def load(
     The caller checks the metadata (model shape) first: see :func:`read_meta`.
     """
     trainer = read_meta(path)
+    read_dcp_metadata(path)  # refuses a .metadata that names anything but DCP's types
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # loaded in place
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), planner=_SafeLoadPlanner())
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     scheduler.load_state_dict(trainer["scheduler"])
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(_load_plain(rng))
     return trainer
 
 

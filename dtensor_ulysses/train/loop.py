@@ -79,9 +79,12 @@ from dtensor_ulysses.train.guard import (
     RunGuard,
     catch_stop_signals,
     clear_rank_note,
+    note_building,
+    note_refusal,
     prepare_cuda_allocator,
+    record_exit_status,
 )
-from dtensor_ulysses.train.metrics import StepLogger
+from dtensor_ulysses.train.metrics import StepLogger, truncate_after
 from dtensor_ulysses.train.resume import checkpoint_meta, save_checkpoint
 from dtensor_ulysses.train.spec import make_optimizer, model_spec
 
@@ -242,6 +245,14 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
             f"{cfg.steps}" + (f" | resumed from {path}" if path else ""),
             flush=True,
         )
+    if start and cfg.metrics_file and rank == 0:
+        dropped = truncate_after(cfg.metrics_file, start)
+        if dropped:
+            print(
+                f"{cfg.metrics_file}: dropped {dropped} row(s) past step {start} (logged after "
+                f"the checkpoint, trained again now)",
+                flush=True,
+            )
     logger = StepLogger(
         total_steps=cfg.steps,
         flops_per_token=flops_per_token,
@@ -330,12 +341,21 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))  # fmt: skip
     rank = int(os.environ["RANK"])
+    with catch_stop_signals():  # from the start: a signal while building stops after step 1
+        code = _main(argv, rank)
+    record_exit_status(code, rank)
+    return leave_together(code, rank)
+
+
+def _main(argv: list[str] | None, rank: int) -> int:
     try:
         cfg = validate(prepare_cuda_allocator(parse_args(argv)), int(os.environ["WORLD_SIZE"]))
+        note_building(rank, cfg.steps)
         train(cfg)  # creates the process group (init_mesh), the one place that does
         code = 0
         clear_rank_note()
     except UsageError as e:
+        note_refusal(str(e))  # torchrun's summary shows the reason, not "To enable traceback"
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
@@ -346,4 +366,4 @@ def main(argv: list[str] | None = None) -> int:
         clear_rank_note()
         traceback.print_exc()
         code = 1
-    return leave_together(code, rank)
+    return code
