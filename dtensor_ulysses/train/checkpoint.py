@@ -168,8 +168,9 @@ def _load_plain(file: Path) -> Any:
     try:
         return torch.load(file, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        first = " ".join(str(e).split("\n")[0].split())
-        raise UnsafeCheckpoint(f"it holds more than plain data ({first[:160]})") from None
+        named = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", str(e))
+        what = f"names {named.group(1)}" if named else "holds more than plain data"
+        raise UnsafeCheckpoint(f"it {what}, which a checkpoint never holds") from None
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):

@@ -240,6 +240,58 @@ def test_verify_names_what_is_wrong(tmp_path):
     assert [p for p, _ in damaged] == [newer]
 
 
+class _Payload:
+    """Unpickling this runs ``os.makedirs(marker)``: what a planted payload would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_payload_planted_in_a_checkpoint_never_runs(tmp_path, capsys):
+    """A pickled payload planted in ``trainer.pt``, in ``rng_rank0.pt`` and in DCP's
+    ``.metadata``: verifying, choosing and loading the checkpoint never runs it; the checkpoint
+    is damaged (named with the file) and ``--resume`` falls back to the older intact one."""
+    import pickle
+
+    from dtensor_ulysses.models import build_model
+    from dtensor_ulysses.train.resume import select_checkpoint
+
+    good = _tiny_checkpoint(tmp_path / "good")
+    trainer = ckpt.read_meta(good)
+    marker = tmp_path / "payload-ran"
+    for name in ("trainer.pt", "rng_rank0.pt", ".metadata"):
+        root = tmp_path / name
+        shutil.copytree(good, root / "step_00000007")
+        bad = root / "step_00000009"
+        shutil.copytree(good, bad)
+        torch.save(dict(trainer, step=9), bad / "trainer.pt")
+        if name == "trainer.pt":
+            torch.save(dict(trainer, step=9, meta={"seed": _Payload(marker)}), bad / name)
+        elif name == "rng_rank0.pt":
+            torch.save({"cpu": torch.get_rng_state(), "x": _Payload(marker)}, bad / name)
+        else:
+            metadata = ckpt.read_dcp_metadata(bad)
+            metadata.planner_data = _Payload(marker)
+            (bad / name).write_bytes(pickle.dumps(metadata))
+        problem = ckpt.verify(bad)
+        assert problem is not None and problem.startswith(name), (name, problem)
+        assert "os.makedirs" in problem or "makedirs" in problem, (name, problem)
+        assert select_checkpoint(str(root)) == root / "step_00000007", name
+        warning = capsys.readouterr().err
+        assert f"checkpoint {bad} is damaged ({name}" in warning, warning
+        model = build_model("tiny", device="cpu")
+        opt = torch.optim.AdamW(model.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        with pytest.raises(ckpt.UnsafeCheckpoint):
+            ckpt.load(bad, model, opt, sched)
+        assert ckpt.load(root / "step_00000007", model, opt, sched)["step"] == 7
+        assert not marker.exists(), f"the payload in {name} ran"
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input up front
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -146,28 +147,61 @@ def _wait_for_step(metrics: Path, proc: subprocess.Popen, step: int, deadline: f
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(400)
+def _launch_cmd(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "dtensor_ulysses.launch", "--standalone", "--nproc-per-node=2",
+            "-m", "dtensor_ulysses.train", *args]  # fmt: skip
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (absent, or a zombie waiting for its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+# (how the job is launched, the signal, sent to the launcher's pid alone or to its group)
+_STOPS = {
+    "launch_usr1_pid": ("launch", signal.SIGUSR1, "pid"),
+    "launch_usr1_group": ("launch", signal.SIGUSR1, "group"),
+    "launch_term_pid": ("launch", signal.SIGTERM, "pid"),
+    "launch_term_group": ("launch", signal.SIGTERM, "group"),
+    "torchrun_usr1_rank1": ("torchrun", signal.SIGUSR1, "rank1"),
+}
+
+
+@pytest.mark.timeout(500)
 def test_preempt_then_resume_equals_straight_run(tmp_path):
-    """SIGTERM to torchrun, and SIGUSR1 to rank 1 alone: every rank stops after the same step,
-    the checkpoint of that step is written, the workers exit 75; resuming gives the straight
-    run's losses bit for bit. The straight run is made afterwards, as long as the stops need
-    (the schedule does not depend on ``--steps``), so how fast the jobs run cannot matter."""
-    procs = {}
-    for how in ("sigterm_torchrun", "sigusr1_rank1"):
+    """SIGUSR1 and SIGTERM to ``python -m dtensor_ulysses.launch``, to its pid alone and to its
+    process group (as SLURM's batch-script trap and Kubernetes send them), and SIGUSR1 to one
+    torchrun worker: every rank stops after the same step, the checkpoint of that step is
+    written, no worker is left running, the status is 75 (the launcher's own; torchrun's
+    summary names the workers' 75); resuming gives the straight run's losses bit for bit, and a
+    resumed run drops the metrics rows logged past its checkpoint (a crash leaves them; planted
+    here). The straight run is made afterwards, as long as the stops need (the schedule does not
+    depend on ``--steps``), so how fast the jobs run cannot matter."""
+    procs, workers = {}, {}
+    for how, (launcher, _, _) in _STOPS.items():
         args = [*COMMON, "--steps", "1000", "--checkpoint-dir", str(tmp_path / how),
                 "--metrics-file", str(tmp_path / f"{how}.jsonl")]  # fmt: skip
-        procs[how] = subprocess.Popen(_cmd(args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+        cmd = _launch_cmd(args) if launcher == "launch" else _cmd(args)
+        procs[how] = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True,
                                       start_new_session=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 200
+        deadline = time.monotonic() + 300
         for how, proc in procs.items():
             _wait_for_step(tmp_path / f"{how}.jsonl", proc, 2, deadline)
-            if how == "sigterm_torchrun":
-                proc.send_signal(signal.SIGTERM)
+            workers[how] = _worker_pids(proc.pid)
+            assert sorted(workers[how]) == [0, 1], (how, workers[how])
+            _, sig, target = _STOPS[how]
+            if target == "pid":
+                proc.send_signal(sig)
+            elif target == "group":
+                os.killpg(proc.pid, sig)  # start_new_session: the launcher leads its group
             else:
-                os.kill(_worker_pids(proc.pid)[1], signal.SIGUSR1)
-        outs = {how: proc.communicate(timeout=120) for how, proc in procs.items()}
+                os.kill(workers[how][1], sig)
+        outs = {how: proc.communicate(timeout=150) for how, proc in procs.items()}
     finally:
         for proc in procs.values():
             for pid in [proc.pid, *_descendants(proc.pid)]:
@@ -175,22 +209,31 @@ def test_preempt_then_resume_equals_straight_run(tmp_path):
                     os.kill(pid, signal.SIGKILL)
     resume_jobs, stops = [], {}
     for how, (_, stderr) in outs.items():
+        launcher, sig, _ = _STOPS[how]
         label = f"{how}: rc={procs[how].returncode}\n{stderr[-3000:]}"
         m = re.search(r"^preempted: (SIG\w+) received: stopped after step (\d+) of 1000; "
                       r"checkpoint (\S+) written", stderr, re.M)  # fmt: skip
-        assert m, label
+        assert m and m.group(1) == sig.name, label
         stop = int(m.group(2))
-        assert m.group(1) == ("SIGTERM" if how == "sigterm_torchrun" else "SIGUSR1"), label
         assert sorted(_losses(tmp_path / f"{how}.jsonl")) == list(range(1, stop + 1)), label
         ck = tmp_path / how
         assert _written(ck) == [f"step_{stop:08d}"], label
-        if how == "sigusr1_rank1":  # torchrun's summary names the workers' status
+        left = [pid for pid in workers[how].values() if not _gone(pid)]
+        assert not left, f"workers {left} still running; {label}"
+        if launcher == "launch":
+            assert procs[how].returncode == EXIT_PREEMPTED, label
+        else:  # torchrun's own status is 1; its summary names the workers' status and the stop
             assert re.search(rf"exitcode\s*: {EXIT_PREEMPTED}\b", stderr), label
             assert "stopped after step" in stderr.split("Root Cause")[-1], label
         stops[how] = stop
+        metrics = tmp_path / f"{how}.jsonl"
+        if how == "launch_usr1_pid":  # rows a crash after the checkpoint would have left
+            with metrics.open("a") as f:
+                f.write(json.dumps({"step": stop + 1, "loss": 0.0}) + '\n{"step": ')
+        else:
+            metrics = tmp_path / f"{how}.b.jsonl"
         resume_jobs.append(([*COMMON, "--steps", str(stop + 2), "--resume", "--checkpoint-dir",
-                             str(ck), "--metrics-file", str(tmp_path / f"{how}.b.jsonl")],
-                            _env()))  # fmt: skip
+                             str(ck), "--metrics-file", str(metrics)], _env()))  # fmt: skip
     straight = ([*COMMON, "--steps", str(max(stops.values()) + 2), "--metrics-file",
                  str(tmp_path / "a.jsonl")], _env())  # fmt: skip
     straight_res, *resumed = _run_all([straight, *resume_jobs])
@@ -198,10 +241,17 @@ def test_preempt_then_resume_equals_straight_run(tmp_path):
     a = _losses(tmp_path / "a.jsonl")
     for (how, stop), res in zip(stops.items(), resumed):
         assert res.returncode == 0, res.stderr[-3000:]
-        first = _losses(tmp_path / f"{how}.jsonl")
-        b = _losses(tmp_path / f"{how}.b.jsonl")
-        assert sorted(b) == [stop + 1, stop + 2], (how, sorted(b))
-        got = {**first, **b}
+        if how == "launch_usr1_pid":
+            rows = [json.loads(x)["step"] for x in (tmp_path / f"{how}.jsonl").read_text().split(
+                "\n") if x]  # fmt: skip
+            assert rows == list(range(1, stop + 3)), f"one row per step: {rows}"
+            assert f"dropped 2 row(s) past step {stop}" in res.stdout, res.stdout[-2000:]
+            got = _losses(tmp_path / f"{how}.jsonl")
+        else:
+            b = _losses(tmp_path / f"{how}.b.jsonl")
+            assert sorted(b) == [stop + 1, stop + 2], (how, sorted(b))
+            got = {**_losses(tmp_path / f"{how}.jsonl"), **b}
+        assert sorted(got) == list(range(1, stop + 3)), (how, sorted(got))
         assert got == {s: a[s] for s in got}, f"{how}: resumed losses differ from the straight run"
 
 
