@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,8 +112,8 @@ def test_refusals_happen_before_the_first_step(tmp_path):
 
 
 def test_save_hf_and_unwritable_paths_are_refused(tmp_path):
-    """In process (no torchrun): ``--save-hf`` naming a file; a read-only directory (skipped
-    as root, whom permissions do not stop)."""
+    """In process (no torchrun): ``--save-hf`` naming a file; a directory the user may not
+    write (as root, in a child that drops to user nobody, beside a writable control)."""
     from dtensor_ulysses.train.cli import TrainConfig, UsageError
     from dtensor_ulysses.train.guard import check_targets
 
@@ -124,18 +125,68 @@ def test_save_hf_and_unwritable_paths_are_refused(tmp_path):
         check_targets(TrainConfig(save_hf=str(a_file / "out" / "model")))
     check_targets(TrainConfig(save_hf=str(tmp_path / "new" / "model")))  # creatable: fine
     assert not (tmp_path / "new").exists(), "the check creates nothing"
-    if os.geteuid() == 0:
-        return
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
+    kws = [{"checkpoint_dir": str(ro / "ck")}, {"metrics_file": str(ro / "m.jsonl")},
+           {"save_hf": str(ro / "out")}]  # fmt: skip
     try:
-        for kw in ({"checkpoint_dir": str(ro / "ck")}, {"metrics_file": str(ro / "m.jsonl")},
-                   {"save_hf": str(ro / "out")}):  # fmt: skip
-            with pytest.raises(UsageError, match="cannot write in"):
-                check_targets(TrainConfig(**kw))
+        if os.geteuid() != 0:
+            for kw in kws:
+                with pytest.raises(UsageError, match="cannot write in"):
+                    check_targets(TrainConfig(**kw))
+            return
     finally:
         ro.chmod(0o700)
+    # root (as on CI), whom permissions do not stop: the checks run in a child that drops to
+    # an unprivileged user, on a directory it may not write and one it may (the control)
+    base = Path(tempfile.mkdtemp(prefix="du-perm-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        (base / "ro").mkdir(mode=0o555)
+        (base / "rw").mkdir()
+        (base / "rw").chmod(0o777)
+        kws = [{k: v.replace(str(ro), str(base / d)) for k, v in kw.items()}
+               for d in ("ro", "rw") for kw in kws]  # fmt: skip
+        got = _as_nobody(lambda: [_refusal(check_targets, TrainConfig(**kw)) for kw in kws])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    for kw, message in zip(kws[:3], got[:3]):
+        assert message and "cannot write in" in message, (kw, message)
+    assert got[3:] == [None, None, None], got[3:]
+
+
+def _refusal(check, cfg) -> str | None:
+    from dtensor_ulysses.train.cli import UsageError
+
+    try:
+        check(cfg)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def _as_nobody(fn):
+    """``fn()`` in a forked child running as uid/gid 65534 (nobody); returns its result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop privileges, run, report, leave without cleanup
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(w, json.dumps(fn()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and out, f"the unprivileged child failed (status {status})"
+    return json.loads(out)
 
 
 # ----------------------------------------------------------------------------------------------
