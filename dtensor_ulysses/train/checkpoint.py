@@ -26,6 +26,7 @@ once the new one is complete (renamed into place).
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -38,10 +39,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 __all__ = [
+    "ENOSPC_HOOK_ENV",
+    "EXIT_CHECKPOINT_FAILED",
+    "CheckpointWriteError",
     "UnsafeCheckpoint",
     "latest",
     "load",
@@ -54,6 +59,37 @@ __all__ = [
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+EXIT_CHECKPOINT_FAILED = 74  # sysexits.h EX_IOERR
+# Test hook (read only here): the save of step N fails on the last rank as on a full disk.
+ENOSPC_HOOK_ENV = "DTENSOR_ULYSSES_TEST_ENOSPC_AT_STEP"
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (a full disk, a quota, an I/O error) on some rank.
+
+    Its partial ``*.tmp`` directory is removed, so ``--resume`` sees only intact checkpoints;
+    the message names the failed checkpoint, the newest intact one and the fix.
+    """
+
+    exit_code = EXIT_CHECKPOINT_FAILED
+
+    def __init__(self, step: int, final: Path, why: str) -> None:
+        newest = latest(final.parent)
+        if newest is None:
+            then = (
+                f"no intact checkpoint is left in {str(final.parent)!r}, so the run restarts "
+                f"from step 0"
+            )
+        else:
+            then = (
+                f"the newest intact checkpoint is {newest} (step {int(newest.name[5:])}): "
+                f"continue from it with the same command plus --resume"
+            )
+        super().__init__(
+            f"checkpoint step {step} could not be written to {final} ({why}); its partial "
+            f"files were removed. Free space under {str(final.parent)!r} (or choose another "
+            f"--checkpoint-dir); {then}"
+        )
 
 
 def _rank() -> int:
@@ -90,13 +126,30 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    if _rank() == 0:
-        trainer = {"step": step, "scheduler": scheduler.state_dict(), "meta": meta}
-        torch.save(trainer, tmp / "trainer.pt")
-    _barrier()
+    why = None
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        rng = tmp / f"rng_rank{_rank()}.pt"
+        _enospc_hook(step, rng)
+        torch.save(_rng_state(), rng)
+        if _rank() == 0:
+            trainer = {"step": step, "scheduler": scheduler.state_dict(), "meta": meta}
+            torch.save(trainer, tmp / "trainer.pt")
+    except (OSError, RuntimeError, CheckpointException) as e:  # RuntimeError: torch.save's
+        why = _write_failure(e)
+    whys = [why]
+    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank learns of a failure
+        whys = [None] * dist.get_world_size()
+        dist.all_gather_object(whys, why)
+    failed = [(r, w) for r, w in enumerate(whys) if w is not None]
+    if failed:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        rank, why = failed[0]
+        where = f"rank {rank}: " if len(whys) > 1 else ""
+        raise CheckpointWriteError(step, final, where + why)
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -182,6 +235,23 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         torch.save(obj, clean)  # what the default planner then reads is what we wrote
         clean.seek(0)
         super().load_bytes(read_item, clean)
+
+
+def _write_failure(e: BaseException) -> str:
+    """What went wrong in a write, in a few words (the first failure inside DCP's)."""
+    if isinstance(e, CheckpointException):
+        inner = [exc for exc, _ in e.failures.values()]
+        e = next((x for x in inner if isinstance(x, OSError)), inner[0] if inner else e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return f"{type(e).__name__}: {_short(e)}"
+
+
+def _enospc_hook(step: int, target: Path) -> None:
+    hook = os.environ.get(ENOSPC_HOOK_ENV)
+    last = dist.get_world_size() - 1 if dist.is_initialized() else 0
+    if hook and int(hook) == step and _rank() == last:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
 
 
 def _step_dirs(root: Path) -> list[Path]:

@@ -332,7 +332,8 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status: 0 done, 2 bad input, 3 a non-finite
-    loss or gradient norm, 75 preempted (SIGTERM or SIGUSR1; checkpointed), 1 anything else.
+    loss or gradient norm, 74 a checkpoint could not be written (a full disk), 75 preempted
+    (SIGTERM or SIGUSR1; checkpointed), 1 anything else.
 
     Only a :class:`UsageError` becomes one ``error:`` line (from rank 0); any other exception is
     a bug or an environment failure and prints its full traceback on the rank where it happened.
@@ -361,6 +362,11 @@ def _main(argv: list[str] | None, rank: int) -> int:
         code = 2
     except GuardStop as e:  # preempted (75) or a non-finite step (3): see guard.py
         e.report(rank)
+        code = e.exit_code
+    except ckpt.CheckpointWriteError as e:  # a full disk: every rank stops here, alike (74)
+        note_refusal(str(e))
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         code = e.exit_code
     except Exception:
         clear_rank_note()
