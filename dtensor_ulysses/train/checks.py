@@ -8,6 +8,7 @@ The ``--hf-model`` checks and the corpora are in :mod:`dtensor_ulysses.train.inp
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -19,12 +20,23 @@ from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
 from dtensor_ulysses.plan.presets import ModelShape, get_shape
 from dtensor_ulysses.plan.splits import check_ring_seq, check_sp_for_heads, nearby_multiples
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, _warn
-from dtensor_ulysses.train.guard import check_numbers, check_targets
+from dtensor_ulysses.train.guard import SINGLE_PROCESS_ENV, check_numbers, check_targets
 from dtensor_ulysses.train.inputs import check_eval_corpus, validate_hf
 from dtensor_ulysses.train.resume import check_resumable, select_checkpoint
 from dtensor_ulysses.train.spec import model_spec
 
 __all__ = ["validate"]
+
+
+def _started(world_size: int) -> str:
+    """How many processes run, and how to start more when none came from a launcher."""
+    if os.environ.get(SINGLE_PROCESS_ENV):
+        return (
+            "this is one process, not started by torchrun: launch it with `torchrun "
+            "--nproc-per-node N -m dtensor_ulysses.train ...` (or `python -m "
+            "dtensor_ulysses.launch --nproc-per-node N -m dtensor_ulysses.train ...`)"
+        )
+    return f"torchrun started {world_size} processes"
 
 
 def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
@@ -67,7 +79,7 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
         if cfg.dp * cfg.ring * cfg.sp != world_size:
             raise UsageError(
                 f"--dp {cfg.dp} x --ring {cfg.ring} x --sp {cfg.sp} = "
-                f"{cfg.dp * cfg.ring * cfg.sp} but torchrun started {world_size} processes; "
+                f"{cfg.dp * cfg.ring * cfg.sp} but {_started(world_size)}; "
                 f"make dp * ring * sp equal --nproc-per-node x --nnodes"
             )
         if cfg.hf_model is not None or cfg.eval_data:
@@ -78,8 +90,8 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
             raise UsageError(f"--seq-len: {e}") from None
     elif cfg.dp * cfg.sp != world_size:
         raise UsageError(
-            f"--dp {cfg.dp} x --sp {cfg.sp} = {cfg.dp * cfg.sp} but torchrun started "
-            f"{world_size} processes; make dp * sp equal --nproc-per-node x --nnodes"
+            f"--dp {cfg.dp} x --sp {cfg.sp} = {cfg.dp * cfg.sp} but {_started(world_size)}; "
+            f"make dp * sp equal --nproc-per-node x --nnodes"
         )
     shape = validate_hf(cfg) if cfg.hf_model is not None else _validate_preset(cfg)
     device_type = _validate_device(cfg, shape)

@@ -50,6 +50,7 @@ __all__ = [
     "EXIT_NONFINITE",
     "EXIT_PREEMPTED",
     "NAN_HOOK_ENV",
+    "SINGLE_PROCESS_ENV",
     "GuardStop",
     "NonFiniteStep",
     "Preempted",
@@ -68,6 +69,7 @@ EXIT_NONFINITE = 3
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the user is invited to retry
 NAN_HOOK_ENV = "DTENSOR_ULYSSES_TEST_NAN_AT_STEP"
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+SINGLE_PROCESS_ENV = "DTENSOR_ULYSSES_SINGLE_PROCESS"  # set by main without a launcher
 
 
 # ----------------------------------------------------------------------------------------------

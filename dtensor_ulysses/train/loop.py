@@ -75,6 +75,7 @@ from dtensor_ulysses.train import checkpoint as ckpt
 from dtensor_ulysses.train.checks import validate
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, parse_args
 from dtensor_ulysses.train.guard import (
+    SINGLE_PROCESS_ENV,
     GuardStop,
     RunGuard,
     catch_stop_signals,
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     if "RANK" not in os.environ:  # plain `python -m dtensor_ulysses.train`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))  # fmt: skip
+                          MASTER_PORT=str(_free_port()), **{SINGLE_PROCESS_ENV: "1"})  # fmt: skip
     rank = int(os.environ["RANK"])
     with catch_stop_signals():  # from the start: a signal while building stops after step 1
         code = _main(argv, rank)

@@ -111,6 +111,54 @@ def test_refusals_happen_before_the_first_step(tmp_path):
     assert _written(ck) == ["step_00000002"] and _written(tmp_path / "ck2") == ["step_00000001"]
 
 
+def test_what_a_new_user_gets_wrong_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """In process: ``--checkpoint-every -1``; an ``--eval-data`` too small (named, not "the
+    corpus"); chat JSONL with the built-in model (needs ``--hf-model``); ``--sp 2`` in a plain
+    ``python -m`` process (launch with torchrun)."""
+    from dtensor_ulysses.train import validate
+    from dtensor_ulysses.train.cli import TrainConfig, UsageError
+    from dtensor_ulysses.train.guard import SINGLE_PROCESS_ENV
+
+    small, chat = tmp_path / "held.txt", tmp_path / "chat.jsonl"
+    small.write_text("x y\n")
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    base = dict(seq_len=64, batch_size=2, steps=3, device="cpu")
+    cases = [
+        (dict(checkpoint_every=-1), r"^--checkpoint-every -1 must be >= 0 steps \(0: checkpoint"),
+        (dict(eval_data=[str(small)]), r"^--eval-data '.*held\.txt' has \d+ tokens but one wi"),
+        (dict(data=[str(chat)]), r"chat template: train a transformers model on them with "
+                                 r"--hf-model DIR"),
+    ]  # fmt: skip
+    for kw, pattern in cases:
+        with pytest.raises(UsageError, match=pattern):
+            validate(TrainConfig(**{**base, **kw}), 1)
+    with pytest.raises(UsageError, match=r"torchrun started 1 processes"):
+        validate(TrainConfig(**base, sp=2), 1)
+    monkeypatch.setenv(SINGLE_PROCESS_ENV, "1")
+    with pytest.raises(UsageError, match=r"one process, not started by torchrun: launch it with "
+                                         r"`torchrun --nproc-per-node N"):  # fmt: skip
+        validate(TrainConfig(**base, sp=2), 1)
+
+
+def test_a_rank_leaves_its_note_before_its_first_step(tmp_path, monkeypatch):
+    """The note torchrun's summary shows for a rank killed before it finished step 1 (while
+    building, or out of memory in step 1), read back as torchrun reads it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from dtensor_ulysses.train.guard import clear_rank_note, note_building
+
+    error_file = tmp_path / "attempt_0" / "1" / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    note_building(1, 30)
+    failure = ProcessFailure(local_rank=1, pid=123, exitcode=-9, error_file=str(error_file))
+    shown = failure.message["extraInfo"]["py_callstack"]  # what the summary prints
+    assert re.match(r"rank 1 \(pid \d+\) had not finished step 1 of 30 \(it was building",
+                    shown), shown  # fmt: skip
+    assert "out-of-memory killer" in shown
+    clear_rank_note()
+    assert not error_file.exists()
+
+
 def test_save_hf_and_unwritable_paths_are_refused(tmp_path):
     """In process (no torchrun): ``--save-hf`` naming a file; a directory the user may not
     write (as root, in a child that drops to user nobody, beside a writable control)."""
