@@ -1,6 +1,24 @@
-"""Run a function on a local gloo world of spawned processes (tests, notebooks, validation).
+"""Launch training so that a scheduler's warning reaches every worker; local gloo worlds.
 
-``torchrun`` is the way to launch training; this helper is for code that wants a small CPU world
+``python -m dtensor_ulysses.launch [torchrun options] -m dtensor_ulysses.train [trainer options]``
+runs ``torchrun`` with the same arguments and makes the signals a scheduler sends to the job's
+first process (SLURM's ``--signal=B:USR1@N`` via the batch script's trap, Kubernetes' SIGTERM)
+end in the trainer's agreed-step checkpoint, whether they are sent to this process alone or to
+its whole process group:
+
+* torchrun is told to handle SIGUSR1 too (its ``--signals-to-handle``, through
+  ``PET_SIGNALS_TO_HANDLE``; by default it handles only SIGTERM, SIGINT, SIGHUP and SIGQUIT and
+  dies at once on SIGUSR1, leaving its workers, which run in their own sessions, to train on;
+  setting ``TORCHELASTIC_SIGNALS_TO_HANDLE`` does nothing, torchrun overwrites it) and to wait
+  :data:`SHUTDOWN_TIMEOUT_S` seconds for its workers after forwarding a signal, instead of 30,
+  before it kills them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; a value you set wins);
+* torchrun runs in its own session, so a signal to this process's group reaches it once,
+  through this process, which forwards SIGTERM, SIGUSR1, SIGINT and SIGHUP; if this process
+  is killed, torchrun gets SIGTERM (Linux);
+* the exit status is the workers' own when they agree (75: pre-empted, checkpointed; 2: bad
+  input; 3: a non-finite step), where torchrun alone would exit 1 for all of them.
+
+:func:`run_local_world` is for code that wants a small CPU world
 from inside Python — a test, a notebook cell, ``python -m simulations validate`` — and wants each
 rank's return value back. Every run has a deadline: a mismatched collective fails with a
 ``TimeoutError`` naming the ranks still running instead of hanging.
@@ -16,8 +34,12 @@ unpickle functions defined in ``__main__`` or a notebook).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -31,7 +53,12 @@ import torch.multiprocessing as mp
 
 from dtensor_ulysses._exit import exit_process
 
-__all__ = ["run_local_world"]
+__all__ = ["EXIT_DIR_ENV", "FORWARDED_SIGNALS", "SHUTDOWN_TIMEOUT_S", "main", "run_local_world"]
+
+EXIT_DIR_ENV = "DTENSOR_ULYSSES_EXIT_DIR"  # where each worker leaves its exit status (rank{r})
+FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
+SHUTDOWN_TIMEOUT_S = 600  # torchrun's wait for its workers after a signal (its default: 30)
+_TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
 
 def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, coll_s: float) -> None:
@@ -118,3 +145,69 @@ def run_local_world(
             with open(os.path.join(tmp, f"result_{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def _torchrun_env(exit_dir: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # torchrun's --signals-to-handle (read from PET_SIGNALS_TO_HANDLE when not given) sets
+    # TORCHELASTIC_SIGNALS_TO_HANDLE itself: setting the latter before torchrun has no effect
+    have = [x.strip() for x in env.get("PET_SIGNALS_TO_HANDLE", "").split(",") if x.strip()]
+    env["PET_SIGNALS_TO_HANDLE"] = ",".join(dict.fromkeys([*have, *_TORCHRUN_SIGNALS]))
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    env[EXIT_DIR_ENV] = exit_dir
+    return env
+
+
+def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when the launcher dies
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
+def _workers_status(exit_dir: str) -> int | None:
+    codes = set()
+    for name in os.listdir(exit_dir):
+        if name.startswith("rank"):
+            with open(os.path.join(exit_dir, name)) as f:
+                codes.add(int(f.read().strip() or 1))
+    codes.discard(0)
+    return codes.pop() if len(codes) == 1 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with ``argv`` (its own options, then the script or ``-m module`` and its
+    options), forwarding stop signals; returns the exit status (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: python -m dtensor_ulysses.launch [torchrun options] -m dtensor_ulysses.train "
+            "[trainer options]\n(torchrun's own options: python -m torch.distributed.run --help)",
+            file=sys.stderr if not argv else sys.stdout,
+        )
+        return 2 if not argv else 0
+    with tempfile.TemporaryDirectory(prefix="du-launch-") as exit_dir:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *argv],
+            env=_torchrun_env(exit_dir),
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        forwarded: set[int] = set()
+
+        def forward(signum, frame) -> None:
+            if signum not in forwarded:  # once: a group signal and a trap may both deliver it
+                forwarded.add(signum)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signum)
+
+        for name in FORWARDED_SIGNALS:
+            signal.signal(getattr(signal, name), forward)
+        code = proc.wait()
+        if code != 0:
+            code = _workers_status(exit_dir) or code
+        return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

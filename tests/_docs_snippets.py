@@ -176,6 +176,8 @@ def _parse(tokens: list[str]) -> tuple[list[str], list[str]] | None:
     for i, tok in enumerate(tokens):
         if tok == "-m" and i + 1 < len(tokens):
             module = tokens[i + 1]
+            if module == "dtensor_ulysses.launch":  # a launcher: torchrun's options, then -m
+                continue
             if not module.startswith(("dtensor_ulysses", "simulations", "benchmarks")):
                 return None
             rest = tokens[i + 2 :]

@@ -78,6 +78,12 @@ def _jsonl_documents(path: pathlib.Path, data: bytes) -> list[bytes]:
             raise ValueError(f"{where} is not valid JSON ({e.msg}); {fix}") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             got = f"keys {sorted(record)}" if isinstance(record, dict) else type(record).__name__
+            if isinstance(record, dict) and ("messages" in record or "prompt" in record):
+                fix = (
+                    "chat records (messages, or prompt/completion) need a tokenizer's chat "
+                    "template: train a transformers model on them with --hf-model DIR; the "
+                    f"built-in model reads plain text ({fix})"
+                )
             raise ValueError(f'{where} has no "text" string (got {got}); {fix}')
         if record["text"]:
             docs.append(record["text"].encode("utf-8"))

@@ -8,6 +8,7 @@ The ``--hf-model`` checks and the corpora are in :mod:`dtensor_ulysses.train.inp
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,12 +21,23 @@ from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
 from dtensor_ulysses.plan.presets import ModelShape, get_shape
 from dtensor_ulysses.plan.splits import check_ring_seq, check_sp_for_heads, nearby_multiples
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, _warn
-from dtensor_ulysses.train.guard import check_numbers, check_targets
+from dtensor_ulysses.train.guard import SINGLE_PROCESS_ENV, check_numbers, check_targets
 from dtensor_ulysses.train.inputs import check_eval_corpus, validate_hf
 from dtensor_ulysses.train.resume import check_resumable, select_checkpoint
 from dtensor_ulysses.train.spec import model_spec
 
 __all__ = ["validate"]
+
+
+def _started(world_size: int) -> str:
+    """How many processes run, and how to start more when none came from a launcher."""
+    if os.environ.get(SINGLE_PROCESS_ENV):
+        return (
+            "this is one process, not started by torchrun: launch it with `torchrun "
+            "--nproc-per-node N -m dtensor_ulysses.train ...` (or `python -m "
+            "dtensor_ulysses.launch --nproc-per-node N -m dtensor_ulysses.train ...`)"
+        )
+    return f"torchrun started {world_size} processes"
 
 
 def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
@@ -120,8 +132,8 @@ def _resolve_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     dims = ParallelDims(cfg.dp, cfg.ring, sp)
     if dims.world_size != world_size:
         raise UsageError(
-            f"--dp {cfg.dp}{ring} x --sp {sp} = {dims.world_size} but torchrun started "
-            f"{world_size} processes; make dp{' * ring' if cfg.ring > 1 else ''} * sp equal "
+            f"--dp {cfg.dp}{ring} x --sp {sp} = {dims.world_size} but {_started(world_size)}; "
+            f"make dp{' * ring' if cfg.ring > 1 else ''} * sp equal "
             f"--nproc-per-node x --nnodes"
         )
     return dims

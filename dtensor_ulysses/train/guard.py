@@ -4,7 +4,8 @@ Before anything is built (called by ``validate``):
 
 * :func:`check_numbers`: every optimizer and schedule number (``--lr``, ``--min-lr-ratio``,
   ``--warmup-steps``, ``--decay-steps``, ``--weight-decay``, ``--grad-clip``,
-  ``--collective-timeout-s``, ``--memory-headroom``) finite and in range;
+  ``--collective-timeout-s``, ``--memory-headroom``, ``--checkpoint-every``) finite and in
+  range;
 * :func:`check_targets`: every path the run writes (``--checkpoint-dir``, ``--metrics-file``,
   ``--save-hf``) can be written; ``--resume`` has steps left to train; a run without
   ``--resume`` does not write into a directory that holds checkpoints (of this run or another)
@@ -49,6 +50,7 @@ __all__ = [
     "EXIT_NONFINITE",
     "EXIT_PREEMPTED",
     "NAN_HOOK_ENV",
+    "SINGLE_PROCESS_ENV",
     "GuardStop",
     "NonFiniteStep",
     "Preempted",
@@ -57,6 +59,9 @@ __all__ = [
     "check_numbers",
     "check_targets",
     "clear_rank_note",
+    "note_building",
+    "note_refusal",
+    "record_exit_status",
     "prepare_cuda_allocator",
 ]
 
@@ -64,6 +69,7 @@ EXIT_NONFINITE = 3
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the user is invited to retry
 NAN_HOOK_ENV = "DTENSOR_ULYSSES_TEST_NAN_AT_STEP"
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+SINGLE_PROCESS_ENV = "DTENSOR_ULYSSES_SINGLE_PROCESS"  # set by main without a launcher
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,6 +92,8 @@ def check_numbers(cfg: TrainConfig) -> None:
         ("--grad-clip", cfg.grad_clip, cfg.grad_clip >= 0, "must be >= 0 (0: no clipping)"),
         ("--collective-timeout-s", cfg.collective_timeout_s, cfg.collective_timeout_s > 0,
          "must be > 0 seconds"),
+        ("--checkpoint-every", cfg.checkpoint_every, cfg.checkpoint_every >= 0,
+         "must be >= 0 steps (0: checkpoint only at the end)"),
     ]  # fmt: skip
     if cfg.memory_headroom is not None:
         checks.append(("--memory-headroom", cfg.memory_headroom,
@@ -246,6 +254,7 @@ def prepare_cuda_allocator(cfg: TrainConfig) -> TrainConfig:
 # while training
 # ----------------------------------------------------------------------------------------------
 _received: list[str] = []  # names of the stop signals received while catch_stop_signals is on
+_depth: list[int] = []  # nesting of catch_stop_signals
 
 
 def _on_stop_signal(signum, frame) -> None:
@@ -257,7 +266,9 @@ def catch_stop_signals() -> Iterator[None]:
     """While inside, SIGTERM and SIGUSR1 only set a flag (the loop stops at the next step
     boundary); the previous handlers come back on leaving. A no-op outside the main thread."""
     previous = {}
-    _received.clear()
+    if not _depth:  # a nested use (main's, then train's) keeps what was received before
+        _received.clear()
+    _depth.append(1)
     try:
         for name in STOP_SIGNALS:
             sig = getattr(signal, name, None)
@@ -268,6 +279,7 @@ def catch_stop_signals() -> Iterator[None]:
     try:
         yield
     finally:
+        _depth.pop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -439,3 +451,28 @@ def clear_rank_note() -> None:
     if path:
         with contextlib.suppress(OSError):
             Path(path).unlink()
+
+
+def note_building(rank: int, steps: int) -> None:
+    """Leave the note of a rank that has not finished a step yet (building the model, loading
+    a checkpoint, or inside step 1), replaced by :meth:`RunGuard.heartbeat` after each step."""
+    _write_rank_note(
+        f"rank {rank} (pid {os.getpid()}) had not finished step 1 of {steps} (it was building "
+        f"the model, loading data or a checkpoint, or running step 1); a rank ended by a signal "
+        f"leaves no message of its own (SIGKILL: often the kernel's out-of-memory killer, see "
+        f"`dmesg`; lower the memory per rank, see --memory-headroom)"
+    )
+
+
+def note_refusal(message: str) -> None:
+    """Leave a refusal's reason where torchrun's failure summary shows it."""
+    _write_rank_note(f"error: {message}")
+
+
+def record_exit_status(code: int, rank: int) -> None:
+    """Under ``python -m dtensor_ulysses.launch``: leave this rank's exit status for the
+    launcher, which exits with the workers' status when they agree."""
+    where = os.environ.get("DTENSOR_ULYSSES_EXIT_DIR")
+    if where:
+        with contextlib.suppress(OSError):
+            Path(where, f"rank{rank}").write_text(str(code))

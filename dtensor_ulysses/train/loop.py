@@ -72,13 +72,17 @@ from dtensor_ulysses.train.checks import validate
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, parse_args
 from dtensor_ulysses.train.evaluation import Evaluator
 from dtensor_ulysses.train.guard import (
+    SINGLE_PROCESS_ENV,
     GuardStop,
     RunGuard,
     catch_stop_signals,
     clear_rank_note,
+    note_building,
+    note_refusal,
     prepare_cuda_allocator,
+    record_exit_status,
 )
-from dtensor_ulysses.train.metrics import StepLogger
+from dtensor_ulysses.train.metrics import StepLogger, truncate_after
 from dtensor_ulysses.train.resume import checkpoint_meta, save_checkpoint
 from dtensor_ulysses.train.spec import make_optimizer, model_spec
 
@@ -238,6 +242,14 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
             f"{cfg.steps}" + (f" | resumed from {path}" if path else ""),
             flush=True,
         )
+    if start and cfg.metrics_file and rank == 0:
+        dropped = truncate_after(cfg.metrics_file, start)
+        if dropped:
+            print(
+                f"{cfg.metrics_file}: dropped {dropped} row(s) past step {start} (logged after "
+                f"the checkpoint, trained again now)",
+                flush=True,
+            )
     logger = StepLogger(
         total_steps=cfg.steps,
         flops_per_token=flops_per_token,
@@ -301,29 +313,44 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status: 0 done, 2 bad input, 3 a non-finite
-    loss or gradient norm, 75 preempted (SIGTERM or SIGUSR1; checkpointed), 1 anything else.
+    loss or gradient norm, 74 a checkpoint could not be written (a full disk), 75 preempted
+    (SIGTERM or SIGUSR1; checkpointed), 1 anything else.
 
     Only a :class:`UsageError` becomes one ``error:`` line (from rank 0); any other exception is
     a bug or an environment failure and prints its full traceback on the rank where it happened.
     """
     if "RANK" not in os.environ:  # plain `python -m dtensor_ulysses.train`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))  # fmt: skip
+                          MASTER_PORT=str(_free_port()), **{SINGLE_PROCESS_ENV: "1"})  # fmt: skip
     rank = int(os.environ["RANK"])
+    with catch_stop_signals():  # from the start: a signal while building stops after step 1
+        code = _main(argv, rank)
+    record_exit_status(code, rank)
+    return leave_together(code, rank)
+
+
+def _main(argv: list[str] | None, rank: int) -> int:
     try:
         cfg = validate(prepare_cuda_allocator(parse_args(argv)), int(os.environ["WORLD_SIZE"]))
+        note_building(rank, cfg.steps)
         train(cfg)  # creates the process group (init_mesh), the one place that does
         code = 0
         clear_rank_note()
     except UsageError as e:
+        note_refusal(str(e))  # torchrun's summary shows the reason, not "To enable traceback"
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
     except GuardStop as e:  # preempted (75) or a non-finite step (3): see guard.py
         e.report(rank)
         code = e.exit_code
+    except ckpt.CheckpointWriteError as e:  # a full disk: every rank stops here, alike (74)
+        note_refusal(str(e))
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = e.exit_code
     except Exception:
         clear_rank_note()
         traceback.print_exc()
         code = 1
-    return leave_together(code, rank)
+    return code

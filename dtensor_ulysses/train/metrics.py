@@ -19,7 +19,7 @@ import torch
 
 from dtensor_ulysses.plan.hardware import GPU_SPECS, spec_for_device
 
-__all__ = ["PEAK_FLOPS", "peak_flops", "peak_memory_bytes", "StepLogger"]
+__all__ = ["PEAK_FLOPS", "peak_flops", "peak_memory_bytes", "StepLogger", "truncate_after"]
 
 # Dense bf16 tensor-core peak per GPU, by profile key (the one table: plan.hardware).
 PEAK_FLOPS = {name: g.peak_flops for name, g in GPU_SPECS.items()}
@@ -51,6 +51,34 @@ def _fmt_bytes(n: float) -> str:
 
 def _fmt_rate(x: float) -> str:
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def truncate_after(metrics_file: str | Path, step: int) -> int:
+    """Drop the rows of ``metrics_file`` past ``step`` (and a torn last line), so that a run
+    resumed from the checkpoint of ``step`` leaves one row per step; returns how many went.
+
+    A run that crashed (or was killed) after its last checkpoint logged steps that the resumed
+    run trains again; their rows are replaced by the resumed run's.
+    """
+    path = Path(metrics_file)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            keep = isinstance(row, dict) and int(row["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(path)
+    return dropped
 
 
 class StepLogger:

@@ -100,7 +100,13 @@ def _describe_builtin(cfg: TrainConfig, model: torch.nn.Module) -> tuple[str, in
 
 
 def _builtin_corpus(cfg: TrainConfig, paths: list[str] | None, what: str) -> PackedCorpus:
-    return PackedCorpus.from_paths(paths, seq_len=cfg.seq_len)
+    try:
+        return PackedCorpus.from_paths(paths, seq_len=cfg.seq_len)
+    except ValueError as e:
+        if paths and str(e).startswith("the corpus"):  # name the flag and its files
+            named = ", ".join(map(repr, paths))
+            raise ValueError(f"{what} {named}: {e}".replace(": the corpus has", " has")) from None
+        raise
 
 
 _BUILTIN = ModelSpec(

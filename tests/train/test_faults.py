@@ -240,6 +240,98 @@ def test_verify_names_what_is_wrong(tmp_path):
     assert [p for p, _ in damaged] == [newer]
 
 
+@pytest.mark.timeout(400)
+def test_a_full_disk_while_checkpointing_gives_one_error_and_resumes(tmp_path):
+    """A checkpoint write that fails as on a full disk (ENOSPC, injected on rank 1 only by the
+    test hook): every rank stops with status 74 and one ``error:`` line naming the failed
+    checkpoint, the newest intact one and the fix; no partial checkpoint is left, and
+    ``--resume`` continues from the intact one. When the disk is full from the start (the
+    final checkpoint lost), ``--resume`` fails with one line."""
+    mid, start = tmp_path / "mid", tmp_path / "start"
+    jobs = [
+        ([*TINY, "--steps", "3", "--checkpoint-every", "1", "--checkpoint-dir", str(mid)],
+         _env(**{ckpt.ENOSPC_HOOK_ENV: "2"})),
+        ([*TINY, "--steps", "1", "--checkpoint-dir", str(start)],
+         _env(**{ckpt.ENOSPC_HOOK_ENV: "1"})),
+    ]  # fmt: skip
+    results = _run_all(jobs)
+    for ck, step, res in zip((mid, start), (2, 1), results):
+        label = f"{ck.name}: rc={res.returncode}\n{res.stderr[-3000:]}"
+        assert res.returncode != 0 and re.search(r"exitcode\s*: 74 ", res.stderr), label
+        [error] = _errors(res.stderr)
+        assert f"checkpoint step {step} could not be written to {ck / f'step_{step:08d}'} " \
+            "(rank 1: No space left on device" in error, label  # fmt: skip
+        assert "Free space under" in error, label
+        assert "Traceback" not in res.stderr.split("error: ")[0], label
+        assert "CheckpointException" not in res.stderr, label
+    assert "newest intact checkpoint is " + str(mid / "step_00000001") in _errors(
+        results[0].stderr)[0]  # fmt: skip
+    assert "no intact checkpoint is left" in _errors(results[1].stderr)[0]
+    assert sorted(p.name for p in mid.iterdir()) == ["step_00000001"], "a partial one is left"
+    assert sorted(start.iterdir()) == []
+    resumed, none = _run_all([
+        ([*TINY, "--steps", "3", "--resume", "--checkpoint-dir", str(mid)], _env()),
+        ([*TINY, "--steps", "1", "--resume", "--checkpoint-dir", str(start)], _env()),
+    ])  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {mid / 'step_00000001'}" in resumed.stdout, resumed.stdout[-2000:]
+    [error] = _errors(none.stderr)
+    assert none.returncode != 0 and "--resume: no checkpoint in" in error, none.stderr[-2000:]
+    assert "dtensor_ulysses/" not in none.stderr, none.stderr[-2000:]
+
+
+class _Payload:
+    """Unpickling this runs ``os.makedirs(marker)``: what a planted payload would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_payload_planted_in_a_checkpoint_never_runs(tmp_path, capsys):
+    """A pickled payload planted in ``trainer.pt``, in ``rng_rank0.pt`` and in DCP's
+    ``.metadata``: verifying, choosing and loading the checkpoint never runs it; the checkpoint
+    is damaged (named with the file) and ``--resume`` falls back to the older intact one."""
+    import pickle
+
+    from dtensor_ulysses.models import build_model
+    from dtensor_ulysses.train.resume import select_checkpoint
+
+    good = _tiny_checkpoint(tmp_path / "good")
+    trainer = ckpt.read_meta(good)
+    marker = tmp_path / "payload-ran"
+    for name in ("trainer.pt", "rng_rank0.pt", ".metadata"):
+        root = tmp_path / name
+        shutil.copytree(good, root / "step_00000007")
+        bad = root / "step_00000009"
+        shutil.copytree(good, bad)
+        torch.save(dict(trainer, step=9), bad / "trainer.pt")
+        if name == "trainer.pt":
+            torch.save(dict(trainer, step=9, meta={"seed": _Payload(marker)}), bad / name)
+        elif name == "rng_rank0.pt":
+            torch.save({"cpu": torch.get_rng_state(), "x": _Payload(marker)}, bad / name)
+        else:
+            metadata = ckpt.read_dcp_metadata(bad)
+            metadata.planner_data = _Payload(marker)
+            (bad / name).write_bytes(pickle.dumps(metadata))
+        problem = ckpt.verify(bad)
+        assert problem is not None and problem.startswith(name), (name, problem)
+        assert "os.makedirs" in problem or "makedirs" in problem, (name, problem)
+        assert select_checkpoint(str(root)) == root / "step_00000007", name
+        warning = capsys.readouterr().err
+        assert f"checkpoint {bad} is damaged ({name}" in warning, warning
+        model = build_model("tiny", device="cpu")
+        opt = torch.optim.AdamW(model.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        with pytest.raises(ckpt.UnsafeCheckpoint):
+            ckpt.load(bad, model, opt, sched)
+        assert ckpt.load(root / "step_00000007", model, opt, sched)["step"] == 7
+        assert not marker.exists(), f"the payload in {name} ran"
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input up front
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,9 +111,57 @@ def test_refusals_happen_before_the_first_step(tmp_path):
     assert _written(ck) == ["step_00000002"] and _written(tmp_path / "ck2") == ["step_00000001"]
 
 
+def test_what_a_new_user_gets_wrong_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """In process: ``--checkpoint-every -1``; an ``--eval-data`` too small (named, not "the
+    corpus"); chat JSONL with the built-in model (needs ``--hf-model``); ``--sp 2`` in a plain
+    ``python -m`` process (launch with torchrun)."""
+    from dtensor_ulysses.train import validate
+    from dtensor_ulysses.train.cli import TrainConfig, UsageError
+    from dtensor_ulysses.train.guard import SINGLE_PROCESS_ENV
+
+    small, chat = tmp_path / "held.txt", tmp_path / "chat.jsonl"
+    small.write_text("x y\n")
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    base = dict(seq_len=64, batch_size=2, steps=3, device="cpu")
+    cases = [
+        (dict(checkpoint_every=-1), r"^--checkpoint-every -1 must be >= 0 steps \(0: checkpoint"),
+        (dict(eval_data=[str(small)]), r"^--eval-data '.*held\.txt' has \d+ tokens but one wi"),
+        (dict(data=[str(chat)]), r"chat template: train a transformers model on them with "
+                                 r"--hf-model DIR"),
+    ]  # fmt: skip
+    for kw, pattern in cases:
+        with pytest.raises(UsageError, match=pattern):
+            validate(TrainConfig(**{**base, **kw}), 1)
+    with pytest.raises(UsageError, match=r"torchrun started 1 processes"):
+        validate(TrainConfig(**base, sp=2), 1)
+    monkeypatch.setenv(SINGLE_PROCESS_ENV, "1")
+    with pytest.raises(UsageError, match=r"one process, not started by torchrun: launch it with "
+                                         r"`torchrun --nproc-per-node N"):  # fmt: skip
+        validate(TrainConfig(**base, sp=2), 1)
+
+
+def test_a_rank_leaves_its_note_before_its_first_step(tmp_path, monkeypatch):
+    """The note torchrun's summary shows for a rank killed before it finished step 1 (while
+    building, or out of memory in step 1), read back as torchrun reads it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from dtensor_ulysses.train.guard import clear_rank_note, note_building
+
+    error_file = tmp_path / "attempt_0" / "1" / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    note_building(1, 30)
+    failure = ProcessFailure(local_rank=1, pid=123, exitcode=-9, error_file=str(error_file))
+    shown = failure.message["extraInfo"]["py_callstack"]  # what the summary prints
+    assert re.match(r"rank 1 \(pid \d+\) had not finished step 1 of 30 \(it was building",
+                    shown), shown  # fmt: skip
+    assert "out-of-memory killer" in shown
+    clear_rank_note()
+    assert not error_file.exists()
+
+
 def test_save_hf_and_unwritable_paths_are_refused(tmp_path):
-    """In process (no torchrun): ``--save-hf`` naming a file; a read-only directory (skipped
-    as root, whom permissions do not stop)."""
+    """In process (no torchrun): ``--save-hf`` naming a file; a directory the user may not
+    write (as root, in a child that drops to user nobody, beside a writable control)."""
     from dtensor_ulysses.train.cli import TrainConfig, UsageError
     from dtensor_ulysses.train.guard import check_targets
 
@@ -123,18 +173,68 @@ def test_save_hf_and_unwritable_paths_are_refused(tmp_path):
         check_targets(TrainConfig(save_hf=str(a_file / "out" / "model")))
     check_targets(TrainConfig(save_hf=str(tmp_path / "new" / "model")))  # creatable: fine
     assert not (tmp_path / "new").exists(), "the check creates nothing"
-    if os.geteuid() == 0:
-        return
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
+    kws = [{"checkpoint_dir": str(ro / "ck")}, {"metrics_file": str(ro / "m.jsonl")},
+           {"save_hf": str(ro / "out")}]  # fmt: skip
     try:
-        for kw in ({"checkpoint_dir": str(ro / "ck")}, {"metrics_file": str(ro / "m.jsonl")},
-                   {"save_hf": str(ro / "out")}):  # fmt: skip
-            with pytest.raises(UsageError, match="cannot write in"):
-                check_targets(TrainConfig(**kw))
+        if os.geteuid() != 0:
+            for kw in kws:
+                with pytest.raises(UsageError, match="cannot write in"):
+                    check_targets(TrainConfig(**kw))
+            return
     finally:
         ro.chmod(0o700)
+    # root (as on CI), whom permissions do not stop: the checks run in a child that drops to
+    # an unprivileged user, on a directory it may not write and one it may (the control)
+    base = Path(tempfile.mkdtemp(prefix="du-perm-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        (base / "ro").mkdir(mode=0o555)
+        (base / "rw").mkdir()
+        (base / "rw").chmod(0o777)
+        kws = [{k: v.replace(str(ro), str(base / d)) for k, v in kw.items()}
+               for d in ("ro", "rw") for kw in kws]  # fmt: skip
+        got = _as_nobody(lambda: [_refusal(check_targets, TrainConfig(**kw)) for kw in kws])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    for kw, message in zip(kws[:3], got[:3]):
+        assert message and "cannot write in" in message, (kw, message)
+    assert got[3:] == [None, None, None], got[3:]
+
+
+def _refusal(check, cfg) -> str | None:
+    from dtensor_ulysses.train.cli import UsageError
+
+    try:
+        check(cfg)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def _as_nobody(fn):
+    """``fn()`` in a forked child running as uid/gid 65534 (nobody); returns its result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop privileges, run, report, leave without cleanup
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(w, json.dumps(fn()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and out, f"the unprivileged child failed (status {status})"
+    return json.loads(out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,28 +246,61 @@ def _wait_for_step(metrics: Path, proc: subprocess.Popen, step: int, deadline: f
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(400)
+def _launch_cmd(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "dtensor_ulysses.launch", "--standalone", "--nproc-per-node=2",
+            "-m", "dtensor_ulysses.train", *args]  # fmt: skip
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (absent, or a zombie waiting for its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+# (how the job is launched, the signal, sent to the launcher's pid alone or to its group)
+_STOPS = {
+    "launch_usr1_pid": ("launch", signal.SIGUSR1, "pid"),
+    "launch_usr1_group": ("launch", signal.SIGUSR1, "group"),
+    "launch_term_pid": ("launch", signal.SIGTERM, "pid"),
+    "launch_term_group": ("launch", signal.SIGTERM, "group"),
+    "torchrun_usr1_rank1": ("torchrun", signal.SIGUSR1, "rank1"),
+}
+
+
+@pytest.mark.timeout(500)
 def test_preempt_then_resume_equals_straight_run(tmp_path):
-    """SIGTERM to torchrun, and SIGUSR1 to rank 1 alone: every rank stops after the same step,
-    the checkpoint of that step is written, the workers exit 75; resuming gives the straight
-    run's losses bit for bit. The straight run is made afterwards, as long as the stops need
-    (the schedule does not depend on ``--steps``), so how fast the jobs run cannot matter."""
-    procs = {}
-    for how in ("sigterm_torchrun", "sigusr1_rank1"):
+    """SIGUSR1 and SIGTERM to ``python -m dtensor_ulysses.launch``, to its pid alone and to its
+    process group (as SLURM's batch-script trap and Kubernetes send them), and SIGUSR1 to one
+    torchrun worker: every rank stops after the same step, the checkpoint of that step is
+    written, no worker is left running, the status is 75 (the launcher's own; torchrun's
+    summary names the workers' 75); resuming gives the straight run's losses bit for bit, and a
+    resumed run drops the metrics rows logged past its checkpoint (a crash leaves them; planted
+    here). The straight run is made afterwards, as long as the stops need (the schedule does not
+    depend on ``--steps``), so how fast the jobs run cannot matter."""
+    procs, workers = {}, {}
+    for how, (launcher, _, _) in _STOPS.items():
         args = [*COMMON, "--steps", "1000", "--checkpoint-dir", str(tmp_path / how),
                 "--metrics-file", str(tmp_path / f"{how}.jsonl")]  # fmt: skip
-        procs[how] = subprocess.Popen(_cmd(args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+        cmd = _launch_cmd(args) if launcher == "launch" else _cmd(args)
+        procs[how] = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True,
                                       start_new_session=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 200
+        deadline = time.monotonic() + 300
         for how, proc in procs.items():
             _wait_for_step(tmp_path / f"{how}.jsonl", proc, 2, deadline)
-            if how == "sigterm_torchrun":
-                proc.send_signal(signal.SIGTERM)
+            workers[how] = _worker_pids(proc.pid)
+            assert sorted(workers[how]) == [0, 1], (how, workers[how])
+            _, sig, target = _STOPS[how]
+            if target == "pid":
+                proc.send_signal(sig)
+            elif target == "group":
+                os.killpg(proc.pid, sig)  # start_new_session: the launcher leads its group
             else:
-                os.kill(_worker_pids(proc.pid)[1], signal.SIGUSR1)
-        outs = {how: proc.communicate(timeout=120) for how, proc in procs.items()}
+                os.kill(workers[how][1], sig)
+        outs = {how: proc.communicate(timeout=150) for how, proc in procs.items()}
     finally:
         for proc in procs.values():
             for pid in [proc.pid, *_descendants(proc.pid)]:
@@ -175,22 +308,31 @@ def test_preempt_then_resume_equals_straight_run(tmp_path):
                     os.kill(pid, signal.SIGKILL)
     resume_jobs, stops = [], {}
     for how, (_, stderr) in outs.items():
+        launcher, sig, _ = _STOPS[how]
         label = f"{how}: rc={procs[how].returncode}\n{stderr[-3000:]}"
         m = re.search(r"^preempted: (SIG\w+) received: stopped after step (\d+) of 1000; "
                       r"checkpoint (\S+) written", stderr, re.M)  # fmt: skip
-        assert m, label
+        assert m and m.group(1) == sig.name, label
         stop = int(m.group(2))
-        assert m.group(1) == ("SIGTERM" if how == "sigterm_torchrun" else "SIGUSR1"), label
         assert sorted(_losses(tmp_path / f"{how}.jsonl")) == list(range(1, stop + 1)), label
         ck = tmp_path / how
         assert _written(ck) == [f"step_{stop:08d}"], label
-        if how == "sigusr1_rank1":  # torchrun's summary names the workers' status
+        left = [pid for pid in workers[how].values() if not _gone(pid)]
+        assert not left, f"workers {left} still running; {label}"
+        if launcher == "launch":
+            assert procs[how].returncode == EXIT_PREEMPTED, label
+        else:  # torchrun's own status is 1; its summary names the workers' status and the stop
             assert re.search(rf"exitcode\s*: {EXIT_PREEMPTED}\b", stderr), label
             assert "stopped after step" in stderr.split("Root Cause")[-1], label
         stops[how] = stop
+        metrics = tmp_path / f"{how}.jsonl"
+        if how == "launch_usr1_pid":  # rows a crash after the checkpoint would have left
+            with metrics.open("a") as f:
+                f.write(json.dumps({"step": stop + 1, "loss": 0.0}) + '\n{"step": ')
+        else:
+            metrics = tmp_path / f"{how}.b.jsonl"
         resume_jobs.append(([*COMMON, "--steps", str(stop + 2), "--resume", "--checkpoint-dir",
-                             str(ck), "--metrics-file", str(tmp_path / f"{how}.b.jsonl")],
-                            _env()))  # fmt: skip
+                             str(ck), "--metrics-file", str(metrics)], _env()))  # fmt: skip
     straight = ([*COMMON, "--steps", str(max(stops.values()) + 2), "--metrics-file",
                  str(tmp_path / "a.jsonl")], _env())  # fmt: skip
     straight_res, *resumed = _run_all([straight, *resume_jobs])
@@ -198,10 +340,17 @@ def test_preempt_then_resume_equals_straight_run(tmp_path):
     a = _losses(tmp_path / "a.jsonl")
     for (how, stop), res in zip(stops.items(), resumed):
         assert res.returncode == 0, res.stderr[-3000:]
-        first = _losses(tmp_path / f"{how}.jsonl")
-        b = _losses(tmp_path / f"{how}.b.jsonl")
-        assert sorted(b) == [stop + 1, stop + 2], (how, sorted(b))
-        got = {**first, **b}
+        if how == "launch_usr1_pid":
+            rows = [json.loads(x)["step"] for x in (tmp_path / f"{how}.jsonl").read_text().split(
+                "\n") if x]  # fmt: skip
+            assert rows == list(range(1, stop + 3)), f"one row per step: {rows}"
+            assert f"dropped 2 row(s) past step {stop}" in res.stdout, res.stdout[-2000:]
+            got = _losses(tmp_path / f"{how}.jsonl")
+        else:
+            b = _losses(tmp_path / f"{how}.b.jsonl")
+            assert sorted(b) == [stop + 1, stop + 2], (how, sorted(b))
+            got = {**_losses(tmp_path / f"{how}.jsonl"), **b}
+        assert sorted(got) == list(range(1, stop + 3)), (how, sorted(got))
         assert got == {s: a[s] for s in got}, f"{how}: resumed losses differ from the straight run"
 
 
