@@ -147,7 +147,7 @@ def load_balancing_loss(
             )
         p_TE = torch.softmax(layer_TE.to(dev), dim=-1)
         _, top_Tk = torch.topk(p_TE, top_k, dim=-1)
-        w_T = torch.ones(p_TE.shape[0], dtype=torch.float32, device=dev) if mask_T is None else mask_T
+        w_T = mask_T if mask_T is not None else p_TE.new_ones(p_TE.shape[0], dtype=torch.float32)
         counts_E = counts_E.scatter_add(0, top_Tk.reshape(-1), w_T.repeat_interleave(top_k))
         probs_E = probs_E + (p_TE.float() * w_T.unsqueeze(-1)).sum(0)
         rows = rows + w_T.sum()

@@ -64,7 +64,8 @@ RNG files) is the stock one.
 
 Refused at construction, with the reason: models the engine cannot run exactly (bidirectional
 attention, ...), trainers that build their inputs by generation (GRPO, RLOO, online DPO, ...) or
-whose loss is not the token cross entropy (DPO, KTO, reward, ...), DeepSpeed or accelerate's FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
+whose loss is not the token cross entropy (DPO, KTO, reward, ...), DeepSpeed or accelerate's
+FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 ``sp_size`` or ``tp_size > 1``, a ``compute_loss_func``, label smoothing, optimizers passed in
 (built before sharding), iterable datasets, ``save_on_each_node``.
 """
@@ -476,16 +477,15 @@ class _UlyssesTrainer:
         local = ce_sum / n_valid
         aux = None
         if self._du_router:
-            local, aux = self._du_router_loss(local, out, inputs, sb, group, training=num_items
-                                              is not None)  # fmt: skip
+            training = num_items is not None
+            local, aux = self._du_router_loss(local, out, inputs, sb, group, training=training)
         total = local.detach().clone()
         dist.all_reduce(total, group=group)
         if hasattr(self, "_metrics"):  # TRL's SFT metrics
             self._du_trl_metrics(inputs, sb.labels, slice_logits, group)
-            if aux is not None:
-                self._metrics["train" if self.model.training else "eval"]["aux_loss"].append(
-                    aux.item()
-                )  # type: ignore[attr-defined]
+            if aux is not None:  # what TRL logs: the unweighted router loss
+                mode = "train" if self.model.training else "eval"
+                self._metrics[mode]["aux_loss"].append(aux.item())
         # the value is the global loss (what the Trainer logs), the gradient this rank's part
         return total + (local - local.detach()), slice_logits, sb
 
