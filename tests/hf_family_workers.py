@@ -195,3 +195,33 @@ def run_cases(rank: int, world: int, cases: list) -> list:
         except Exception as e:  # the parent says which case, with the message
             raise RuntimeError(f"{model_dir} at (dp, sp) = ({dp}, {sp}), packed={packed}") from e
     return out
+
+
+def run_jobs(rank: int, world: int, jobs: list) -> list:
+    """``("cases", [apply cases])`` and ``("specs", [trainer specs])`` jobs in one world."""
+    from tests import hf_trainer_workers as T
+
+    out = []
+    for kind, payload in jobs:
+        out.append(run_cases(rank, world, payload) if kind == "cases" else
+                   T.run_specs(rank, world, payload))  # fmt: skip
+    return out
+
+
+def main(argv: list[str]) -> None:
+    """Under torchrun: the trainer specs of the JSON file ``argv[0]``; rank 0 pickles the
+    results to ``argv[1]``. The process then ends as a user's script does (no ``os._exit``):
+    with_ulysses' teardown at exit is what makes the status 0."""
+    import json
+    import pickle
+
+    from tests import hf_trainer_workers as T
+
+    specs = json.loads(Path(argv[0]).read_text())
+    results = [T.run(spec) for spec in specs]
+    if dist.get_rank() == 0:
+        Path(argv[1]).write_bytes(pickle.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -84,8 +84,8 @@ def router_loss_config(model: nn.Module) -> RouterLossConfig | None:
     get_base = getattr(hf, "get_base_model", None)
     if callable(get_base):  # PEFT
         hf = get_base()
-    module = sys.modules.get(type(hf).__module__)
-    if module is None or not callable(getattr(module, "load_balancing_loss_func", None)):
+    modules = [sys.modules.get(c.__module__) for c in type(hf).__mro__]  # FSDP2 subclasses it
+    if not any(callable(getattr(m, "load_balancing_loss_func", None)) for m in modules):
         return None
     num_experts = getattr(hf, "num_experts", None)
     top_k = getattr(hf, "num_experts_per_tok", None)

@@ -502,7 +502,7 @@ class _UlyssesTrainer:
             lo = sb.layout.offset(me)
             mask = mask[:, lo : lo + sb.input_ids.shape[1]]
         rc = router_loss_config(_trainer_state.base_model(self.model))
-        assert rc is not None
+        assert rc is not None  # _router_rule found it at construction
         rl = load_balancing_loss(out.router_logits, rc.num_experts, rc.top_k, group, valid=mask)
         if per_ga and training:  # TRL: a per-micro-batch mean, averaged over accumulation
             coef = coef / getattr(self, "current_gradient_accumulation_steps",

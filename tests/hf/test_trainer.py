@@ -46,7 +46,7 @@ def assets(tmp_path_factory):
     import transformers as tf
 
     root = tmp_path_factory.mktemp("hf_trainer")
-    dirs = {a: str(W.save_model(a, root / a)) for a in ("llama", "qwen3", "mistral_sliding")}
+    dirs = {a: str(W.save_model(a, root / a)) for a in ("llama", "qwen3", "llama_dropout")}
     # 3 q heads, 1 kv head: sp=2 divides neither
     torch.manual_seed(0)
     small = {**W.SMALL, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
@@ -300,13 +300,13 @@ def _stock(assets, tmp_path, model="llama", **args):
     return m, a, T._data("trainer", tok)
 
 
-def test_sliding_window_refused(assets, tmp_path):
+def test_attention_dropout_refused(assets, tmp_path):
     import transformers as tf
 
     from dtensor_ulysses.hf import UnsupportedModelError, with_ulysses
 
-    m, a, data = _stock(assets, tmp_path, model="mistral_sliding")
-    with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
+    m, a, data = _stock(assets, tmp_path, model="llama_dropout")
+    with pytest.raises(UnsupportedModelError, match=r"attention dropout \(attention_dropout=0.1"):
         with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)
 
 
@@ -370,13 +370,15 @@ def test_tiled_loss_needs_a_plain_head(assets, tmp_path):
         with_ulysses(tf.Trainer, sp=2, tiled_loss=True, loss_chunk_tokens=0)
 
 
-def test_router_aux_loss_refused(assets, tmp_path):
-    """A Mixture-of-Experts model whose stock trainer adds the router loss: SFTTrainer by
-    default (the config's coefficient), Trainer with ``output_router_logits``."""
+def test_router_aux_loss_accepted(assets, tmp_path):
+    """A Mixture-of-Experts model whose stock trainer adds the router loss is no longer refused
+    (tests/hf/test_families.py checks it equals one process): SFTTrainer by default (the
+    config's coefficient), Trainer with ``output_router_logits``; construction gets as far as
+    the distributed launch it needs."""
     import transformers as tf
     import trl
 
-    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+    from dtensor_ulysses.hf import with_ulysses
 
     small = {k: v for k, v in W.SMALL.items() if k != "intermediate_size"}
     moe = tf.AutoModelForCausalLM.from_config(
@@ -384,13 +386,13 @@ def test_router_aux_loss_refused(assets, tmp_path):
     )
     tok = tf.AutoTokenizer.from_pretrained(assets["tok"])
     sft = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    with pytest.raises(UnsupportedTrainerError, match="router_aux_loss_coef=0.001"):
+    with pytest.raises(ValueError, match="needs a distributed launch"):
         with_ulysses(trl.SFTTrainer, sp=2)(
             model=moe, args=sft, train_dataset=T._data("sft_chat", tok), processing_class=tok
         )
     _, a, data = _stock(assets, tmp_path)
     moe.config.output_router_logits = True
-    with pytest.raises(UnsupportedTrainerError, match="set output_router_logits=False"):
+    with pytest.raises(ValueError, match="needs a distributed launch"):
         with_ulysses(tf.Trainer, sp=2)(model=moe, args=a, train_dataset=data)
 
 
