@@ -198,13 +198,20 @@ def run_cases(rank: int, world: int, cases: list) -> list:
 
 
 def run_jobs(rank: int, world: int, jobs: list) -> list:
-    """``("cases", [apply cases])`` and ``("specs", [trainer specs])`` jobs in one world."""
+    """``("cases", [apply cases])``, ``("specs", [trainer specs])`` and ``("hf_model", (dirs,
+    dp, sp))`` (the trainer's ``--hf-model`` build, plain rows) jobs in one world."""
     from tests import hf_trainer_workers as T
 
     out = []
     for kind, payload in jobs:
-        out.append(run_cases(rank, world, payload) if kind == "cases" else
-                   T.run_specs(rank, world, payload))  # fmt: skip
+        if kind == "cases":
+            out.append(run_cases(rank, world, payload))
+        elif kind == "specs":
+            out.append(T.run_specs(rank, world, payload))
+        else:
+            dirs, dp, sp = payload
+            out.append(W.train_three_steps(rank, world, dirs, [(dp, sp)], False,
+                                           {"attention_backend": "auto"}))  # fmt: skip
     return out
 
 

@@ -271,6 +271,13 @@ def load_weights(model: nn.Module, directory: str | os.PathLike) -> None:
             f"weights do not match the config of {type(hf).__name__}: "
             + (f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} " if missing else "")
             + (f"unexpected {unexpected[:5]}" if unexpected else "")
+            + (
+                "; these are per-expert weights in the format transformers converts on load "
+                "(fused experts in memory), which load_pretrained / --hf-model does not "
+                "convert yet: use with_ulysses (the model is loaded by transformers)"
+                if any(".experts." in k for k in unexpected)
+                else ""
+            )
         )
 
 
@@ -287,19 +294,30 @@ def _tied_names(hf: PreTrainedModel) -> set[str]:
 
 @torch.no_grad()
 def _init_buffers(hf: PreTrainedModel) -> None:
-    """Recompute the non-persistent buffers (RoPE frequencies) that ``to_empty`` left blank."""
+    """Recompute the non-persistent buffers that ``to_empty`` left blank (RoPE frequencies,
+    Gemma's embedding scale) with the model's own ``_init_weights``, as transformers does when
+    it loads from ``meta`` (parameters it also resets are loaded from the checkpoint after).
+
+    Raises:
+        ValueError: a floating-point buffer that ``_init_weights`` did not set (checked with a
+            NaN sentinel).
+    """
     persistent = set(hf.state_dict().keys())
     for mname, module in hf.named_modules():
-        own = [n for n, _ in module.named_buffers(recurse=False)]
+        own = dict(module.named_buffers(recurse=False))
         blank = [n for n in own if (f"{mname}.{n}" if mname else n) not in persistent]
         if not blank:
             continue
-        if "RotaryEmbedding" not in type(module).__name__:
-            raise ValueError(
-                f"{mname} ({type(module).__name__}) has buffers {blank} that are not in the "
-                f"checkpoint and cannot be recomputed here"
-            )
+        for n in blank:
+            if own[n].is_floating_point():
+                own[n].fill_(float("nan"))
         hf._init_weights(module)
+        unset = [n for n in blank if getattr(module, n).isnan().any()]
+        if unset:
+            raise ValueError(
+                f"{mname} ({type(module).__name__}) has buffers {unset} that are not in the "
+                f"checkpoint and that its _init_weights does not recompute"
+            )
 
 
 def load_pretrained(

@@ -140,8 +140,20 @@ def world4(assets):
         for dp, sp in ((2, 2), (1, 4))
         for kind in ("trainer", "sft_chat", "sft_packed")
     ]  # fmt: skip
-    runs = run_local_world(T.run_specs, 4, specs, timeout_s=500)[0]
-    return {(s["kind"], 4 // s["sp"], s["sp"]): r for s, r in zip(specs, runs)}
+    r = assets["root"]
+    extra = {  # what the docs claim at (2,2) too: 2 dp ranks of 2 rows each
+        "ga": _spec(assets, "trainer", "ga22", sp=2, batch=1, ga=2),
+        "ckpt": _spec(assets, "trainer", "ck22", sp=2, batch=2, save="steps", save_steps=2,
+                      steps=4),
+        "resume": _spec(assets, "trainer", "rs22", sp=2, batch=2, steps=4,
+                        resume=str(r / "ck22" / "checkpoint-2")),
+        "lora": _spec(assets, "sft_chat", "l22", sp=2, batch=2, lora=True),
+        "tiled": _spec(assets, "trainer", "tl22", sp=2, batch=2, options=TILED),
+    }  # fmt: skip
+    runs = run_local_world(T.run_specs, 4, [*specs, *extra.values()], timeout_s=500)[0]
+    out: dict = {(s["kind"], 4 // s["sp"], s["sp"]): r for s, r in zip(specs, runs)}
+    out.update(zip(extra, runs[len(specs) :]))
+    return out
 
 
 @pytest.mark.timeout(600)
@@ -161,9 +173,11 @@ def test_world4_equals_one_process(world4, refs, kind, layout):
 
 
 @pytest.mark.timeout(600)
-def test_grad_accumulation_equals_doubled_batch(world2, refs):
-    """batch 2 x accumulation 2 at sp=2 == batch 4 on one process."""
+def test_grad_accumulation_equals_doubled_batch(world2, world4, refs):
+    """batch 2 x accumulation 2 at sp=2, and 2 dp ranks x 1 row x accumulation 2 at (2,2),
+    == batch 4 on one process."""
     _close(world2["ga"], refs["trainer"])
+    _close(world4["ga"], refs["trainer"])
 
 
 def _resumed(ck: dict, rs: dict) -> None:
@@ -175,10 +189,11 @@ def _resumed(ck: dict, rs: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_resume_continues_same_losses(world2):
+def test_resume_continues_same_losses(world2, world4):
     """Checkpoint at step 2 of 4 (full weights, optimizer, scheduler, RNG), a new trainer
-    resumes from it."""
+    resumes from it; at (1,2) and at (2,2)."""
     _resumed(world2["ckpt"], world2["resume"])
+    _resumed(world4["ckpt"], world4["resume"])
 
 
 @pytest.mark.timeout(600)
@@ -212,9 +227,10 @@ def test_save_model_from_pretrained_logits(world2, assets):
 
 
 @pytest.mark.timeout(600)
-def test_lora_sp2_equals_one_process(world2, refs):
-    """SFTTrainer with a LoRA adapter (peft_config) at sp=2 == one process."""
+def test_lora_sp2_equals_one_process(world2, world4, refs):
+    """SFTTrainer with a LoRA adapter (peft_config) at (1,2) and (2,2) == one process."""
     _close(world2["lora"], refs["lora"])
+    _close(world4["lora"], refs["lora"])
 
 
 @pytest.mark.timeout(600)
@@ -258,6 +274,12 @@ def test_tiled_loss_equals_one_process_without_full_logits(world2, refs):
             assert got[when][k] == pytest.approx(ref[when][k], rel=RTOL), (when, k)
     assert got["logit_rows"] == TILED["loss_chunk_tokens"], got["logit_rows"]
     assert world2["trainer"]["logit_rows"] >= 4 * 8, world2["trainer"]["logit_rows"]
+
+
+@pytest.mark.timeout(600)
+def test_tiled_loss_dp2_sp2_equals_one_process(world4, refs):
+    """The tiled loss at (2,2): the one-process losses and grad norms."""
+    _close(world4["tiled"], refs["trainer"])
 
 
 @pytest.mark.timeout(600)
