@@ -1,13 +1,14 @@
 """The blockwise kernel: exact attention in pure PyTorch, memory linear in ``S``, any device.
 
 Legend: ``B`` batch, ``S`` sequence, ``N`` q heads, ``K`` kv heads, ``G = N / K`` q heads per kv
-head, ``H`` head dim; ``q`` and ``k`` in a block are ``Q`` and ``J`` rows. Inputs are
-``q[B, S, N, H]``, ``k, v[B, S, K, H]``; inside, ``q`` is viewed as ``[B, K, G, S, H]`` (no copy),
-so a kv head is never repeated for its q heads.
+head, ``H`` head dim; ``q`` and ``k`` in a block are ``Q`` and ``J`` rows, ``R = Q * G``. Inputs
+are ``q[B, S, N, H]``, ``k, v[B, S, K, H]``; inside, ``q`` is laid out once as ``[B, K, S, G, H]``
+(a copy, linear in ``S``), so a block of queries of one kv head is a contiguous ``[B, K, R, H]``
+slice: one batched matmul against that kv head's keys, which are never repeated per q head.
 
 Forward (FlashAttention's online softmax): for each block of queries, the key blocks that can hold
 a visible key are visited in order, keeping the running max ``m``, the running sum ``l`` and the
-unnormalised output; a block's scores ``[B, K, G, Q, J]`` are the largest tensor. The softmax
+unnormalised output; a block's scores ``[B, K, R, J]`` are the largest tensor. The softmax
 normaliser is ``L = log(sum_j exp(s_ij) + exp(sink_h))`` (no sink term without sinks), saved with
 ``o``; backward recomputes each block's probabilities ``p = exp(s - L)`` from them and
 accumulates ``dq``, ``dk``, ``dv`` block by block (FlashAttention-2's backward), so no ``S x S``
@@ -108,22 +109,27 @@ def _visible(
     return mask_BQJ
 
 
-def _scores(q_BKGQH, k_BKJH, scale: float, softcap: float):
-    """``(s, t)``: the scores ``[B, K, G, Q, J]`` and ``tanh(s0 / c)`` (softcap) or ``None``."""
-    s0 = torch.einsum("bkgqh,bkjh->bkgqj", q_BKGQH, k_BKJH) * scale
+def _scores(q_BKRH, k_BKJH, scale: float, softcap: float):
+    """``(s, t)``: the scores ``[B, K, R, J]`` (``R = Q * G`` rows: query-major, then the q
+    heads of the kv head) and ``tanh(s0 / c)`` (softcap) or ``None``."""
+    s0 = torch.matmul(q_BKRH, k_BKJH.transpose(-1, -2)) * scale
     if softcap > 0:
         t = torch.tanh(s0 / softcap)
         return t * softcap, t
     return s0, None
 
 
-def _views(q_BSNH, k_BSKH, v_BSKH):
-    B, S, N, H = q_BSNH.shape
-    K = k_BSKH.shape[2]
-    acc = _acc_dtype(q_BSNH.dtype)
-    q_BKGSH = q_BSNH.view(B, S, K, N // K, H).permute(0, 2, 3, 1, 4)
-    k_BKSH, v_BKSH = (t.permute(0, 2, 1, 3) for t in (k_BSKH, v_BSKH))
-    return acc, q_BKGSH, k_BKSH, v_BKSH
+def _heads_last(x_BSNH: torch.Tensor, K: int, acc: torch.dtype) -> torch.Tensor:
+    """``x[B, S, N, H] -> x[B, K, S, G, H]`` contiguous in ``acc``: a block of queries is then a
+    contiguous ``[B, K, Q * G, H]`` slice, one batched matmul against its kv head's keys."""
+    B, S, N, H = x_BSNH.shape
+    return x_BSNH.reshape(B, S, K, N // K, H).permute(0, 2, 1, 3, 4).to(acc).contiguous()
+
+
+def _block_mask(qs, qe, ks, ke, device, causal, window, chunk, doc_ids_BS):
+    """:func:`_visible` shaped to broadcast over ``[B, K, Q, G, J]`` (or ``None``)."""
+    mask_BQJ = _visible(qs, qe, ks, ke, device, causal, window, chunk, doc_ids_BS)
+    return None if mask_BQJ is None else mask_BQJ[:, None, :, None, :]
 
 
 def _forward(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, scale, causal, window, chunk,
@@ -132,41 +138,44 @@ def _forward(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, scale, causal, window,
     B, S, N, H = q_BSNH.shape
     K = k_BSKH.shape[2]
     G = N // K
-    acc, q_BKGSH, k_BKSH, v_BKSH = _views(q_BSNH, k_BSKH, v_BSKH)
+    acc, dev = _acc_dtype(q_BSNH.dtype), q_BSNH.device
+    q_BKSGH = _heads_last(q_BSNH, K, acc)
+    k_BKSH, v_BKSH = (t.permute(0, 2, 1, 3).to(acc).contiguous() for t in (k_BSKH, v_BSKH))
     o_BSNH = q_BSNH.new_empty(q_BSNH.shape)  # contiguous, as the fake says
-    L_BKGS = torch.empty(B, K, G, S, dtype=acc, device=q_BSNH.device)
-    sink_KG1 = None if sinks_N is None else sinks_N.to(acc).view(K, G, 1)
+    L_BKSG = torch.empty(B, K, S, G, dtype=acc, device=dev)
+    sink_1K1G = None if sinks_N is None else sinks_N.to(acc).view(1, K, 1, G)
     for n, qs in enumerate(range(0, S, block)):
         qe = min(qs + block, S)
+        Q = qe - qs
         lo, hi = ranges[2 * n], ranges[2 * n + 1]
-        q_blk = q_BKGSH[:, :, :, qs:qe].to(acc)
-        m = torch.full((B, K, G, qe - qs), -math.inf, dtype=acc, device=q_BSNH.device)
+        q_BKRH = q_BKSGH[:, :, qs:qe].reshape(B, K, Q * G, H)
+        m = torch.full((B, K, Q, G), -math.inf, dtype=acc, device=dev)
         l_sum = torch.zeros_like(m)
-        o_acc = torch.zeros(B, K, G, qe - qs, H, dtype=acc, device=q_BSNH.device)
+        o_acc = torch.zeros(B, K, Q, G, H, dtype=acc, device=dev)
         for ks in range(lo, hi, block):
             ke = min(ks + block, hi)
-            s, _ = _scores(q_blk, k_BKSH[:, :, ks:ke].to(acc), scale, softcap)
-            mask_BQJ = _visible(qs, qe, ks, ke, q_BSNH.device, causal, window, chunk, doc_ids_BS)
-            if mask_BQJ is not None:
-                s = s.masked_fill(~mask_BQJ[:, None, None], -math.inf)
+            s, _ = _scores(q_BKRH, k_BKSH[:, :, ks:ke], scale, softcap)
+            s = s.view(B, K, Q, G, ke - ks)
+            mask = _block_mask(qs, qe, ks, ke, dev, causal, window, chunk, doc_ids_BS)
+            if mask is not None:
+                s = s.masked_fill(~mask, -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_safe[..., None])
             alpha = torch.exp(m - m_safe)
             l_sum = l_sum * alpha + p.sum(-1)
-            o_acc = o_acc * alpha[..., None] + torch.einsum(
-                "bkgqj,bkjh->bkgqh", p, v_BKSH[:, :, ks:ke].to(acc)
-            )
+            pv = torch.matmul(p.view(B, K, Q * G, ke - ks), v_BKSH[:, :, ks:ke])
+            o_acc = o_acc * alpha[..., None] + pv.view(B, K, Q, G, H)
             m = m_new
-            del s, p
+            del s, p, pv
         m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         lse = m_safe + torch.log(l_sum)  # -inf where a query sees no key
-        L = lse if sink_KG1 is None else torch.logaddexp(lse, sink_KG1.expand_as(lse))
+        L = lse if sink_1K1G is None else torch.logaddexp(lse, sink_1K1G.expand_as(lse))
         scale_o = torch.where(torch.isinf(L), torch.zeros_like(L), torch.exp(m_safe - L))
         o_blk = o_acc * scale_o[..., None]
-        o_BSNH[:, qs:qe] = o_blk.permute(0, 3, 1, 2, 4).reshape(B, qe - qs, N, H)
-        L_BKGS[:, :, :, qs:qe] = L
-    return o_BSNH, L_BKGS.view(B, N, S)
+        o_BSNH[:, qs:qe] = o_blk.permute(0, 2, 1, 3, 4).reshape(B, Q, N, H)
+        L_BKSG[:, :, qs:qe] = L
+    return o_BSNH, L_BKSG.permute(0, 1, 3, 2).reshape(B, N, S)
 
 
 def _backward(do_BSNH, q_BSNH, k_BSKH, v_BSKH, o_BSNH, L_BNS, doc_ids_BS, sinks_N, scale, causal,
@@ -175,44 +184,46 @@ def _backward(do_BSNH, q_BSNH, k_BSKH, v_BSKH, o_BSNH, L_BNS, doc_ids_BS, sinks_
     B, S, N, H = q_BSNH.shape
     K = k_BSKH.shape[2]
     G = N // K
-    acc, q_BKGSH, k_BKSH, v_BKSH = _views(q_BSNH, k_BSKH, v_BSKH)
-    do_BKGSH = do_BSNH.reshape(B, S, K, G, H).permute(0, 2, 3, 1, 4)
-    o_BKGSH = o_BSNH.reshape(B, S, K, G, H).permute(0, 2, 3, 1, 4)
-    L_BKGS = L_BNS.view(B, K, G, S)
-    L_BKGS = torch.where(torch.isinf(L_BKGS), torch.full_like(L_BKGS, math.inf), L_BKGS)
-    dq_BKGSH = torch.zeros(B, K, G, S, H, dtype=acc, device=q_BSNH.device)
-    dk_BKSH = torch.zeros(B, K, S, H, dtype=acc, device=q_BSNH.device)
-    dv_BKSH = torch.zeros_like(dk_BKSH)
-    dsink_KG = torch.zeros(K, G, dtype=acc, device=q_BSNH.device)
+    acc, dev = _acc_dtype(q_BSNH.dtype), q_BSNH.device
+    q_BKSGH, do_BKSGH, o_BKSGH = (_heads_last(t, K, acc) for t in (q_BSNH, do_BSNH, o_BSNH))
+    k_BKSH, v_BKSH = (t.permute(0, 2, 1, 3).to(acc).contiguous() for t in (k_BSKH, v_BSKH))
+    L_BKSG = L_BNS.view(B, K, G, S).permute(0, 1, 3, 2)
+    L_BKSG = torch.where(torch.isinf(L_BKSG), torch.full_like(L_BKSG, math.inf), L_BKSG)
+    dq_BKSGH = torch.zeros_like(q_BKSGH)
+    dk_BKSH, dv_BKSH = torch.zeros_like(k_BKSH), torch.zeros_like(v_BKSH)
+    dsink_KG = torch.zeros(K, G, dtype=acc, device=dev)
+    sink_1K1G = None if sinks_N is None else sinks_N.to(acc).view(1, K, 1, G)
     for n, qs in enumerate(range(0, S, block)):
         qe = min(qs + block, S)
+        Q = qe - qs
         lo, hi = ranges[2 * n], ranges[2 * n + 1]
-        q_blk = q_BKGSH[:, :, :, qs:qe].to(acc)
-        do_blk = do_BKGSH[:, :, :, qs:qe].to(acc)
-        L = L_BKGS[:, :, :, qs:qe]
-        D = (do_blk * o_BKGSH[:, :, :, qs:qe].to(acc)).sum(-1)  # [B, K, G, Q]
-        if sinks_N is not None:
-            p_sink = torch.exp(sinks_N.to(acc).view(1, K, G, 1) - L)
-            dsink_KG -= (p_sink * D).sum((0, 3))
-        dq_blk = torch.zeros_like(q_blk)
+        q_BKRH = q_BKSGH[:, :, qs:qe].reshape(B, K, Q * G, H)
+        do_BKRH = do_BKSGH[:, :, qs:qe].reshape(B, K, Q * G, H)
+        L = L_BKSG[:, :, qs:qe]  # [B, K, Q, G]
+        D = (do_BKSGH[:, :, qs:qe] * o_BKSGH[:, :, qs:qe]).sum(-1)  # [B, K, Q, G]
+        if sink_1K1G is not None:
+            dsink_KG -= (torch.exp(sink_1K1G - L) * D).sum((0, 2))
+        dq_BKRH = torch.zeros_like(q_BKRH)
         for ks in range(lo, hi, block):
             ke = min(ks + block, hi)
-            k_blk, v_blk = k_BKSH[:, :, ks:ke].to(acc), v_BKSH[:, :, ks:ke].to(acc)
-            s, t = _scores(q_blk, k_blk, scale, softcap)
-            p = torch.exp(s - L[..., None])
-            mask_BQJ = _visible(qs, qe, ks, ke, q_BSNH.device, causal, window, chunk, doc_ids_BS)
-            if mask_BQJ is not None:
-                p = p.masked_fill(~mask_BQJ[:, None, None], 0.0)
-            dv_BKSH[:, :, ks:ke] += torch.einsum("bkgqj,bkgqh->bkjh", p, do_blk)
-            dp = torch.einsum("bkgqh,bkjh->bkgqj", do_blk, v_blk)
-            ds = p * (dp - D[..., None])
+            J = ke - ks
+            k_blk, v_blk = k_BKSH[:, :, ks:ke], v_BKSH[:, :, ks:ke]
+            s, t = _scores(q_BKRH, k_blk, scale, softcap)
+            p = torch.exp(s.view(B, K, Q, G, J) - L[..., None])
+            mask = _block_mask(qs, qe, ks, ke, dev, causal, window, chunk, doc_ids_BS)
+            if mask is not None:
+                p = p.masked_fill(~mask, 0.0)
+            p = p.view(B, K, Q * G, J)
+            dv_BKSH[:, :, ks:ke] += torch.matmul(p.transpose(-1, -2), do_BKRH)
+            dp = torch.matmul(do_BKRH, v_blk.transpose(-1, -2))
+            ds = p * (dp.view(B, K, Q, G, J) - D[..., None]).view(B, K, Q * G, J)
             if t is not None:
                 ds = ds * (1 - t * t)
-            dq_blk += torch.einsum("bkgqj,bkjh->bkgqh", ds, k_blk) * scale
-            dk_BKSH[:, :, ks:ke] += torch.einsum("bkgqj,bkgqh->bkjh", ds, q_blk) * scale
+            dq_BKRH += torch.matmul(ds, k_blk) * scale
+            dk_BKSH[:, :, ks:ke] += torch.matmul(ds.transpose(-1, -2), q_BKRH) * scale
             del s, p, dp, ds
-        dq_BKGSH[:, :, :, qs:qe] = dq_blk
-    dq = dq_BKGSH.permute(0, 3, 1, 2, 4).reshape(B, S, N, H).to(q_BSNH.dtype).contiguous()
+        dq_BKSGH[:, :, qs:qe] = dq_BKRH.view(B, K, Q, G, H)
+    dq = dq_BKSGH.permute(0, 2, 1, 3, 4).reshape(B, S, N, H).to(q_BSNH.dtype).contiguous()
     dk = dk_BKSH.permute(0, 2, 1, 3).to(k_BSKH.dtype).contiguous()
     dv = dv_BKSH.permute(0, 2, 1, 3).to(v_BSKH.dtype).contiguous()
     dsinks = dsink_KG.reshape(N) if sinks_N is not None else dsink_KG.new_zeros(0)
