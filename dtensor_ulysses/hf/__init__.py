@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         parallelize,
         save_pretrained,
     )
+    from dtensor_ulysses.hf.moe import RouterLoss, load_balancing_loss, router_loss_config
     from dtensor_ulysses.hf.routing import (
         ATTN_IMPLEMENTATION,
         UnroutedAttentionError,
