@@ -15,8 +15,10 @@ The layout, with its documents' device tensors built there (varlen bounds, docum
 per forward, not per layer), then reaches every attention call as a keyword argument, so
 activation checkpointing replays exactly what the forward saw.
 
-Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
-layers without attention (linear attention, Mamba / GatedDeltaNet mixers), sliding-window and
+Gated DeltaNet layers (Qwen3.5, Qwen3-Next) go through the same exchange, routed by
+:mod:`~dtensor_ulysses.hf.linear_attention`. Refused, loudly, naming the layer and the feature
+(results would be wrong, not just slow): other layers without attention (Mamba, other linear
+attention), sliding-window and
 chunked attention, attention sinks, logit softcapping, attention dropout, bidirectional attention,
 models whose attention does not go through the ``AttentionInterface``, a KV cache, padding masks
 on the model call (use :func:`~dtensor_ulysses.hf.shard_batch`). On the first forward after
@@ -44,6 +46,7 @@ from dtensor_ulysses.attention.ulysses import (
     gather_doc_starts,
     sp_group,
 )
+from dtensor_ulysses.hf.linear_attention import is_gated_deltanet, route_gated_deltanet
 from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
 __all__ = [
@@ -91,6 +94,11 @@ class _State:
     calls: dict[int, int] = field(default_factory=dict)
     checked: bool = False
     hooks: list = field(default_factory=list)
+
+    def record(self, module: nn.Module) -> None:
+        """Count a routed call of ``module`` (attention or linear attention) for the guard."""
+        if not self.checked:
+            self.calls[id(module)] = self.calls.get(id(module), 0) + 1
 
 
 def unwrap(model: nn.Module) -> PreTrainedModel:
@@ -210,7 +218,9 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
     hf = unwrap(model)
     cfg = hf.config.get_text_config()
     what = f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
-    routable = getattr(hf, "_supports_attention_backend", False)
+    routable = getattr(hf, "_supports_attention_backend", False) or any(
+        is_gated_deltanet(m) for m in hf.modules()
+    )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks)
     if not (routable and hf._can_set_attn_implementation()):
         raise UnsupportedModelError(
             f"{what} does not route its attention through transformers' AttentionInterface, "
@@ -223,10 +233,13 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for i, layer in enumerate(layers):
         lt = layer_types[i] if layer_types and i < len(layer_types) else None
         where = f"{prefix}.{i} ({type(layer).__name__})"
-        if lt is not None and lt != "full_attention":
+        mixers = [(n, m) for n, m in layer.named_modules() if is_gated_deltanet(m)]
+        if lt == "linear_attention" and mixers:  # routed by hf/linear_attention.py
+            found += [(f"{prefix}.{i}.{n}", m) for n, m in mixers]
+        elif lt is not None and lt != "full_attention":
             problems.append(f"{where}: {_LAYER_FEATURES.get(lt, repr(lt))}")
         attns = [(n, m) for n, m in layer.named_modules() if _is_attention(m, classes)]
-        if not attns:
+        if not attns and not mixers:
             kinds = sorted({type(m).__name__ for m in layer.children()})
             problems.append(
                 f"{where}: no attention module (it has {', '.join(kinds)}); layers that do not "
@@ -298,6 +311,10 @@ def apply_ulysses(
             handle.remove()
     engine = UlyssesAttention(local_attention, group, head_chunks=head_chunks)
     state = _State(engine, group, backend, head_chunks, {id(m): n for n, m in found})
+    route_gated_deltanet(  # Gated DeltaNet layers: hf/linear_attention.py
+        [(n, m) for n, m in found if is_gated_deltanet(m)], group, state.record,
+        allow_uneven_heads=allow_uneven_heads,
+    )  # fmt: skip
     base.__dict__[_STATE] = state
     for _, m in found:
         m.__dict__[_STATE] = state
@@ -460,6 +477,5 @@ def _ulysses_attention(
     o = state.engine(
         q, k, v, layout=layout, causal=True, softmax_scale=scaling, backend=state.backend, **extra
     )
-    if not state.checked:
-        state.calls[id(module)] = state.calls.get(id(module), 0) + 1
+    state.record(module)
     return o, None
