@@ -15,6 +15,10 @@ FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 VOCAB, S, G = 96, 71, 4  # S: two delta-rule chunks (64); uneven over sp=2 and sp=4
 DOCS = [[30, 5, 36], [71], [3, 68], [40, 31]]  # packed documents per row
 LAYOUTS = ((1, 2), (2, 2), (1, 4))
+# float64 (the delta-rule kernel itself computes in fp32: the gradients of A_log, summed over
+# tokens of both signs, agree to ~1e-7 in float64 but only ~5e-4 in fp32); MoE experts in the
+# eager loop (grouped_mm has no float64)
+DTYPE, _EXPERTS = torch.float64, {"experts_implementation": "eager"}
 _LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
 
 
@@ -49,7 +53,7 @@ def save_model(family: str, directory: Path, seed: int = 0) -> str:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(make_config(family), dtype=DTYPE, **_EXPERTS)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -80,7 +84,7 @@ def reference(model_dir: str, packed: bool) -> dict:
     packed: every document run on its own."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE, **_EXPERTS)
     ids, tgt, _ = global_batch(packed)
     docs = DOCS if packed else [[S]] * G
     total = torch.zeros(())
@@ -112,17 +116,18 @@ def _mesh(dp: int, sp: int, world: int) -> tuple[DeviceMesh, int, int]:
     return _MESHES[(dp, sp)], (rank // sp) % dp, copies
 
 
-def _kernel_spy(model, seen: list) -> None:
-    """Record the q shape the delta-rule kernel of ``model``'s modeling file receives."""
+def _spy_kernel(model, seen: list):
+    """Record the q shape each call of the delta-rule kernel of ``model``'s modeling file
+    receives; returns the function that removes the spy."""
     mod = sys.modules[type(model.model.layers[0].linear_attn).__module__]
-    inner = getattr(mod.torch_chunk_gated_delta_rule, "_spied", mod.torch_chunk_gated_delta_rule)
+    inner = mod.torch_chunk_gated_delta_rule
 
     def spy(query, *args, **kwargs):
         seen.append(tuple(query.shape))
         return inner(query, *args, **kwargs)
 
-    spy._spied = inner  # type: ignore[attr-defined]
     mod.torch_chunk_gated_delta_rule = spy
+    return lambda: setattr(mod, "torch_chunk_gated_delta_rule", inner)
 
 
 def equivalence(rank: int, world: int, dirs: dict, packed: bool) -> dict:
@@ -139,7 +144,7 @@ def equivalence(rank: int, world: int, dirs: dict, packed: bool) -> dict:
         for dp, sp in LAYOUTS:
             mesh, dp_rank, copies = _mesh(dp, sp, world)
             sp_rank = mesh.get_local_rank("sp")
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE, **_EXPERTS)
             hf.apply_ulysses(model, mesh)
             sizes = seq_split(S, sp)
             lo = sum(sizes[:sp_rank])
@@ -150,10 +155,13 @@ def equivalence(rank: int, world: int, dirs: dict, packed: bool) -> dict:
             hook = gdn.register_forward_hook(lambda m, a, k, o: seen_in.append(tuple(o.shape)),
                                              with_kwargs=True)  # fmt: skip
             seen_kernel: list = []
-            _kernel_spy(model, seen_kernel)
+            unspy = _spy_kernel(model, seen_kernel)
             kw = {"position_ids": pos[rows, cols]} if packed else {}
-            logits = model(input_ids=ids[rows, cols], **kw).logits
-            hook.remove()
+            try:
+                logits = model(input_ids=ids[rows, cols], **kw).logits
+            finally:
+                hook.remove()
+                unspy()
             loss_sum = F.cross_entropy(logits.flatten(0, 1), tgt[rows, cols].flatten(),
                                        ignore_index=-100, reduction="sum")  # fmt: skip
             (loss_sum / int((tgt != -100).sum())).backward()
@@ -193,12 +201,12 @@ def features(rank: int, world: int, dirs: dict) -> dict:
     x_ids = ids[:, lo : lo + sizes[rank]]
 
     # bytes of one layer: its forward and backward all-to-alls on the layer's own call
-    model = AutoModelForCausalLM.from_pretrained(dirs["qwen3_next"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(dirs["qwen3_next"], dtype=DTYPE, **_EXPERTS)
     hf.apply_ulysses(model, mesh)
     model(input_ids=x_ids)  # the first forward (guard) done
     gdn = model.model.layers[0].linear_attn
     layout = hf.shard_batch({"input_ids": ids}, mesh).layout
-    x = torch.randn(G, sizes[rank], 32, requires_grad=True)
+    x = torch.randn(G, sizes[rank], 32, dtype=DTYPE, requires_grad=True)
     with CommCounter() as fwd:
         y = gdn(x, ulysses_layout=layout)
     with CommCounter() as bwd:
@@ -211,7 +219,7 @@ def features(rank: int, world: int, dirs: dict) -> dict:
     }
 
     # the guard: layer 2's Gated DeltaNet given back its stock forward
-    model = AutoModelForCausalLM.from_pretrained(dirs["qwen3_5"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(dirs["qwen3_5"], dtype=DTYPE, **_EXPERTS)
     hf.apply_ulysses(model, mesh)
     del model.model.layers[2].linear_attn.forward
     try:
@@ -220,14 +228,14 @@ def features(rank: int, world: int, dirs: dict) -> dict:
         res["guard"] = str(e)
 
     # 6 key heads on sp=4: refused, then run with ceil/floor key heads per rank
-    model = AutoModelForCausalLM.from_pretrained(dirs["qwen3_next_uneven"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(dirs["qwen3_next_uneven"], dtype=DTYPE, **_EXPERTS)
     try:
         hf.apply_ulysses(model, mesh)
     except ValueError as e:
         res["uneven_refused"] = f"{type(e).__name__}: {e}"
     hf.apply_ulysses(model, mesh, allow_uneven_heads=True)
     logits = model(input_ids=x_ids).logits
-    (logits.pow(2).sum() / logits.numel() / world).backward()  # sums to the full mean
+    (logits.pow(2).sum() / (G * S * VOCAB)).backward()  # the ranks sum to the full mean
     res["uneven_logits"] = logits.detach()
     grads = {}
     for n, p in model.named_parameters():
@@ -237,6 +245,14 @@ def features(rank: int, world: int, dirs: dict) -> dict:
     res["uneven_grads"] = grads
     res["slice"] = (lo, lo + sizes[rank])
     return res
+
+
+def trainers(rank: int, world: int, specs: list) -> list:
+    """``with_ulysses(transformers.Trainer)`` runs (tests/hf_trainer_workers.py), last in a world
+    (a trainer may tear the process group down)."""
+    from tests import hf_trainer_workers as T
+
+    return T.run_specs(rank, world, specs)
 
 
 def run_jobs(rank: int, world: int, jobs: list):
