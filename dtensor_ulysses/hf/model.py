@@ -279,14 +279,16 @@ def load_pretrained(
     device: torch.device | str,
     *,
     loss_chunk_tokens: int | None = None,
+    weights: bool = True,
     **parallel_kwargs: Any,
 ) -> HFCausalLM:
     """``config.json`` + safetensors -> an FSDP2-sharded, Ulysses-routed :class:`HFCausalLM`.
 
     Built on ``meta``, parallelized (``parallel_kwargs`` go to :func:`parallelize`), then only
-    this rank's shards are allocated (on the host with ``offload_params``) and filled.
+    this rank's shards are allocated (on the host with ``offload_params``) and filled;
+    ``weights=False``: left unfilled, and only ``config.json`` is read (the memory tracer).
     """
-    path = check_model_dir(directory)
+    path = check_model_dir(directory) if weights else Path(directory)
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -294,7 +296,8 @@ def load_pretrained(
     parallelize(model, mesh, **parallel_kwargs)
     model.to_empty(device="cpu" if parallel_kwargs.get("offload_params") else device)
     _init_buffers(hf)
-    load_weights(model, path)
+    if weights:
+        load_weights(model, path)
     return model
 
 
