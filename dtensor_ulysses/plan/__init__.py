@@ -45,6 +45,8 @@ _EXPORTS = {
     "parse_bytes": "_preflight_capacity",
     "Preflight": "preflight",
     "PRESETS": "presets",
+    "HYBRID_PRESETS": "presets",
+    "LinearAttentionShape": "presets",
     "ring_chunks": "splits",
     "ring_closed_form": "splits",
     "RING_ORDERS": "splits",
@@ -93,6 +95,8 @@ __all__ = [
     "parse_bytes",
     "Preflight",
     "PRESETS",
+    "HYBRID_PRESETS",
+    "LinearAttentionShape",
     "ring_chunks",
     "ring_closed_form",
     "RING_ORDERS",
@@ -137,7 +141,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         check_fits,
     )
     from dtensor_ulysses.plan.presets import (
+        HYBRID_PRESETS,
         PRESETS,
+        LinearAttentionShape,
         ModelShape,
         get_shape,
         training_flops_per_token,
