@@ -59,8 +59,9 @@ def build(spec: dict) -> Any:
     from dtensor_ulysses.hf import with_ulysses
 
     tok = tf.AutoTokenizer.from_pretrained(spec["tok"])
+    attn = spec.get("attn", "sdpa")
     model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
-                                                    attn_implementation="sdpa")  # fmt: skip
+                                                    attn_implementation=attn)  # fmt: skip
     kind = spec["kind"]
     common = dict(
         output_dir=spec["out"], per_device_train_batch_size=spec.get("batch", 4),

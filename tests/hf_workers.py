@@ -42,10 +42,10 @@ def make_config(arch: str):
         return tf.Qwen3Config(**SMALL, head_dim=8, tie_word_embeddings=False)
     if arch == "mistral":
         return tf.MistralConfig(**SMALL, sliding_window=None, tie_word_embeddings=False)
-    if arch == "mistral_sliding":
-        return tf.MistralConfig(**SMALL, sliding_window=8)
-    if arch == "gemma2":  # logit softcapping and sliding-window layers
-        return tf.Gemma2Config(**SMALL, head_dim=8)
+    if arch == "llama_dropout":  # attention dropout: refused
+        return tf.LlamaConfig(**SMALL, attention_dropout=0.1)
+    if arch == "gemma3_bidirectional":  # bidirectional attention: refused
+        return tf.Gemma3TextConfig(**SMALL, head_dim=8, use_bidirectional_attention=True)
     raise ValueError(arch)
 
 
@@ -207,7 +207,7 @@ def hf_features(rank: int, world: int, dirs: dict, out_dir: str, tok_dir: str, d
 
     mesh = init_mesh(1, world, device_type="cpu")
     res: dict = {"refused": {}}
-    for arch in ("mistral_sliding", "gemma2"):
+    for arch in ("llama_dropout", "gemma3_bidirectional"):
         model = AutoModelForCausalLM.from_pretrained(dirs[arch], dtype=torch.float32)
         try:
             hf.apply_ulysses(model, mesh)

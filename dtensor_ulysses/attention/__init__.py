@@ -1,4 +1,5 @@
-"""Attention: the local kernel (flash-attn on CUDA when importable, SDPA otherwise), the Ulysses
+"""Attention: the local kernels (flash-attn, SDPA, FlexAttention, a blockwise kernel; see
+:mod:`~dtensor_ulysses.attention.kernels`), the Ulysses
 engine on local tensors, head-chunked stages, ring attention, and the DTensor adapters.
 
 ``q[B, S_sp, N, H] -> q[B, S, N_sp, H]`` is ``Shard(1) -> Shard(2)`` on ``sp``.
@@ -12,6 +13,8 @@ from dtensor_ulysses._public import lazy_exports
 
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
+    "AttentionBackendError": "kernels",
+    "AttnFeatures": "kernels",
     "BACKENDS": "local",
     "build_doc_tensors": "doc_tensors",
     "check_doc_starts": "doc_tensors",
@@ -23,6 +26,8 @@ _EXPORTS = {
     "force_backend": "local",
     "gather_doc_starts": "ulysses",
     "head_to_seq": "dtensor_api",
+    "KERNELS": "kernels",
+    "KernelSpec": "kernels",
     "local_attention": "local",
     "LocalAttention": "local",
     "resolve_backend": "local",
@@ -30,6 +35,7 @@ _EXPORTS = {
     "RING_AXIS": "ring",
     "ring_group": "ring",
     "RingAttention": "ring",
+    "select_backend": "kernels",
     "seq_to_head": "dtensor_api",
     "SP_AXIS": "ulysses",
     "sp_axis": "ulysses",
@@ -44,6 +50,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AttentionBackendError",
+    "AttnFeatures",
     "BACKENDS",
     "build_doc_tensors",
     "check_doc_starts",
@@ -55,6 +63,8 @@ __all__ = [
     "force_backend",
     "gather_doc_starts",
     "head_to_seq",
+    "KERNELS",
+    "KernelSpec",
     "local_attention",
     "LocalAttention",
     "resolve_backend",
@@ -62,6 +72,7 @@ __all__ = [
     "RING_AXIS",
     "ring_group",
     "RingAttention",
+    "select_backend",
     "seq_to_head",
     "SP_AXIS",
     "sp_axis",
@@ -88,6 +99,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         head_to_seq,
         seq_to_head,
         ulysses_attention,
+    )
+    from dtensor_ulysses.attention.kernels import (
+        KERNELS,
+        AttentionBackendError,
+        AttnFeatures,
+        KernelSpec,
+        select_backend,
     )
     from dtensor_ulysses.attention.local import (
         BACKENDS,

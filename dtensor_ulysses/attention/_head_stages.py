@@ -42,7 +42,7 @@ from dtensor_ulysses.plan import HEAD_DIM, SEQ_DIM
 __all__ = ["StageExchange", "run_head_stages"]
 
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attend = Callable[..., torch.Tensor]  # (q, k, v, **kw) -> o
 
 
 class _Ready:
@@ -143,14 +143,22 @@ def _pipeline(C: int, start_in, compute, start_out, store, overlap: bool) -> Non
         store(C - 1, outgoing)
 
 
+def _sinks_kw(sinks_n: torch.Tensor | None, c: int, m: int) -> dict:
+    """Stage ``c``'s sinks (its ``m`` q heads of this rank's ``n``), as ``attend`` keywords."""
+    return {} if sinks_n is None else {"sinks": sinks_n[c * m : (c + 1) * m]}
+
+
 class _HeadStages(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BsPCmH, k_BSkH, v_BSkH, kv_ranges, ex: StageExchange, attend: Attend):
+    def forward(ctx, q_BsPCmH, k_BSkH, v_BSkH, sinks_n, kv_ranges, ex: StageExchange,
+                attend: Attend):  # fmt: skip
         o_BsPCmH = torch.empty_like(q_BsPCmH)
+        m = q_BsPCmH.shape[4]
 
         def compute(c: int, inputs: list[torch.Tensor]) -> torch.Tensor:
             lo, hi = kv_ranges[c]
-            return attend(inputs[0], k_BSkH[:, :, lo:hi], v_BSkH[:, :, lo:hi])
+            kw = _sinks_kw(sinks_n, c, m)
+            return attend(inputs[0], k_BSkH[:, :, lo:hi], v_BSkH[:, :, lo:hi], **kw)
 
         _pipeline(
             q_BsPCmH.shape[3],
@@ -160,28 +168,37 @@ class _HeadStages(torch.autograd.Function):
             lambda c, pending: _store(o_BsPCmH, c, pending),
             ex.async_op,
         )
-        ctx.save_for_backward(q_BsPCmH, k_BSkH, v_BSkH)
+        ctx.save_for_backward(q_BsPCmH, k_BSkH, v_BSkH, sinks_n)
         ctx.fns = (kv_ranges, ex, attend)
         return o_BsPCmH
 
     @staticmethod
     def backward(ctx, do_BsPCmH):
-        q_BsPCmH, k_BSkH, v_BSkH = ctx.saved_tensors
+        q_BsPCmH, k_BSkH, v_BSkH, sinks_n = ctx.saved_tensors
         kv_ranges, ex, attend = ctx.fns
         dq_BsPCmH = torch.empty_like(q_BsPCmH)
         dk_BSkH, dv_BSkH = torch.zeros_like(k_BSkH), torch.zeros_like(v_BSkH)
+        dsinks_n = None if sinks_n is None else torch.zeros_like(sinks_n)
+        m = q_BsPCmH.shape[4]
 
         def compute(c: int, inputs: list[torch.Tensor]) -> torch.Tensor:
             lo, hi = kv_ranges[c]
             q_BSmH = inputs[0].detach().requires_grad_()
             k_c = k_BSkH[:, :, lo:hi].detach().requires_grad_()
             v_c = v_BSkH[:, :, lo:hi].detach().requires_grad_()
+            leaves = [q_BSmH, k_c, v_c]
+            kw = {}
+            if sinks_n is not None:
+                kw["sinks"] = sinks_n[c * m : (c + 1) * m].detach().requires_grad_()
+                leaves.append(kw["sinks"])
             with torch.enable_grad():
-                o_BSmH = attend(q_BSmH, k_c, v_c)  # the recompute
-            dq_BSmH, dk_c, dv_c = torch.autograd.grad(o_BSmH, (q_BSmH, k_c, v_c), inputs[1])
-            dk_BSkH[:, :, lo:hi] += dk_c
-            dv_BSkH[:, :, lo:hi] += dv_c
-            return dq_BSmH
+                o_BSmH = attend(q_BSmH, k_c, v_c, **kw)  # the recompute
+            grads = torch.autograd.grad(o_BSmH, leaves, inputs[1])
+            dk_BSkH[:, :, lo:hi] += grads[1]
+            dv_BSkH[:, :, lo:hi] += grads[2]
+            if dsinks_n is not None:
+                dsinks_n[c * m : (c + 1) * m] += grads[3]
+            return grads[0]
 
         _pipeline(
             q_BsPCmH.shape[3],
@@ -192,7 +209,7 @@ class _HeadStages(torch.autograd.Function):
             lambda c, pending: _store(dq_BsPCmH, c, pending),
             ex.async_op,
         )
-        return dq_BsPCmH, dk_BSkH, dv_BSkH, None, None, None
+        return dq_BsPCmH, dk_BSkH, dv_BSkH, dsinks_n, None, None, None
 
 
 def run_head_stages(
@@ -203,30 +220,36 @@ def run_head_stages(
     *,
     exchange: StageExchange,
     attend: Attend,
+    sinks_n: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``o[B, s, P, C, m, H]`` from ``q[B, s, P, C, m, H]`` and the exchanged ``k, v[B, S, k, H]``.
 
     Args:
         kv_ranges: per stage, the local kv heads ``[lo, hi)`` its q heads use.
         exchange: the stage's all-to-alls.
-        attend: the kernel on ``q[B, S, m, H]`` and that stage's ``k, v``.
+        attend: the kernel on ``q[B, S, m, H]`` and that stage's ``k, v`` (and ``sinks=``).
+        sinks_n: this rank's ``n = C * m`` sink logits (stage ``c`` attends with
+            ``sinks_n[c*m : (c+1)*m]``), or ``None``.
     """
     if len(kv_ranges) != q_BsPCmH.shape[3]:
         raise ValueError(f"{len(kv_ranges)} kv ranges for {q_BsPCmH.shape[3]} stages")
     if not torch.compiler.is_compiling():
-        return _HeadStages.apply(q_BsPCmH, k_BSkH, v_BSkH, tuple(kv_ranges), exchange, attend)
+        return _HeadStages.apply(q_BsPCmH, k_BSkH, v_BSkH, sinks_n, tuple(kv_ranges), exchange,
+                                 attend)  # fmt: skip
 
-    def stage(q_c, k, v, lo, hi):
+    def stage(q_c, k, v, lo, hi, *sinks):
         q_h = exchange.heads_differentiable(q_c)
-        return exchange.seq_differentiable(attend(q_h, k[:, :, lo:hi], v[:, :, lo:hi]))
+        kw = {"sinks": sinks[0]} if sinks else {}
+        return exchange.seq_differentiable(attend(q_h, k[:, :, lo:hi], v[:, :, lo:hi], **kw))
 
     B, s, P, _, m, H = q_BsPCmH.shape
     o_BsPCmH = q_BsPCmH.new_empty(q_BsPCmH.shape)
     for c, (lo, hi) in enumerate(kv_ranges):
         q_c = _stage(q_BsPCmH, c)
+        extra = () if sinks_n is None else (sinks_n[c * m : (c + 1) * m],)
         if torch.is_grad_enabled():
-            o_c = checkpoint(stage, q_c, k_BSkH, v_BSkH, lo, hi, use_reentrant=False)
+            o_c = checkpoint(stage, q_c, k_BSkH, v_BSkH, lo, hi, *extra, use_reentrant=False)
         else:
-            o_c = stage(q_c, k_BSkH, v_BSkH, lo, hi)
+            o_c = stage(q_c, k_BSkH, v_BSkH, lo, hi, *extra)
         o_BsPCmH[:, :, :, c] = o_c.view(B, s, P, m, H)
     return o_BsPCmH

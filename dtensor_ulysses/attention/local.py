@@ -1,47 +1,58 @@
-"""The local attention kernel: one place decides which kernel runs.
+"""The local attention kernel: one function, many backends, one place that decides which runs.
 
 Legend: ``B`` batch, ``S`` sequence, ``N`` q heads, ``K`` kv heads (``N % K == 0``; q head ``i``
 uses kv head ``i // (N // K)``), ``H`` head dim. All tensors are ``[B, S, heads, H]``.
 
-Backends:
+:func:`local_attention` computes attention on full-length tensors with any combination of:
+causal masking, packed documents (nothing crosses a document boundary), a sliding window
+``(left, right)`` (flash-attn's convention: key ``j`` is visible to query ``i`` iff
+``i - left <= j <= i + right``, ``-1`` an unlimited side), chunked attention (``j // C == i // C``),
+a logit softcap (``c * tanh(s / c)``) and attention sinks (a logit per q head that joins the
+softmax denominator). The backends, what each runs, and the choice (``backend="auto"``,
+:func:`force_backend`, ``DTENSOR_ULYSSES_ATTENTION``) are in
+:mod:`dtensor_ulysses.attention.kernels`; an explicitly requested backend that cannot run the
+features raises, it never silently becomes another.
 
-* ``"flash_attn"``: ``flash_attn.flash_attn_func`` from the flash-attn package (CUDA, fp16/bf16,
-  head dim <= 256).
-* ``"sdpa"``: :func:`torch.nn.functional.scaled_dot_product_attention` (any device and dtype;
-  on CUDA it dispatches to PyTorch's own flash / cuDNN / memory-efficient kernels).
-* ``"auto"``: ``flash_attn`` when the package imports and the inputs suit it, else ``sdpa``.
-
-An explicitly requested backend that cannot run raises; it never silently becomes another. Tests
-and benchmarks can pin the ``auto`` choice with :func:`force_backend` or the environment variable
-``DTENSOR_ULYSSES_ATTENTION`` (``flash_attn`` or ``sdpa``). ``auto`` picks flash-attn only on a GPU
-of compute capability 8.0 or newer (flash-attn 2's floor), else SDPA.
-
-The flash-attn seam: every flash-attn call of the project (this module's dense and varlen calls,
-the ring's blocks) goes through :func:`flash_attn_module`, the one place that resolves the module
-providing ``flash_attn_func`` and ``flash_attn_varlen_func``. It imports ``flash_attn``, or the
-module named by ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE`` (read at the first lookup; spawned ranks
-inherit it), or the module installed by :func:`use_flash_attn_module`. A module may list the
-device types it runs on in ``DEVICE_TYPES`` (default ``("cuda",)``): the test suite's pure-PyTorch
-double (``tests/flash_double.py``) says ``("cpu", "cuda")``, so the project's flash path runs on
-CPU in CI.
+The flash-attn seam (``_flash_seam.py``): every flash-attn call of the project goes through
+:func:`flash_attn_module`, which imports ``flash_attn``, or the module named by
+``DTENSOR_ULYSSES_FLASH_ATTN_MODULE``, or the one installed by :func:`use_flash_attn_module` (the
+test suite's pure-PyTorch double runs the flash path on CPU).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_ulysses.attention._blockwise import blockwise_attention
+from dtensor_ulysses.attention._flash_seam import (
+    FLASH_MODULE_ENV,
+    _capability,
+    flash_attn_available,
+    flash_attn_module,
+    flash_problem,
+    use_flash_attn_module,
+)
+from dtensor_ulysses.attention._flex import flex_attention
 from dtensor_ulysses.attention.doc_tensors import DocTensors, build_doc_tensors, check_doc_starts
+from dtensor_ulysses.attention.kernels import (
+    BACKENDS,
+    ENV_VAR,
+    KERNELS,
+    AttentionBackendError,
+    AttnFeatures,
+    force_backend,
+    select_backend,
+)
 
 __all__ = [
     "BACKENDS",
     "DeferredQ",
+    "ENV_VAR",
+    "FLASH_MODULE_ENV",
     "LocalAttention",
     "starts_from_positions",
     "flash_attn_available",
@@ -52,7 +63,7 @@ __all__ = [
     "use_flash_attn_module",
 ]
 
-BACKENDS = ("auto", "flash_attn", "sdpa")
+_ = _capability  # re-exported for tests that pin a GPU's compute capability
 
 
 class DeferredQ:
@@ -78,110 +89,27 @@ class DeferredQ:
         return len(self.shape)
 
 
-ENV_VAR = "DTENSOR_ULYSSES_ATTENTION"
-_forced: str | None = None
-
-
-FLASH_MODULE_ENV = "DTENSOR_ULYSSES_FLASH_ATTN_MODULE"
-_flash: list = []  # [the flash-attn module or None] once looked up (a plain cache: torch.compile
-# traces through functools.cache wrappers, and would reach the import inside)
-_capability: dict = {}  # CUDA device index -> (major, minor)
-
-
-def flash_attn_module():
-    """The module that provides ``flash_attn_func``/``flash_attn_varlen_func``, or ``None``.
-
-    ``flash_attn``, or the module named by ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE``, or the one
-    installed by :func:`use_flash_attn_module` (the seam of the module docstring).
-    """
-    if not _flash:
-        name = os.environ.get(FLASH_MODULE_ENV) or "flash_attn"
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # ImportError, or a broken build (undefined CUDA symbols)
-            if name != "flash_attn":
-                raise  # a module asked for by name must import
-            module = None
-        _flash.append(module)
-    return _flash[0]
-
-
-@contextlib.contextmanager
-def use_flash_attn_module(module) -> Iterator[None]:
-    """Inside the block the flash path calls ``module`` (e.g. a test double); ``None``: no
-    flash-attn. Only for this process: spawned ranks read ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE``."""
-    previous = list(_flash)
-    _flash[:] = [module]
-    try:
-        yield
-    finally:
-        _flash[:] = previous
-
-
 def _flash_attn_func():
     module = flash_attn_module()
     return None if module is None else module.flash_attn_func
 
 
-def flash_attn_available() -> bool:
-    """Whether the flash-attn package imports in this environment."""
-    return _flash_attn_func() is not None
-
-
-@contextlib.contextmanager
-def force_backend(name: str) -> Iterator[None]:
-    """Make ``backend="auto"`` resolve to ``name`` inside the block (for tests and benchmarks)."""
-    global _forced
-    if name not in ("flash_attn", "sdpa"):
-        raise ValueError(f"cannot force backend {name!r}; choose 'flash_attn' or 'sdpa'")
-    previous, _forced = _forced, name
-    try:
-        yield
-    finally:
-        _forced = previous
-
-
 def _flash_attn_problem(q: torch.Tensor) -> str | None:
     """Why flash-attn cannot run on ``q``, or ``None`` if it can."""
-    if not flash_attn_available():
-        return "the flash-attn package is not importable (in a clone: pip install -e '.[flash]')"
-    devices = getattr(flash_attn_module(), "DEVICE_TYPES", ("cuda",))
-    if q.device.type not in devices:
-        return f"flash-attn needs CUDA tensors, got device {q.device}"
-    if q.device.type == "cuda":
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        if index not in _capability:
-            _capability[index] = torch.cuda.get_device_capability(index)
-        major, minor = _capability[index]
-        if major < 8:
-            return f"flash-attn 2 needs compute capability 8.0 or newer, got sm_{major}{minor}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"flash-attn needs float16 or bfloat16, got {q.dtype}"
-    if q.shape[-1] > 256:
-        return f"flash-attn supports head dim <= 256, got {q.shape[-1]}"
-    return None
+    return flash_problem(q.device.type, q.dtype, q.shape[-1], q.device.index)
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The concrete backend (``"flash_attn"`` or ``"sdpa"``) that runs for ``backend`` on ``q``.
+    """The concrete backend that runs plain (causal or not) attention for ``backend`` on ``q``
+    (:func:`~dtensor_ulysses.attention.select_backend` without features).
 
     Raises:
-        ValueError: unknown backend name.
-        RuntimeError: an explicit backend that cannot run on these inputs.
+        AttentionBackendError: (a ``ValueError`` and a ``RuntimeError``) an unknown name, or an
+            explicit backend that cannot run on these inputs.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "auto":
-        backend = _forced or os.environ.get(ENV_VAR) or "auto"
-        if backend not in BACKENDS:
-            raise ValueError(f"{ENV_VAR}={backend!r} is not one of {BACKENDS[1:]}")
-        if backend == "auto":
-            return "flash_attn" if _flash_attn_problem(q) is None else "sdpa"
-    if backend == "flash_attn":
-        problem = _flash_attn_problem(q)
-        if problem is not None:
-            raise RuntimeError(f"backend='flash_attn' cannot run: {problem}; use backend='sdpa'")
-    return backend
+    return select_backend(AttnFeatures(), device_type=q.device.type, dtype=q.dtype,
+                          head_dim=q.shape[-1], backend=backend,
+                          device_index=q.device.index)  # fmt: skip
 
 
 def starts_from_positions(position_ids_BS: torch.Tensor) -> list[list[int]]:
@@ -196,6 +124,33 @@ def _segments(starts: list[int], S: int) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [S]))
 
 
+def _check_window(window) -> tuple[int, int]:
+    if window is None:
+        return (-1, -1)
+    try:
+        left, right = (int(x) for x in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"window={window!r} must be a pair (left, right) of ints") from None
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window={window!r}: each side is a number of tokens >= 0, or -1 (unlimited); "
+            f"a causal sliding window of W tokens is window=(W - 1, 0)"
+        )
+    return (left, right)
+
+
+def _check_scalars(chunk, softcap, sinks, N: int) -> None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk={chunk!r} must be an int >= 1 (tokens per attention chunk)")
+    if softcap is not None and not softcap >= 0:
+        raise ValueError(f"softcap={softcap!r} must be a float > 0 (or None: no softcap)")
+    if sinks is not None and tuple(sinks.shape) != (N,):
+        raise ValueError(
+            f"sinks has shape {tuple(sinks.shape)}; expected [N] = ({N},), one logit per q "
+            f"head of this call (the Ulysses engine slices a layer's sinks to its heads)"
+        )
+
+
 def local_attention(
     q_BSNH: torch.Tensor,
     k_BSKH: torch.Tensor,
@@ -207,68 +162,121 @@ def local_attention(
     position_ids: torch.Tensor | None = None,
     doc_starts: Sequence[Sequence[int]] | None = None,
     doc_tensors: DocTensors | None = None,
+    window: tuple[int, int] | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention on local, full-length tensors; returns ``o[B, S, N, H]``.
 
-    GQA/MQA: ``K`` may be smaller than ``N`` when it divides it.
+    GQA/MQA: ``K`` may be smaller than ``N`` when it divides it (every backend).
 
     Packed documents: no token attends across a document boundary. Give the boundaries either as
     ``doc_starts`` (per batch row, the start indices, as in
-    :attr:`~dtensor_ulysses.plan.SeqLayout.doc_starts`; no device sync) or as
+    :attr:`~dtensor_ulysses.plan.SeqLayout.doc_starts`; no device sync), as
     ``position_ids[B, S]`` restarting at 0 per document (see :func:`starts_from_positions`;
-    reads the ids back to the host). flash-attn then runs ``flash_attn_varlen_func`` over the
-    documents;
-    SDPA runs once per document (exact, no ``[S, S]`` mask is built). A third form,
-    ``doc_tensors`` (:class:`~dtensor_ulysses.attention.DocTensors`, what the model attaches to
-    the layout once per step), serves compiled code: flash-attn gets its ``cu_seqlens`` as they
-    are, and compiled SDPA a block-diagonal mask built on the device (``[B, 1, S, S]`` booleans;
-    eager SDPA still runs per document); no Python int of the layout enters the graph.
+    reads the ids back to the host), or as ``doc_tensors``
+    (:class:`~dtensor_ulysses.attention.DocTensors`, what the model attaches to the layout once
+    per step; compiled code uses it: no Python int of the layout enters the graph). A window and
+    a chunk apply on top of the documents (a window never crosses a document).
+
+    Args:
+        causal: key ``j`` is visible to query ``i`` only if ``j <= i``.
+        softmax_scale: the score scale (default ``H ** -0.5``).
+        backend: ``"auto"`` or a name of :data:`~dtensor_ulysses.attention.BACKENDS`.
+        window: ``(left, right)``: key ``j`` visible to query ``i`` iff
+            ``i - left <= j <= i + right`` (``-1``: that side unlimited); ``None``: no window.
+        chunk: ``C``: key ``j`` visible to query ``i`` iff ``j // C == i // C`` (indices of the
+            full-length rows).
+        softcap: ``c``: scores become ``c * tanh(s / c)`` with ``s = softmax_scale * q.k``.
+        sinks: ``[N]``, one logit per q head: ``exp(sinks[h])`` joins the softmax denominator
+            of head ``h`` (no value); differentiable.
 
     Raises:
         ValueError: ``N % K != 0``; ``doc_starts`` rows that do not rise strictly from 0 or reach
-            past ``S``; both ``position_ids`` and ``doc_starts``.
+            past ``S``; both ``position_ids`` and ``doc_starts``; a malformed window, chunk,
+            softcap or sinks; a backend that cannot run these features here
+            (:class:`~dtensor_ulysses.attention.AttentionBackendError`, naming the fix).
     """
-    N, K = q_BSNH.shape[2], k_BSKH.shape[2]
+    B, S, N, H = q_BSNH.shape
+    K = k_BSKH.shape[2]
     if N % K:
         raise ValueError(f"{N} q heads are not a multiple of {K} kv heads")
-    chosen = resolve_backend(backend, q_BSNH)
+    win = _check_window(window)
+    _check_scalars(chunk, softcap, sinks, N)
     if position_ids is not None:
         if doc_starts is not None:
             raise ValueError("pass position_ids or doc_starts, not both")
-        if tuple(position_ids.shape) != tuple(q_BSNH.shape[:2]):
+        if tuple(position_ids.shape) != (B, S):
             raise ValueError(
-                f"position_ids has shape {tuple(position_ids.shape)}; expected [B, S] = "
-                f"{tuple(q_BSNH.shape[:2])}"
+                f"position_ids has shape {tuple(position_ids.shape)}; expected [B, S] = {(B, S)}"
             )
         doc_starts = starts_from_positions(position_ids)
     if doc_tensors is not None:
         if doc_starts is not None:
             raise ValueError("pass doc_starts or doc_tensors, not both")
-        if chosen == "flash_attn":
-            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, softmax_scale)
-        if torch.compiler.is_compiling():
-            ids_BS = doc_tensors.doc_ids
-            return _sdpa_doc_mask(q_BSNH, k_BSKH, v_BSKH, ids_BS, causal, softmax_scale)
-        doc_starts = doc_tensors.doc_starts
     elif doc_starts is not None:
-        check_doc_starts(doc_starts, q_BSNH.shape[0], q_BSNH.shape[1])
-        if chosen == "flash_attn":
-            doc_tensors = build_doc_tensors(doc_starts, q_BSNH.shape[1], q_BSNH.device)
-            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, softmax_scale)
+        check_doc_starts(doc_starts, B, S)
+    compiled = torch.compiler.is_compiling()
+    docs = doc_starts is not None or doc_tensors is not None
+    features = AttnFeatures.of(causal=causal, window=window, chunk=chunk, softcap=softcap,
+                               sinks=sinks, docs=docs)  # fmt: skip
+    chosen = select_backend(features, device_type=q_BSNH.device.type, dtype=q_BSNH.dtype,
+                            head_dim=H, backend=backend, compiled=compiled,
+                            device_index=q_BSNH.device.index)  # fmt: skip
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q_BSNH, k_BSKH, v_BSKH, sinks)
+    )
+    if needs_grad and q_BSNH.device.type not in KERNELS[chosen].backward_device_types:
+        raise AttentionBackendError(
+            f"backend={chosen!r} has no backward on {q_BSNH.device.type} (torch "
+            f"{torch.__version__}); train with backend='auto' or 'blockwise', or run it under "
+            f"torch.no_grad()"
+        )
+    scale = H**-0.5 if softmax_scale is None else float(softmax_scale)
+    host_starts = None if doc_tensors is None or compiled else doc_tensors.doc_starts
     if doc_starts is not None:
-        S = q_BSNH.shape[1]
+        host_starts = [list(row) for row in doc_starts]
+    if chosen in ("flex", "blockwise"):
+        doc_ids_BS = None
+        if doc_tensors is not None:
+            doc_ids_BS = doc_tensors.doc_ids
+        elif doc_starts is not None:
+            doc_ids_BS = build_doc_tensors(doc_starts, S, q_BSNH.device).doc_ids
+        kw = dict(scale=scale, causal=causal, window=win, chunk=chunk or 0,
+                  softcap=float(softcap or 0.0), sinks_N=sinks, doc_ids_BS=doc_ids_BS)  # fmt: skip
+        if chosen == "flex":
+            return flex_attention(q_BSNH, k_BSKH, v_BSKH, **kw)  # type: ignore[arg-type]
+        return blockwise_attention(q_BSNH, k_BSKH, v_BSKH, doc_starts=host_starts, **kw)  # type: ignore[arg-type]
+    if chosen in ("flash_attn", "torch_varlen"):
+        if chunk is not None:  # chunks are documents too: cut every document at multiples of C
+            rows = host_starts or [[0]] * B
+            doc_starts = [sorted(set(row) | set(range(0, S, chunk))) for row in rows]
+            doc_tensors = None
+        if doc_tensors is None and doc_starts is not None:
+            doc_tensors = build_doc_tensors(doc_starts, S, q_BSNH.device)
+        if chosen == "torch_varlen":
+            return _torch_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, scale, win)
+        extra = {}
+        if win != (-1, -1):
+            extra["window_size"] = win
+        if softcap:
+            extra["softcap"] = float(softcap)
+        if doc_tensors is not None:
+            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, softmax_scale,
+                                 **extra)  # fmt: skip
+        return _flash_attn_func()(q_BSNH, k_BSKH, v_BSKH, dropout_p=0.0,
+                                  softmax_scale=softmax_scale, causal=causal, **extra)  # fmt: skip
+    # sdpa: plain attention; packed documents one call per document (eager only)
+    if host_starts is not None:
         out = []
-        for b, row_starts in enumerate(doc_starts):
+        for b, row_starts in enumerate(host_starts):
             for lo, hi in _segments(list(row_starts), S):
                 out.append(
                     _sdpa(q_BSNH[b : b + 1, lo:hi], k_BSKH[b : b + 1, lo:hi],
                           v_BSKH[b : b + 1, lo:hi], causal, softmax_scale)
                 )  # fmt: skip
-        return torch.cat(out, dim=1).view(q_BSNH.shape[0], S, N, -1)
-    if chosen == "flash_attn":
-        return _flash_attn_func()(
-            q_BSNH, k_BSKH, v_BSKH, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal
-        )
+        return torch.cat(out, dim=1).view(B, S, N, -1)
     return _sdpa(q_BSNH, k_BSKH, v_BSKH, causal, softmax_scale)
 
 
@@ -279,45 +287,76 @@ local_attention.takes_doc_tensors = True  # type: ignore[attr-defined]
 class LocalAttention(nn.Module):
     """The model's default ``inner_attention``: :func:`local_attention` on full-length tensors.
 
-    ``forward(q, k, v, *, layout=None, doc_starts=None)`` takes ``[B, S, heads, H]`` tensors;
-    packed documents come as a :class:`~dtensor_ulysses.plan.SeqLayout` (``layout``, on one
-    rank) or as ``doc_starts`` (what the Ulysses engine passes after its exchange).
+    ``forward(q, k, v, *, layout=None, doc_starts=None, doc_tensors=None, **features)`` takes
+    ``[B, S, heads, H]`` tensors; packed documents come as a
+    :class:`~dtensor_ulysses.plan.SeqLayout` (``layout``, on one rank) or as ``doc_starts`` /
+    ``doc_tensors`` (what the Ulysses engine passes after its exchange); ``features``
+    (``window``, ``chunk``, ``softcap``, ``sinks``) override the module's own.
     ``du.parallelize`` wraps this module in the Ulysses engine; it keeps the kernel choice.
 
     Args:
-        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``.
+        backend: ``"auto"`` or a name of :data:`~dtensor_ulysses.attention.BACKENDS`.
         causal: causal masking.
+        window: a sliding window ``(left, right)`` (see :func:`local_attention`).
+        chunk: chunked attention, ``C`` tokens per chunk.
+        softcap: a logit softcap.
     """
 
-    def __init__(self, backend: str = "auto", *, causal: bool = True) -> None:
+    def __init__(
+        self,
+        backend: str = "auto",
+        *,
+        causal: bool = True,
+        window: tuple[int, int] | None = None,
+        chunk: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         self.backend = backend
         self.causal = causal
+        self.window = None if window is None else _check_window(window)
+        _check_scalars(chunk, softcap, None, 1)
+        self.chunk, self.softcap = chunk, softcap
         _flash_attn_func()  # look flash-attn up now, eagerly, not inside a compiled forward
 
     takes_doc_tensors = True  # the engine may hand over doc_tensors= (compiled packed docs)
 
-    def forward(self, q, k, v, *, layout=None, doc_starts=None, doc_tensors=None):
+    def forward(self, q, k, v, *, layout=None, doc_starts=None, doc_tensors=None, **features):
         if layout is not None and doc_starts is None and doc_tensors is None:
             if layout.doc_tensors is not None:
                 doc_tensors = layout.doc_tensors
             else:
                 doc_starts = layout.doc_starts
+        kw = dict(window=self.window, chunk=self.chunk, softcap=self.softcap)
+        kw.update(features)
         return local_attention(
             q, k, v, causal=self.causal, backend=self.backend, doc_starts=doc_starts,
-            doc_tensors=doc_tensors,
+            doc_tensors=doc_tensors, **kw,
         )  # fmt: skip
 
     def input_dim_order(self, q: torch.Tensor) -> tuple[int, ...] | None:
         """The memory layout this kernel reads without a copy, for ``q``-like inputs: SDPA
         works on ``[B, N, S, H]`` (``(0, 2, 1, 3)`` of ``[B, S, N, H]``), flash-attn on
         ``[B, S, N, H]`` as it is (``None``). The Ulysses engine unpacks into it directly."""
-        return (0, 2, 1, 3) if resolve_backend(self.backend, q) == "sdpa" else None
+        features = AttnFeatures.of(causal=self.causal, window=self.window, chunk=self.chunk,
+                                   softcap=self.softcap)  # fmt: skip
+        try:
+            chosen = select_backend(features, device_type=q.device.type, dtype=q.dtype,
+                                    head_dim=q.shape[-1], backend=self.backend,
+                                    compiled=torch.compiler.is_compiling(),
+                                    device_index=q.device.index)  # fmt: skip
+        except ValueError:
+            return None  # the call itself raises, with the reason
+        return (0, 2, 1, 3) if chosen in ("sdpa", "flex") else None
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}, causal={self.causal}"
+        out = f"backend={self.backend!r}, causal={self.causal}"
+        for name in ("window", "chunk", "softcap"):
+            if getattr(self, name) is not None:
+                out += f", {name}={getattr(self, name)!r}"
+        return out
 
 
 def _sdpa(q_BSNH, k_BSKH, v_BSKH, causal: bool, softmax_scale: float | None) -> torch.Tensor:
@@ -332,24 +371,7 @@ def _sdpa(q_BSNH, k_BSKH, v_BSKH, causal: bool, softmax_scale: float | None) -> 
     return o_BNSH.transpose(1, 2)
 
 
-def _sdpa_doc_mask(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, causal, softmax_scale) -> torch.Tensor:
-    """SDPA with a block-diagonal (and causal) mask from the document index of every token."""
-    S = q_BSNH.shape[1]
-    mask_BSS = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
-    if causal:
-        mask_BSS = mask_BSS & torch.ones(S, S, dtype=torch.bool, device=q_BSNH.device).tril()
-    o_BNSH = F.scaled_dot_product_attention(
-        q_BSNH.transpose(1, 2),
-        k_BSKH.transpose(1, 2),
-        v_BSKH.transpose(1, 2),
-        attn_mask=mask_BSS[:, None],
-        scale=softmax_scale,
-        enable_gqa=k_BSKH.shape[2] != q_BSNH.shape[2],
-    )
-    return o_BNSH.transpose(1, 2)
-
-
-def _flash_varlen(q_BSNH, k_BSKH, v_BSKH, docs: DocTensors, causal, softmax_scale):
+def _flash_varlen(q_BSNH, k_BSKH, v_BSKH, docs: DocTensors, causal, softmax_scale, **extra):
     """flash-attn over the documents of every row, flattened to ``[B*S, heads, H]``; the
     boundaries come as device tensors (no copy here); compiled, ``max_seqlen`` is ``S``."""
     flash_attn_varlen_func = flash_attn_module().flash_attn_varlen_func
@@ -366,5 +388,33 @@ def _flash_varlen(q_BSNH, k_BSKH, v_BSKH, docs: DocTensors, causal, softmax_scal
         dropout_p=0.0,
         softmax_scale=softmax_scale,
         causal=causal,
+        **extra,
+    )
+    return o_TNH.view(B, S, N, H)
+
+
+def _torch_varlen(q_BSNH, k_BSKH, v_BSKH, docs: DocTensors | None, causal, scale, window):
+    """``torch.nn.attention.varlen.varlen_attn`` over the documents (one per row without
+    documents); causal is its window ``(left, 0)``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, S, N, H = q_BSNH.shape
+    if docs is None:
+        docs = build_doc_tensors([[0]] * B, S, q_BSNH.device)
+    left, right = window
+    if causal:
+        right = 0
+    longest = S if torch.compiler.is_compiling() else docs.max_seqlen
+    o_TNH = varlen_attn(
+        q_BSNH.reshape(B * S, N, H),
+        k_BSKH.reshape(B * S, -1, H),
+        v_BSKH.reshape(B * S, -1, H),
+        docs.cu_seqlens_q,
+        docs.cu_seqlens_k,
+        longest,
+        longest,
+        scale=scale,
+        window_size=(left, right),
+        enable_gqa=k_BSKH.shape[2] != N,
     )
     return o_TNH.view(B, S, N, H)

@@ -311,7 +311,11 @@ class UlyssesAttention(nn.Module):
             seq_len: the full length ``S`` when the pieces are uneven and no layout is given.
             position_ids: packed documents without a layout: this rank's ``[B, s]`` ids,
                 restarting at 0 per document (costs one all-gather).
-            **attn_kwargs: passed to ``attn_fn`` (e.g. ``causal``, ``backend``).
+            **attn_kwargs: passed to ``attn_fn`` (e.g. ``causal``, ``backend``, ``window``,
+                ``chunk``, ``softcap``: properties of the local kernel, unchanged per head),
+                except ``sinks``: a ``[Nq]`` tensor of the whole layer's sink logits, of which
+                ``attn_fn`` receives the slice of the q heads this rank attends with (per
+                stage with ``head_chunks``); autograd carries each slice's gradient back.
         """
         for t, n in ((q, "q"), (k, "k"), (v, "v")):
             if isinstance(t, DTensor):
@@ -353,14 +357,23 @@ class UlyssesAttention(nn.Module):
         elif layout is not None and layout.doc_starts is not None:
             attn_kwargs["doc_starts"] = layout.doc_starts
 
+        sinks_N = attn_kwargs.pop("sinks", None)
+        if sinks_N is not None and tuple(sinks_N.shape) != (N,):
+            raise ValueError(
+                f"sinks has shape {tuple(sinks_N.shape)}; expected [N] = ({N},), one logit per "
+                f"q head of the layer (the engine gives each rank the sinks of its heads)"
+            )
         order_of = getattr(self.attn_fn, "input_dim_order", None)  # the kernel's memory layout
         order = order_of(k) if callable(order_of) else None
         if isinstance(q, DeferredQ) and (P == 1 or torch.compiler.is_compiling()):
             q = q()  # nothing to overlap (one rank), or compiled (the compiler schedules)
         if self.head_chunks > 1:
-            return self._chunked(q, k, v, plan, seq_sizes, attn_kwargs, order)
+            return self._chunked(q, k, v, plan, seq_sizes, attn_kwargs, order, sinks_N)
         k, v = _replicate_kv(plan, k, v)
         q_sizes, kv_sizes = list(plan.q_heads), plan.kv_heads
+        if sinks_N is not None:  # the sinks of the q heads this rank attends with
+            first = sum(q_sizes[: dist.get_rank(self.group)])
+            attn_kwargs["sinks"] = sinks_N[first : first + q_sizes[dist.get_rank(self.group)]]
         # q[B, S_sp, N, H] -> q[B, S, N_sp, H]   (Shard(1) -> Shard(2) on sp), same for k and v
         if isinstance(q, DeferredQ):  # k and v move while q is projected
             kv = self._start_kv(k, v, seq_sizes, kv_sizes, order)
@@ -394,6 +407,7 @@ class UlyssesAttention(nn.Module):
         seq_sizes: list[int],
         attn_kwargs: dict,
         order: tuple[int, ...] | None = None,
+        sinks_N: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Head-chunked attention: kv once, then ``C = head_chunks`` stages of q heads.
 
@@ -435,6 +449,7 @@ class UlyssesAttention(nn.Module):
             ranges,
             exchange=StageExchange(self.group, seq_sizes, m, order, async_op=self.overlap),
             attend=functools.partial(self.attn_fn, **attn_kwargs),
+            sinks_n=None if sinks_N is None else sinks_N[me * n : (me + 1) * n],
         )
         return o_BsPCmH.view(B, s, N, H)
 

@@ -53,6 +53,9 @@ _EXPORTS = {
     "evaluate": "data",
     "get_batch": "data",
     "load_corpus": "data",
+    "RouterLoss": "moe",
+    "load_balancing_loss": "moe",
+    "router_loss_config": "moe",
     "UnsupportedTrainerError": "trainer",
     "with_ulysses": "trainer",
 }
@@ -60,6 +63,7 @@ _EXPORTS = {
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HFCausalLM",
+    "RouterLoss",
     "ShardedBatch",
     "TokenCorpus",
     "UnroutedAttentionError",
@@ -75,11 +79,13 @@ __all__ = [
     "eval_batches",
     "evaluate",
     "get_batch",
+    "load_balancing_loss",
     "load_corpus",
     "load_pretrained",
     "load_tokenizer",
     "load_weights",
     "parallelize",
+    "router_loss_config",
     "save_pretrained",
     "shard_batch",
     "with_ulysses",
@@ -119,6 +125,7 @@ if TYPE_CHECKING:
         parallelize,
         save_pretrained,
     )
+    from dtensor_ulysses.hf.moe import RouterLoss, load_balancing_loss, router_loss_config
     from dtensor_ulysses.hf.routing import (
         ATTN_IMPLEMENTATION,
         UnroutedAttentionError,

@@ -34,11 +34,13 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from dtensor_ulysses._file_modes import apply_umask
+from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
 from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
 from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.models.weights import bare_name, copy_full_
 from dtensor_ulysses.parallel.compose import checkpoint_blocks, shard_blocks
-from dtensor_ulysses.parallel.mesh import MESH_AXES
+from dtensor_ulysses.parallel.mesh import MESH_AXES, flatten_dp_sp
+from dtensor_ulysses.parallel.tokens import global_valid_tokens
 
 __all__ = [
     "HFCausalLM",
@@ -79,6 +81,14 @@ class HFCausalLM(nn.Module):
     ``forward(input_ids, position_ids=None, *, layout=None, labels=None)``: this rank's slice in,
     and with ``labels`` (already shifted, ``-100`` for no loss) the float32 cross-entropy *sum*
     over the valid labels of the slice; without, the logits ``[B, s, V]``.
+
+    A Mixture-of-Experts model whose stock forward adds a router loss (``output_router_logits``
+    in its config) adds, in training, ``N * coef * share``: ``N`` the valid labels of the whole
+    batch, ``share`` this rank's part of the load-balancing loss over every token of the batch
+    (:func:`~dtensor_ulysses.hf.moe.load_balancing_loss`, over the ``dp x sp`` ranks that
+    :func:`parallelize` recorded). Divided by ``N`` as the trainer divides the sum, the step's
+    loss is the stock model's, cross entropy plus ``coef`` times the router loss, and so are its
+    gradients. In evaluation (``model.eval()``) the sum stays the cross entropy's.
 
     Args:
         model: a transformers causal LM (``AutoModelForCausalLM``).
@@ -122,12 +132,29 @@ class HFCausalLM(nn.Module):
         kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
         if layout is not None:
             kwargs["ulysses_layout"] = layout
+        rc = router_loss_config(self.hf_model) if labels is not None and self.training else None
+        if rc is not None and rc.enabled:
+            kwargs["output_router_logits"] = True
+        else:
+            rc = None
         if labels is not None and self.loss_chunk_tokens is not None:
-            h = self.hf_model.base_model(**kwargs).last_hidden_state
+            out = self.hf_model.base_model(**kwargs)
             weight = self.hf_model.get_output_embeddings().weight
-            return tiled_cross_entropy_sum(h, weight, labels, self.loss_chunk_tokens)
-        logits = self.hf_model(**kwargs).logits
-        return logits if labels is None else cross_entropy_sum(logits, labels)
+            loss = tiled_cross_entropy_sum(
+                out.last_hidden_state, weight, labels, self.loss_chunk_tokens
+            )
+        else:
+            out = self.hf_model(**kwargs)
+            if labels is None:
+                return out.logits
+            loss = cross_entropy_sum(out.logits, labels)
+        if rc is not None:
+            assert labels is not None
+            group = self.__dict__.get("_du_loss_group")
+            n_valid = global_valid_tokens(labels, group)
+            rl = load_balancing_loss(out.router_logits, rc.num_experts, rc.top_k, group)
+            loss = loss + (n_valid * rc.coef) * rl.share.to(loss.dtype)
+        return loss
 
 
 def parallelize(
@@ -155,6 +182,8 @@ def parallelize(
     if offload_activations and not activation_checkpointing:
         raise ValueError("offload_activations needs activation_checkpointing=True")
     hf = unwrap(model)
+    if isinstance(model, HFCausalLM):  # the ranks that share a batch (a router loss's group)
+        model.__dict__["_du_loss_group"] = flatten_dp_sp(mesh).get_group()
     # 1. Ulysses (always, also at sp=1: the engine is where packed documents are handled)
     apply_ulysses(
         hf, mesh["sp"], head_chunks=head_chunks, backend=attention_backend,
@@ -242,6 +271,13 @@ def load_weights(model: nn.Module, directory: str | os.PathLike) -> None:
             f"weights do not match the config of {type(hf).__name__}: "
             + (f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} " if missing else "")
             + (f"unexpected {unexpected[:5]}" if unexpected else "")
+            + (
+                "; these are per-expert weights in the format transformers converts on load "
+                "(fused experts in memory), which load_pretrained / --hf-model does not "
+                "convert yet: use with_ulysses (the model is loaded by transformers)"
+                if any(".experts." in k for k in unexpected)
+                else ""
+            )
         )
 
 
@@ -258,19 +294,30 @@ def _tied_names(hf: PreTrainedModel) -> set[str]:
 
 @torch.no_grad()
 def _init_buffers(hf: PreTrainedModel) -> None:
-    """Recompute the non-persistent buffers (RoPE frequencies) that ``to_empty`` left blank."""
+    """Recompute the non-persistent buffers that ``to_empty`` left blank (RoPE frequencies,
+    Gemma's embedding scale) with the model's own ``_init_weights``, as transformers does when
+    it loads from ``meta`` (parameters it also resets are loaded from the checkpoint after).
+
+    Raises:
+        ValueError: a floating-point buffer that ``_init_weights`` did not set (checked with a
+            NaN sentinel).
+    """
     persistent = set(hf.state_dict().keys())
     for mname, module in hf.named_modules():
-        own = [n for n, _ in module.named_buffers(recurse=False)]
+        own = dict(module.named_buffers(recurse=False))
         blank = [n for n in own if (f"{mname}.{n}" if mname else n) not in persistent]
         if not blank:
             continue
-        if "RotaryEmbedding" not in type(module).__name__:
-            raise ValueError(
-                f"{mname} ({type(module).__name__}) has buffers {blank} that are not in the "
-                f"checkpoint and cannot be recomputed here"
-            )
+        for n in blank:
+            if own[n].is_floating_point():
+                own[n].fill_(float("nan"))
         hf._init_weights(module)
+        unset = [n for n in blank if getattr(module, n).isnan().any()]
+        if unset:
+            raise ValueError(
+                f"{mname} ({type(module).__name__}) has buffers {unset} that are not in the "
+                f"checkpoint and that its _init_weights does not recompute"
+            )
 
 
 def load_pretrained(

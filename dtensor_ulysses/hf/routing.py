@@ -15,15 +15,28 @@ The layout, with its documents' device tensors built there (varlen bounds, docum
 per forward, not per layer), then reaches every attention call as a keyword argument, so
 activation checkpointing replays exactly what the forward saw.
 
-Gated DeltaNet layers (Qwen3.5, Qwen3-Next) go through the same exchange, routed by
-:mod:`~dtensor_ulysses.hf.linear_attention`. Refused, loudly, naming the layer and the feature
-(results would be wrong, not just slow): other layers without attention (Mamba, other linear
-attention), sliding-window and
-chunked attention, attention sinks, logit softcapping, attention dropout, bidirectional attention,
-models whose attention does not go through the ``AttentionInterface``, a KV cache, padding masks
-on the model call (use :func:`~dtensor_ulysses.hf.shard_batch`). On the first forward after
-:func:`apply_ulysses`, a guard checks that every attention layer went through the engine and raises
-:class:`UnroutedAttentionError` naming those that did not (sp would silently be a no-op for them).
+Each attention layer's features are read as transformers' eager path applies them
+(:func:`layer_features`): a sliding window (per layer, from the module or the config), chunked
+attention (Llama 4's ``"chunked_attention"`` layers; chunks restart at each packed document, as
+transformers' packed masks make them), the logit softcap the attention function receives,
+attention sinks (the module's ``sinks``; the engine gives each rank those of its heads), and
+Llama 4's attention temperature on its layers without RoPE (computed by the model from the
+row index of its slice; the engine rescales q to the row in the whole sequence). The kernel for
+each layer is chosen (:func:`~dtensor_ulysses.attention.select_backend`) in
+:func:`apply_ulysses`, so a layer no kernel of this device runs exactly is refused before step 1.
+After the all-to-all every rank holds the full sequence of its heads, so a window, a chunk or a
+softcap is a property of the local kernel and never compared with the local slice length.
+
+Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) go through the same exchange, routed
+by :mod:`~dtensor_ulysses.hf.linear_attention` (their key heads split over sp, as q heads are).
+
+Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
+other layers without attention (Mamba, other linear attention), attention dropout,
+bidirectional attention, models whose attention does not go through the ``AttentionInterface``,
+a KV cache, padding masks on the model call (use :func:`~dtensor_ulysses.hf.shard_batch`). On the
+first forward after :func:`apply_ulysses`, a guard checks that every attention layer went
+through the engine and raises :class:`UnroutedAttentionError` naming those that did not (sp
+would silently be a no-op for them).
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
+from dtensor_ulysses.attention import AttnFeatures, select_backend
 from dtensor_ulysses.attention.doc_tensors import with_doc_tensors
 from dtensor_ulysses.attention.local import BACKENDS, local_attention
 from dtensor_ulysses.attention.ulysses import (
@@ -51,22 +65,23 @@ from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "LayerFeatures",
     "UnroutedAttentionError",
     "UnsupportedModelError",
     "apply_ulysses",
     "attention_modules",
     "check_supported",
     "decoder_layers",
+    "layer_features",
     "unwrap",
 ]
 
 ATTN_IMPLEMENTATION = "du_ulysses"
 _STATE = "_du_ulysses_state"
 _MISSING = object()
-# layer types (config.layer_types) and what they are
+# layer types (config.layer_types) the engine runs, and what the others are
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _LAYER_FEATURES = {
-    "sliding_attention": "sliding-window attention",
-    "chunked_attention": "chunked attention",
     "linear_attention": "linear attention (not softmax attention)",
     "mamba": "a Mamba state-space mixer (not attention)",
     "conv": "a convolution mixer (not attention)",
@@ -91,7 +106,9 @@ class _State:
     backend: str
     head_chunks: int
     names: dict[int, str]  # id(attention module) -> its name in the model
+    features: dict[int, LayerFeatures] = field(default_factory=dict)  # id(module) -> features
     calls: dict[int, int] = field(default_factory=dict)
+    chunked: dict[int, tuple[SeqLayout, SeqLayout]] = field(default_factory=dict)
     checked: bool = False
     hooks: list = field(default_factory=list)
 
@@ -168,10 +185,6 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 # What the engine refuses, one wording each, for the model's attributes at construction
 # (check_supported) and for the attention call's arguments (_ulysses_attention).
 _REFUSED = {
-    "sliding_window": "sliding-window attention",
-    "chunk": "chunked attention",
-    "softcap": "attention logit softcapping",
-    "sinks": "attention sinks (learned per-head sink logits)",
     "non_causal": "bidirectional (non-causal) attention",
     "dropout": "attention dropout",
 }
@@ -182,28 +195,104 @@ def _refused(kind: str, setting: str | None = None) -> str:
     return _REFUSED[kind] + (f" ({setting})" if setting else "")
 
 
-def _features(module: nn.Module, cfg: Any, layer_type: str | None) -> list[str]:
+@dataclass(frozen=True)
+class LayerFeatures:
+    """What one attention layer does beyond plain causal attention, as transformers' eager path
+    applies it (its mask and its ``eager_attention_forward``).
+
+    Attributes:
+        sliding_window: transformers' ``sliding_window`` ``W``: a query sees itself and the
+            ``W - 1`` keys before it (``masking_utils.sliding_window_overlay``:
+            ``kv_idx > q_idx - W``), i.e. the kernel's ``window=(W - 1, 0)``.
+        chunk: ``attention_chunk_size`` ``C`` of a ``"chunked_attention"`` layer: key ``j``
+            visible to query ``i`` iff ``j // C == i // C`` (positions within a document).
+        softcap: ``attn_logit_softcapping`` ``c`` (scores become ``c * tanh(score / c)``) as the
+            module declares it, for the kernel choice before step 1; each call applies the
+            ``softcap`` its attention function receives, as the eager function does (Gemma 2
+            passes it; Gemma 3's attention passes none, whatever its config says).
+        sinks: the module has learned per-head sink logits (gpt-oss ``sinks``, passed as
+            ``s_aux``).
+        nope_temperature: Llama 4's attention temperature on a layer without RoPE: its q scale
+            depends on the token's row index, which the model computes on the local slice.
+    """
+
+    sliding_window: int | None = None
+    chunk: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    nope_temperature: bool = False
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """The kernel's ``(left, right)`` window (flash-attn convention), or ``None``."""
+        return None if self.sliding_window is None else (self.sliding_window - 1, 0)
+
+    def describe(self) -> str:
+        """A short description (``"window 8, softcap 50.0"``), ``"plain"`` when none."""
+        parts = []
+        if self.sliding_window is not None:
+            parts.append(f"sliding_window={self.sliding_window}")
+        if self.chunk is not None:
+            parts.append(f"attention_chunk_size={self.chunk}")
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap}")
+        if self.sinks:
+            parts.append("sinks")
+        return ", ".join(parts) or "plain"
+
+
+def layer_features(module: nn.Module, cfg: Any, layer_type: str | None) -> LayerFeatures:
+    """The features of attention ``module`` (see :class:`LayerFeatures`).
+
+    Read as each family's code applies them: a module's own ``sliding_window`` attribute
+    (Qwen2, Qwen3-MoE, Gemma 2/3, gpt-oss, OLMo 3 set it per layer from ``layer_types``), else
+    the config's (Mistral and Mixtral read ``config.sliding_window`` at call time for every
+    layer); ``attention_chunk_size`` on ``"chunked_attention"`` layers (Llama 4);
+    ``attn_logit_softcapping``; a ``sinks`` parameter. The attention call's own arguments are
+    checked against these on every call (:func:`_ulysses_attention`).
+
+    Raises:
+        UnsupportedModelError: a setting these rules cannot place (a window or chunk size that
+            is not a positive int, a chunk size without ``layer_types``).
+    """
+    window = getattr(module, "sliding_window", _MISSING)
+    if window is _MISSING:  # Mistral / Mixtral: config.sliding_window, every layer
+        window = getattr(cfg, "sliding_window", None)
+    if layer_type == "sliding_attention" and window is None:
+        window = getattr(cfg, "sliding_window", None)
+    chunk = None
+    chunk_cfg = getattr(cfg, "attention_chunk_size", None)
+    if layer_type == "chunked_attention":
+        chunk = chunk_cfg
+        if chunk is None:
+            raise UnsupportedModelError(
+                "a 'chunked_attention' layer without config.attention_chunk_size"
+            )
+    elif chunk_cfg and layer_type is None:
+        raise UnsupportedModelError(
+            f"attention_chunk_size={chunk_cfg} without config.layer_types: which layers are "
+            f"chunked is unknown; set layer_types ('chunked_attention' / 'full_attention')"
+        )
+    for name, v in (("sliding_window", window), ("attention_chunk_size", chunk)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise UnsupportedModelError(f"{name}={v!r} is not a positive int")
+    cap = getattr(module, "attn_logit_softcapping", None)
+    if cap is None:
+        cap = getattr(cfg, "attn_logit_softcapping", None)
+    sinks = isinstance(getattr(module, "sinks", None), torch.Tensor)
+    nope_t = bool(getattr(module, "attn_temperature_tuning", False)) and (
+        getattr(module, "use_rope", True) in (False, 0)
+    )
+    return LayerFeatures(window, chunk, float(cap) if cap else None, sinks, nope_t)  # type: ignore[arg-type]
+
+
+def _problems(module: nn.Module, cfg: Any) -> list[str]:
     """What ``module`` does that the engine cannot do exactly."""
     out = []
-    window = getattr(module, "sliding_window", _MISSING)
-    if window is _MISSING:  # e.g. Mistral reads config.sliding_window at call time
-        window = getattr(cfg, "sliding_window", None) if layer_type is None else None
-    if window is not None:
-        out.append(_refused("sliding_window", f"sliding_window={window}"))
-    chunk = getattr(cfg, "attention_chunk_size", None) or getattr(
-        module, "attention_chunk_size", None
-    )
-    if chunk:
-        out.append(_refused("chunk", f"attention_chunk_size={chunk}"))
-    cap = getattr(cfg, "attn_logit_softcapping", None) or getattr(
-        module, "attn_logit_softcapping", None
-    )
-    if cap:
-        out.append(_refused("softcap", f"attn_logit_softcapping={cap}"))
-    if getattr(module, "sinks", None) is not None:
-        out.append(_refused("sinks"))
-    if getattr(module, "is_causal", True) is False:
+    if getattr(module, "is_causal", True) is False or getattr(cfg, "is_causal", True) is False:
         out.append(_refused("non_causal"))
+    if getattr(cfg, "use_bidirectional_attention", False):
+        out.append(_refused("non_causal", "use_bidirectional_attention=True"))
     if float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
         out.append(_refused("dropout", f"attention_dropout={cfg.attention_dropout}"))
     return out
@@ -215,6 +304,12 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
     Raises:
         UnsupportedModelError: every problem found, each naming the layer and the feature.
     """
+    return [(name, m) for name, m, _ in _supported(model)]
+
+
+def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | None]]:
+    """``(name, module, features)`` of every attention module (features ``None``: a Gated
+    DeltaNet mixer, routed by hf/linear_attention.py)."""
     hf = unwrap(model)
     cfg = hf.config.get_text_config()
     what = f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
@@ -235,8 +330,8 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
         where = f"{prefix}.{i} ({type(layer).__name__})"
         mixers = [(n, m) for n, m in layer.named_modules() if is_gated_deltanet(m)]
         if lt == "linear_attention" and mixers:  # routed by hf/linear_attention.py
-            found += [(f"{prefix}.{i}.{n}", m) for n, m in mixers]
-        elif lt is not None and lt != "full_attention":
+            found += [(f"{prefix}.{i}.{n}", m, None) for n, m in mixers]
+        elif lt is not None and lt not in _ATTENTION_LAYER_TYPES:
             problems.append(f"{where}: {_LAYER_FEATURES.get(lt, repr(lt))}")
         attns = [(n, m) for n, m in layer.named_modules() if _is_attention(m, classes)]
         if not attns and not mixers:
@@ -248,8 +343,14 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
             )
         for n, m in attns:
             name = f"{prefix}.{i}.{n}"
-            problems += [f"{name} ({type(m).__name__}): {f}" for f in _features(m, cfg, lt)]
-            found.append((name, m))
+            found_problems = [f"{name} ({type(m).__name__}): {f}" for f in _problems(m, cfg)]
+            try:
+                feats = layer_features(m, cfg, lt)
+            except UnsupportedModelError as e:
+                found_problems.append(f"{name} ({type(m).__name__}): {e}")
+                feats = LayerFeatures()
+            problems += found_problems
+            found.append((name, m, feats))
     if problems:
         more = f"; and {len(problems) - 6} more" if len(problems) > 6 else ""
         raise UnsupportedModelError(
@@ -292,7 +393,7 @@ def apply_ulysses(
     hf = unwrap(model)
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    found = check_supported(hf)
+    found = _supported(hf)
     group = sp_group(mesh)
     sp = dist.get_world_size(group)
     cfg = hf.config.get_text_config()
@@ -302,6 +403,7 @@ def apply_ulysses(
     )
     if head_chunks != 1:
         check_head_chunks(n_heads, sp, head_chunks)
+    _check_backends(hf, [t for t in found if t[2] is not None], mesh, backend)
     base = hf.base_model
     old: _State | None = base.__dict__.get(_STATE)
     if old is not None:
@@ -310,13 +412,15 @@ def apply_ulysses(
         for handle in old.hooks:
             handle.remove()
     engine = UlyssesAttention(local_attention, group, head_chunks=head_chunks)
-    state = _State(engine, group, backend, head_chunks, {id(m): n for n, m in found})
+    attns = [t for t in found if t[2] is not None]
+    state = _State(engine, group, backend, head_chunks, {id(m): n for n, m, _ in found},
+                   {id(m): f for _, m, f in attns})  # fmt: skip
     route_gated_deltanet(  # Gated DeltaNet layers: hf/linear_attention.py
-        [(n, m) for n, m in found if is_gated_deltanet(m)], group, state.record,
+        [(n, m) for n, m, f in found if f is None], group, state.record,
         allow_uneven_heads=allow_uneven_heads,
     )  # fmt: skip
     base.__dict__[_STATE] = state
-    for _, m in found:
+    for _, m, _ in found:
         m.__dict__[_STATE] = state
     AttentionInterface.register(ATTN_IMPLEMENTATION, _ulysses_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
@@ -329,6 +433,40 @@ def apply_ulysses(
         base.register_forward_hook(_post_forward),
     ]
     return model
+
+
+def _attn_features(feats: LayerFeatures, docs: bool) -> AttnFeatures:
+    return AttnFeatures.of(causal=True, window=feats.window, chunk=feats.chunk,
+                           softcap=feats.softcap, sinks=True if feats.sinks else None,
+                           docs=docs)  # fmt: skip
+
+
+def _check_backends(
+    hf: PreTrainedModel, found: list[tuple[str, nn.Module, LayerFeatures]], mesh: Any, backend: str
+) -> None:
+    """Every layer's features on a kernel of this device and dtype, before step 1 (the kernel
+    layer's :func:`~dtensor_ulysses.attention.select_backend`, once per distinct layer kind)."""
+    device_type = getattr(mesh, "device_type", None)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    param = next(iter(hf.parameters()), None)
+    dtype = param.dtype if param is not None else torch.float32
+    cfg = hf.config.get_text_config()
+    seen: dict[tuple, str] = {}
+    for name, m, feats in found:
+        head_dim = int(getattr(m, "head_dim", 0) or getattr(cfg, "head_dim", 0) or
+                       cfg.hidden_size // cfg.num_attention_heads)  # fmt: skip
+        key = (feats, head_dim)
+        if key in seen:
+            continue
+        try:
+            seen[key] = select_backend(_attn_features(feats, docs=False), device_type=device_type,
+                                       dtype=dtype, head_dim=head_dim, backend=backend)  # fmt: skip
+        except ValueError as e:
+            raise UnsupportedModelError(
+                f"{name} ({type(m).__name__}, {feats.describe()}): no attention kernel runs it "
+                f"exactly on {device_type} in {dtype}: {e}"
+            ) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,6 +509,7 @@ def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     kwargs["ulysses_layout"] = with_doc_tensors(layout, x.device)
     if not state.checked:
         state.calls = {}
+    state.chunked = {}
     return (), kwargs
 
 
@@ -440,13 +579,26 @@ def _ulysses_attention(
             f"not prepared by du.hf.apply_ulysses (its model, or this layer, has no engine)"
         )
     name = f"{state.names.get(id(module), type(module).__name__)} ({type(module).__name__})"
+    feats = state.features.get(id(module), LayerFeatures())
     problems = []
-    if kwargs.get("sliding_window") is not None:
-        problems.append(_refused("sliding_window", f"sliding_window={kwargs['sliding_window']}"))
-    if kwargs.get("softcap") is not None:
-        problems.append(_refused("softcap", f"softcap={kwargs['softcap']}"))
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        problems.append(_refused("sinks"))
+    # the call's own arguments must be what the layer's features say (a window read under
+    # another name, or set after apply_ulysses, must not be dropped)
+    window = kwargs.get("sliding_window")
+    if window is not None and window != feats.sliding_window:
+        problems.append(
+            f"the call passes sliding_window={window} but apply_ulysses read "
+            f"{feats.sliding_window} from the model; call apply_ulysses again after changing "
+            f"the config"
+        )
+    cap = kwargs.get("softcap")  # the eager function applies the call's softcap, if any
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if (sinks is not None) != feats.sinks:
+        problems.append(
+            f"the call {'passes' if sinks is not None else 'does not pass'} attention sinks but "
+            f"apply_ulysses found {'a' if feats.sinks else 'no'} sinks parameter"
+        )
     if dropout:
         problems.append(_refused("dropout", f"dropout={dropout}"))
     if kwargs.get("is_causal") is False:
@@ -470,12 +622,79 @@ def _ulysses_attention(
         dev = query.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
         query, key, value = (t.to(dtype) for t in (query, key, value))
+    if feats.nope_temperature:
+        query = _global_temperature(module, query, layout, state.group)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    extra = {}
+    extra: dict[str, Any] = {}
     if layout is None and kwargs.get("position_ids") is not None:
         extra["position_ids"] = kwargs["position_ids"].expand(q.shape[0], q.shape[1])
+    if feats.window is not None:
+        extra["window"] = feats.window
+    if feats.chunk is not None:
+        if layout is not None and layout.doc_starts is not None:
+            layout = _chunk_layout(state, layout, feats.chunk)  # chunks restart per document
+        else:
+            extra["chunk"] = feats.chunk
+    if cap:
+        extra["softcap"] = float(cap)
+    if feats.sinks:  # the eager function reads the module's own parameter
+        extra["sinks"] = module.sinks
     o = state.engine(
         q, k, v, layout=layout, causal=True, softmax_scale=scaling, backend=state.backend, **extra
     )
     state.record(module)
     return o, None
+
+
+def _nope_scale(rows: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """Llama 4's attention temperature of the tokens at ``rows`` (float32)."""
+    floor_scale, attn_scale = float(module.floor_scale), float(module.attn_scale)  # type: ignore[arg-type]
+    return torch.log1p(torch.floor((rows.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def _global_temperature(
+    module: nn.Module, query: torch.Tensor, layout: SeqLayout | None, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """``q[B, N, s, H]`` scaled by the temperature of each token's row in the full sequence.
+
+    Llama 4's layers without RoPE scale q by ``1 + attn_scale * log1p(floor((row + 1) /
+    floor_scale))`` with ``row`` the index in the sequence it sees, ``0..s-1`` on a slice; the
+    single-process model uses the row in the whole sequence, ``offset + 0..s-1``. The ratio of
+    the two is applied here (exactly 1 on sp rank 0)."""
+    me = dist.get_rank(group)
+    if layout is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: the attention temperature needs the step's layout"
+        )
+    offset = layout.offset(me)
+    if offset == 0:
+        return query
+    rows = torch.arange(query.shape[2], device=query.device)
+    ratio = _nope_scale(rows + offset, module) / _nope_scale(rows, module)
+    return (query * ratio.view(1, 1, -1, 1)).to(query.dtype)
+
+
+def _chunk_layout(state: _State, layout: SeqLayout, chunk: int) -> SeqLayout:
+    """``layout`` with each document cut into chunks of ``chunk`` tokens from its own start.
+
+    transformers' chunked mask on packed documents counts chunks from each document's start
+    (``masking_utils`` remaps positions to the position ids, which restart per document), not
+    from the row's start; and a chunk is exactly a document of its own (no key outside it is
+    visible). So a chunked layer with documents attends over these finer documents, with no
+    chunk argument. Built once per forward and chunk size (device tensors included)."""
+    key = chunk
+    cached = state.chunked.get(key)
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    assert layout.doc_starts is not None
+    S = layout.seq_len
+    rows = []
+    for starts in layout.doc_starts:
+        ends = [*starts[1:], S]
+        rows.append(tuple(p for a, b in zip(starts, ends) for p in range(a, b, chunk)))
+    device = layout.doc_tensors.doc_ids.device if layout.doc_tensors is not None else None
+    finer = SeqLayout(layout.seq_sizes, tuple(rows), layout.ring)
+    if device is not None:
+        finer = with_doc_tensors(finer, device)
+    state.chunked[key] = (layout, finer)
+    return finer

@@ -30,6 +30,13 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   ``tiled_loss`` the output head returns that sum itself, computed in chunks of rows (the head
   stays the model's ``Linear``, its class swapped for ``_LossHead``), so no ``[B, s, V]``
   logits exist in training.
+* **Router loss** (Mixture-of-Experts models whose stock forward adds one: Mixtral, Qwen3-MoE,
+  gpt-oss, ...): the load-balancing loss of each micro-batch over *all* its tokens, every dp
+  and sp rank's (:func:`~dtensor_ulysses.hf.moe.load_balancing_loss`), weighted as the stock
+  trainer weights it (``Trainer``: ``router_aux_loss_coef`` when the config has
+  ``output_router_logits``; TRL: its ``router_aux_loss_coef``, divided by the accumulation
+  steps), padding excluded: the logged ``loss`` is the stock model's, cross entropy plus the
+  weighted router loss, and so are the gradients.
 * **Evaluation**: sharded at the training length (no fallback to one rank): the eval loss of a
   batch is its global token mean; with ``compute_metrics`` the logits are gathered over sp to
   the full sequence and ``labels`` are the collator's, so metrics see what they see on one
@@ -50,21 +57,25 @@ FSDP paths in the Trainer (its own state-dict types, optimizer saving, ``cp_size
 whose behaviour with an sp axis is not defined. Applied directly, the Trainer sees a
 non-FSDP multi-process run, and only four accelerator methods change (see
 :mod:`~dtensor_ulysses.hf._trainer_accel`): data by dp rank, no DDP wrap, the DTensor norm,
-metrics gathered over dp.
+metrics gathered over dp. At interpreter exit, every rank leaves the process group together
+(:func:`_install_teardown`), so a finished run exits 0.
 Every other piece of the Trainer's loop (schedules, logging, callbacks, checkpoint cadence,
 RNG files) is the stock one.
 
-Refused at construction, with the reason: models the engine cannot run exactly (sliding window,
-...), trainers that build their inputs by generation (GRPO, RLOO, online DPO, ...) or whose loss
-is not the token cross entropy (DPO, KTO, reward, ...), a Mixture-of-Experts router loss,
-DeepSpeed or accelerate's FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
+Refused at construction, with the reason: models the engine cannot run exactly (bidirectional
+attention, ...), trainers that build their inputs by generation (GRPO, RLOO, online DPO, ...) or
+whose loss is not the token cross entropy (DPO, KTO, reward, ...), DeepSpeed or accelerate's
+FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 ``sp_size`` or ``tp_size > 1``, a ``compute_loss_func``, label smoothing, optimizers passed in
 (built before sharding), iterable datasets, ``save_on_each_node``.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +84,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from dtensor_ulysses._exit import leave_together
 from dtensor_ulysses.data import IGNORE_INDEX
 from dtensor_ulysses.hf import _trainer_accel, _trainer_state
 from dtensor_ulysses.hf.batch import shard_batch
 from dtensor_ulysses.hf.model import _plain_head
+from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
 from dtensor_ulysses.hf.routing import apply_ulysses, check_supported, decoder_layers
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.parallel import checkpoint_blocks, flatten_dp_sp, init_mesh, shard_blocks
@@ -211,25 +224,62 @@ def _refuse_args(args: Any, sp: int) -> None:
         )
 
 
-def _refuse_aux_loss(model: Any, args: Any) -> None:
-    """Refuse a Mixture-of-Experts router loss, which the stock trainers add to the loss: the
-    model's own with ``output_router_logits`` (Trainer), TRL's rule with its SFTConfig's
-    ``router_aux_loss_coef`` (``None``: the model config's)."""
-    text = model.config.get_text_config()
-    if hasattr(args, "router_aux_loss_coef"):  # TRL's rule, as SFTTrainer.__init__ applies it
-        coef = args.router_aux_loss_coef
-        coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
-        on = hasattr(text, "output_router_logits") and coef != 0
-        fix = "set router_aux_loss_coef=0.0 in the SFTConfig"
-    else:
-        coef = getattr(text, "router_aux_loss_coef", None)
-        on = bool(getattr(text, "output_router_logits", False))
-        fix = "set output_router_logits=False in the model config"
-    if on:
-        raise UnsupportedTrainerError(
-            f"{type(model).__name__} adds a router auxiliary loss (router_aux_loss_coef="
-            f"{coef}): with_ulysses computes the token cross entropy only; {fix}"
-        )
+_TEARDOWN = {"installed": False, "failed": False}
+
+
+def _install_teardown() -> None:
+    """Leave the process group together at interpreter exit (once per process).
+
+    A with_ulysses run trains on the process group that torchrun / accelerate created, and on
+    the dp, sp and dp x sp groups of its mesh. Left to interpreter shutdown, gloo's worker
+    threads can be destroyed while they still hold work, and a rank aborts after training has
+    finished ("terminate called without an active exception", SIGABRT: the job fails). Here,
+    at exit (after the script's own code, which may still evaluate or save after ``train()``),
+    every rank passes one barrier and destroys all groups while the interpreter is intact
+    (:func:`~dtensor_ulysses._exit.leave_together`). After an uncaught exception there is no
+    barrier (a peer may never reach it), only the teardown. The exit status is the script's.
+    """
+    if _TEARDOWN["installed"]:
+        return
+    _TEARDOWN["installed"] = True
+    previous = sys.excepthook
+
+    def note_failure(*exc: Any) -> None:
+        _TEARDOWN["failed"] = True
+        previous(*exc)
+
+    sys.excepthook = note_failure
+    atexit.register(_leave_at_exit)
+
+
+def _leave_at_exit() -> None:
+    if not dist.is_initialized():
+        return
+    leave_together(1 if _TEARDOWN["failed"] else 0, dist.get_rank())
+    gc.collect()  # work objects and groups that only a reference cycle still held
+
+
+def _router_rule(trainer: Any, model: Any) -> tuple[float, bool] | None:
+    """The router (load-balancing) loss the stock trainer adds: ``(coef, divided by the
+    accumulation steps)``, or ``None``. ``transformers.Trainer``: the model's own, when its
+    config has ``output_router_logits`` (added to the loss of each micro-batch). TRL's
+    ``SFTTrainer``: its ``aux_loss_enabled`` and ``router_aux_loss_coef`` (the SFTConfig's, else
+    the model config's), divided by the accumulation steps in training."""
+    rc = router_loss_config(model)
+    if hasattr(trainer, "aux_loss_enabled"):  # TRL's rule, as SFTTrainer.__init__ set it
+        if not trainer.aux_loss_enabled:
+            return None
+        if rc is None:
+            raise UnsupportedTrainerError(
+                f"{type(model).__name__}: the SFTConfig turns on a router auxiliary loss "
+                f"(router_aux_loss_coef={trainer.router_aux_loss_coef}) but the model computes "
+                f"none (no load_balancing_loss_func in its modeling file); set "
+                f"router_aux_loss_coef=0.0"
+            )
+        return float(trainer.router_aux_loss_coef), True
+    if rc is None or not rc.enabled:
+        return None
+    return rc.coef, False
 
 
 def _targets(batch: dict) -> int:
@@ -251,6 +301,7 @@ class _UlyssesTrainer:
     _du_sp: int
     _du_options: dict[str, Any]
     _du_mesh: Any
+    _du_router: tuple[float, bool] | None = None
     # provided by transformers.Trainer
     args: Any
     model: Any
@@ -283,11 +334,8 @@ class _UlyssesTrainer:
                     f"{key} is an IterableDataset: accelerate dispatches its batches over all "
                     f"ranks, not per dp group; pass a map-style dataset (datasets.Dataset)"
                 )
-        train_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if isinstance(model, nn.Module):
-            _refuse_aux_loss(_trainer_state.base_model(model), train_args)
         super().__init__(*args, **kwargs)
-        _refuse_aux_loss(_trainer_state.base_model(self.model), self.args)
+        self._du_router = _router_rule(self, _trainer_state.base_model(self.model))
         if self.args.gradient_checkpointing:  # ours, per decoder layer, inside FSDP2
             self._du_options = {**self._du_options, "activation_checkpointing": True}
             self.args.gradient_checkpointing = False
@@ -326,6 +374,7 @@ class _UlyssesTrainer:
             )
         self._du_mesh = init_mesh(world // self._du_sp, self._du_sp,
                                   device_type=self.args.device.type)  # fmt: skip
+        _install_teardown()
         _trainer_accel.install(self.accelerator, self._du_mesh)
         self.gather_function = self.accelerator.gather_for_metrics
 
@@ -411,9 +460,10 @@ class _UlyssesTrainer:
             head.chunk_tokens = self._du_options["loss_chunk_tokens"] or default_loss_chunk(
                 sb.labels.numel()
             )
+        extra_kw = {"output_router_logits": True} if self._du_router else {}
         try:
             out = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
-                        ulysses_layout=sb.layout, use_cache=False)  # fmt: skip
+                        ulysses_layout=sb.layout, use_cache=False, **extra_kw)  # fmt: skip
         finally:
             if head is not None:
                 head.labels = None
@@ -425,12 +475,39 @@ class _UlyssesTrainer:
             slice_logits = out.logits
             ce_sum = cross_entropy_sum(slice_logits, sb.labels)
         local = ce_sum / n_valid
+        aux = None
+        if self._du_router:
+            training = num_items is not None
+            local, aux = self._du_router_loss(local, out, inputs, sb, group, training=training)
         total = local.detach().clone()
         dist.all_reduce(total, group=group)
         if hasattr(self, "_metrics"):  # TRL's SFT metrics
             self._du_trl_metrics(inputs, sb.labels, slice_logits, group)
+            if aux is not None:  # what TRL logs: the unweighted router loss
+                mode = "train" if self.model.training else "eval"
+                self._metrics[mode]["aux_loss"].append(aux.item())
         # the value is the global loss (what the Trainer logs), the gradient this rank's part
         return total + (local - local.detach()), slice_logits, sb
+
+    def _du_router_loss(self, local: torch.Tensor, out: Any, inputs: dict, sb: Any, group: Any,
+                        *, training: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``local`` plus this rank's share of ``coef * L`` (the load-balancing loss over the
+        micro-batch of every dp x sp rank, :func:`~dtensor_ulysses.hf.moe.load_balancing_loss`;
+        padding excluded as the stock model excludes it), and ``L``."""
+        assert self._du_router is not None
+        coef, per_ga = self._du_router
+        mask = inputs.get("attention_mask")
+        if mask is not None:  # this rank's columns of its rows
+            me = self._du_mesh.get_local_rank("sp")
+            lo = sb.layout.offset(me)
+            mask = mask[:, lo : lo + sb.input_ids.shape[1]]
+        rc = router_loss_config(_trainer_state.base_model(self.model))
+        assert rc is not None  # _router_rule found it at construction
+        rl = load_balancing_loss(out.router_logits, rc.num_experts, rc.top_k, group, valid=mask)
+        if per_ga and training:  # TRL: a per-micro-batch mean, averaged over accumulation
+            coef = coef / getattr(self, "current_gradient_accumulation_steps",
+                                  self.args.gradient_accumulation_steps)  # fmt: skip
+        return local + coef * rl.share.to(local.dtype), rl.value
 
     def _du_trl_metrics(self, inputs: dict, labels: torch.Tensor, logits: torch.Tensor | None,
                         group: Any) -> None:  # fmt: skip

@@ -35,7 +35,7 @@ EXPECTED = {
     "module_dtensor_input": ("TypeError", r"q is a DTensor; UlyssesAttention takes local tensors"),
     "module_heads": ("ValueError", r"sp=4 exceeds the 2 q heads"),
     "module_bad_mesh": ("TypeError", r"mesh must be a DeviceMesh with an 'sp' axis or a ProcessGroup"),
-    "flash_on_cpu": ("RuntimeError", r"backend='flash_attn' cannot run: .*; use backend='sdpa'"),
+    "flash_on_cpu": ("AttentionBackendError", r"backend='flash_attn' cannot run flash-attn: .*; use backend='auto' or one of \['sdpa', 'blockwise'\]"),
     "unknown_backend": ("ValueError", r"unknown attention backend 'xformers'; choose one of"),
 }  # fmt: skip
 

@@ -41,8 +41,10 @@ def test_auto_picks_sdpa_on_cpu_and_overrides(monkeypatch):
 
 def test_auto_would_pick_flash_when_usable(monkeypatch):
     """With a (fake) importable flash-attn and CUDA bf16 inputs, auto chooses it."""
-    monkeypatch.setattr(attention, "_flash_attn_problem", lambda q: None)
-    assert attention.resolve_backend("auto", torch.randn(1, 4, 2, 8)) == "flash_attn"
+    from dtensor_ulysses.attention import kernels
+
+    monkeypatch.setattr(kernels, "flash_problem", lambda *args: None)
+    assert attention.resolve_backend("auto", torch.randn(1, 4, 2, 8).bfloat16()) == "flash_attn"
 
 
 @pytest.mark.gpu

@@ -32,7 +32,8 @@ TEXT = (
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    dirs = {a: str(W.save_model(a, root / a)) for a in (*W.SUPPORTED, "mistral_sliding", "gemma2")}
+    refused = ("llama_dropout", "gemma3_bidirectional")
+    dirs = {a: str(W.save_model(a, root / a)) for a in (*W.SUPPORTED, *refused)}
     tok_dir = root / "tokenizer"
     W.make_tokenizer(tok_dir, TEXT)
     chat = root / "chat.jsonl"
@@ -105,9 +106,10 @@ def test_dp2_sp2_and_sp4_equal_single_device(world4, references, arch):
 
 def test_refused_architectures_name_layer_and_feature(world2):
     refused = world2["features"][0]["refused"]
-    assert "model.layers.0.self_attn" in refused["mistral_sliding"]
-    assert "sliding-window attention (sliding_window=8)" in refused["mistral_sliding"]
-    assert "softcapping" in refused["gemma2"] and "sliding-window" in refused["gemma2"]
+    assert "model.layers.0.self_attn" in refused["llama_dropout"]
+    assert "attention dropout (attention_dropout=0.1)" in refused["llama_dropout"]
+    bidi = refused["gemma3_bidirectional"]
+    assert "bidirectional (non-causal) attention" in bidi and "model.layers.1.self_attn" in bidi
 
 
 def test_guard_names_the_unrouted_layer(world2):

@@ -46,7 +46,7 @@ def assets(tmp_path_factory):
     import transformers as tf
 
     root = tmp_path_factory.mktemp("hf_trainer")
-    dirs = {a: str(W.save_model(a, root / a)) for a in ("llama", "qwen3", "mistral_sliding")}
+    dirs = {a: str(W.save_model(a, root / a)) for a in ("llama", "qwen3", "llama_dropout")}
     # 3 q heads, 1 kv head: sp=2 divides neither
     torch.manual_seed(0)
     small = {**W.SMALL, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
@@ -140,8 +140,20 @@ def world4(assets):
         for dp, sp in ((2, 2), (1, 4))
         for kind in ("trainer", "sft_chat", "sft_packed")
     ]  # fmt: skip
-    runs = run_local_world(T.run_specs, 4, specs, timeout_s=500)[0]
-    return {(s["kind"], 4 // s["sp"], s["sp"]): r for s, r in zip(specs, runs)}
+    r = assets["root"]
+    extra = {  # what the docs claim at (2,2) too: 2 dp ranks of 2 rows each
+        "ga": _spec(assets, "trainer", "ga22", sp=2, batch=1, ga=2),
+        "ckpt": _spec(assets, "trainer", "ck22", sp=2, batch=2, save="steps", save_steps=2,
+                      steps=4),
+        "resume": _spec(assets, "trainer", "rs22", sp=2, batch=2, steps=4,
+                        resume=str(r / "ck22" / "checkpoint-2")),
+        "lora": _spec(assets, "sft_chat", "l22", sp=2, batch=2, lora=True),
+        "tiled": _spec(assets, "trainer", "tl22", sp=2, batch=2, options=TILED),
+    }  # fmt: skip
+    runs = run_local_world(T.run_specs, 4, [*specs, *extra.values()], timeout_s=500)[0]
+    out: dict = {(s["kind"], 4 // s["sp"], s["sp"]): r for s, r in zip(specs, runs)}
+    out.update(zip(extra, runs[len(specs) :]))
+    return out
 
 
 @pytest.mark.timeout(600)
@@ -161,9 +173,11 @@ def test_world4_equals_one_process(world4, refs, kind, layout):
 
 
 @pytest.mark.timeout(600)
-def test_grad_accumulation_equals_doubled_batch(world2, refs):
-    """batch 2 x accumulation 2 at sp=2 == batch 4 on one process."""
+def test_grad_accumulation_equals_doubled_batch(world2, world4, refs):
+    """batch 2 x accumulation 2 at sp=2, and 2 dp ranks x 1 row x accumulation 2 at (2,2),
+    == batch 4 on one process."""
     _close(world2["ga"], refs["trainer"])
+    _close(world4["ga"], refs["trainer"])
 
 
 def _resumed(ck: dict, rs: dict) -> None:
@@ -175,10 +189,11 @@ def _resumed(ck: dict, rs: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_resume_continues_same_losses(world2):
+def test_resume_continues_same_losses(world2, world4):
     """Checkpoint at step 2 of 4 (full weights, optimizer, scheduler, RNG), a new trainer
-    resumes from it."""
+    resumes from it; at (1,2) and at (2,2)."""
     _resumed(world2["ckpt"], world2["resume"])
+    _resumed(world4["ckpt"], world4["resume"])
 
 
 @pytest.mark.timeout(600)
@@ -212,9 +227,10 @@ def test_save_model_from_pretrained_logits(world2, assets):
 
 
 @pytest.mark.timeout(600)
-def test_lora_sp2_equals_one_process(world2, refs):
-    """SFTTrainer with a LoRA adapter (peft_config) at sp=2 == one process."""
+def test_lora_sp2_equals_one_process(world2, world4, refs):
+    """SFTTrainer with a LoRA adapter (peft_config) at (1,2) and (2,2) == one process."""
     _close(world2["lora"], refs["lora"])
+    _close(world4["lora"], refs["lora"])
 
 
 @pytest.mark.timeout(600)
@@ -261,6 +277,12 @@ def test_tiled_loss_equals_one_process_without_full_logits(world2, refs):
 
 
 @pytest.mark.timeout(600)
+def test_tiled_loss_dp2_sp2_equals_one_process(world4, refs):
+    """The tiled loss at (2,2): the one-process losses and grad norms."""
+    _close(world4["tiled"], refs["trainer"])
+
+
+@pytest.mark.timeout(600)
 def test_heads_not_divisible_by_sp(world2, refs):
     """3 q heads, 1 kv head at sp=2 (allow_uneven_heads)."""
     _close(world2["uneven"], refs["uneven"])
@@ -300,13 +322,13 @@ def _stock(assets, tmp_path, model="llama", **args):
     return m, a, T._data("trainer", tok)
 
 
-def test_sliding_window_refused(assets, tmp_path):
+def test_attention_dropout_refused(assets, tmp_path):
     import transformers as tf
 
     from dtensor_ulysses.hf import UnsupportedModelError, with_ulysses
 
-    m, a, data = _stock(assets, tmp_path, model="mistral_sliding")
-    with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
+    m, a, data = _stock(assets, tmp_path, model="llama_dropout")
+    with pytest.raises(UnsupportedModelError, match=r"attention dropout \(attention_dropout=0.1"):
         with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)
 
 
@@ -370,13 +392,15 @@ def test_tiled_loss_needs_a_plain_head(assets, tmp_path):
         with_ulysses(tf.Trainer, sp=2, tiled_loss=True, loss_chunk_tokens=0)
 
 
-def test_router_aux_loss_refused(assets, tmp_path):
-    """A Mixture-of-Experts model whose stock trainer adds the router loss: SFTTrainer by
-    default (the config's coefficient), Trainer with ``output_router_logits``."""
+def test_router_aux_loss_accepted(assets, tmp_path):
+    """A Mixture-of-Experts model whose stock trainer adds the router loss is no longer refused
+    (tests/hf/test_families.py checks it equals one process): SFTTrainer by default (the
+    config's coefficient), Trainer with ``output_router_logits``; construction gets as far as
+    the distributed launch it needs."""
     import transformers as tf
     import trl
 
-    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+    from dtensor_ulysses.hf import with_ulysses
 
     small = {k: v for k, v in W.SMALL.items() if k != "intermediate_size"}
     moe = tf.AutoModelForCausalLM.from_config(
@@ -384,13 +408,13 @@ def test_router_aux_loss_refused(assets, tmp_path):
     )
     tok = tf.AutoTokenizer.from_pretrained(assets["tok"])
     sft = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    with pytest.raises(UnsupportedTrainerError, match="router_aux_loss_coef=0.001"):
+    with pytest.raises(ValueError, match="needs a distributed launch"):
         with_ulysses(trl.SFTTrainer, sp=2)(
             model=moe, args=sft, train_dataset=T._data("sft_chat", tok), processing_class=tok
         )
     _, a, data = _stock(assets, tmp_path)
     moe.config.output_router_logits = True
-    with pytest.raises(UnsupportedTrainerError, match="set output_router_logits=False"):
+    with pytest.raises(ValueError, match="needs a distributed launch"):
         with_ulysses(tf.Trainer, sp=2)(model=moe, args=a, train_dataset=data)
 
 

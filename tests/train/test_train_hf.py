@@ -165,7 +165,7 @@ def bad_dirs(assets):
     torch.manual_seed(0)
     small = tf.LlamaForCausalLM(tf.LlamaConfig(**dict(W.SMALL, vocab_size=64)))
     small.save_pretrained(root / "small_vocab")  # 64 rows < the tokenizer's 90 tokens
-    W.save_model("gemma2", root / "gemma2")
+    W.save_model("gemma3_bidirectional", root / "gemma3_bidirectional")
     return root
 
 
@@ -187,8 +187,8 @@ BAD = [
      r"do not match its config\.json .*gate_proj\.weight \(64, 32\) \(config: \(48, 32\)\)"),
     (["--tokenizer", "{tok}"], "{bad}/small_vocab", 1,
      r"the tokenizer has 90 tokens but the model's embedding has 64 rows"),
-    (["--tokenizer", "{tok}"], "{bad}/gemma2", 1,
-     r"Gemma2ForCausalLM .*model\.layers\.0\.self_attn.*sliding-window.*softcapping"),
+    (["--tokenizer", "{tok}"], "{bad}/gemma3_bidirectional", 1,
+     r"Gemma3ForCausalLM .*model\.layers\.0\.self_attn.*bidirectional \(non-causal\)"),
     (["--sp", "3"], "{model}", 3,
      r"4 q heads of llama are not divisible by sp=3; .*--allow-uneven-heads"),
     (["--tiled-mlp"], "{model}", 1, r"--tiled-mlp applies to the built-in model only"),

@@ -1,0 +1,321 @@
+"""The blockwise kernel: exact attention in pure PyTorch, memory linear in ``S``, any device.
+
+Legend: ``B`` batch, ``S`` sequence, ``N`` q heads, ``K`` kv heads, ``G = N / K`` q heads per kv
+head, ``H`` head dim; ``q`` and ``k`` in a block are ``Q`` and ``J`` rows. Inputs are
+``q[B, S, N, H]``, ``k, v[B, S, K, H]``; inside, ``q`` is viewed as ``[B, K, G, S, H]`` (no copy),
+so a kv head is never repeated for its q heads.
+
+Forward (FlashAttention's online softmax): for each block of queries, the key blocks that can hold
+a visible key are visited in order, keeping the running max ``m``, the running sum ``l`` and the
+unnormalised output; a block's scores ``[B, K, G, Q, J]`` are the largest tensor. The softmax
+normaliser is ``L = log(sum_j exp(s_ij) + exp(sink_h))`` (no sink term without sinks), saved with
+``o``; backward recomputes each block's probabilities ``p = exp(s - L)`` from them and
+accumulates ``dq``, ``dk``, ``dv`` block by block (FlashAttention-2's backward), so no ``S x S``
+tensor exists in either pass.
+
+Mask: key ``j`` is visible to query ``i`` iff ``j <= i`` (causal), ``i - left <= j <= i + right``
+(window, ``-1`` an unlimited side), ``j // C == i // C`` (chunk) and both lie in one document
+(``doc_ids[b, i] == doc_ids[b, j]``). Key blocks that the causal, window and chunk rules (and,
+in eager code, the host document starts) rule out entirely are skipped: a window of ``W`` costs
+``O(S * W)``. Scores: ``s = scale * q.k``, then ``c * tanh(s / c)`` with a softcap ``c``.
+
+Sinks (one logit per q head): ``exp(sink_h)`` joins the denominator and carries no value, so
+``o = sum_j exp(s_ij - L_i) v_j`` and ``d sink_h = -sum_i exp(sink_h - L_i) (do_i . o_i)``.
+
+Half-precision inputs are computed in float32 (outputs cast back); float32 and float64 in their
+own precision. The kernel is a ``torch.library`` custom op pair (forward, backward) with fake
+implementations, so ``torch.compile`` (any backend, ``fullgraph=True``) treats it as one opaque
+op instead of unrolling its loops, and fake-tensor tracing (memtrace) sees its true outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["DEFAULT_BLOCK", "blockwise_attention", "key_ranges"]
+
+DEFAULT_BLOCK = 256  # queries and keys per block: a block's scores are B*N*256*256 elements
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def key_ranges(
+    S: int,
+    block: int,
+    *,
+    causal: bool,
+    window: Sequence[int],
+    chunk: int,
+    doc_starts: Sequence[Sequence[int]] | None = None,
+) -> list[int]:
+    """Per block of ``block`` queries, the keys ``[lo, hi)`` that can be visible to any of them,
+    flattened ``[lo0, hi0, lo1, hi1, ...]`` (host ints: causal, window, chunk, documents)."""
+    left, right = window
+    out = []
+    for qs in range(0, S, block):
+        qe = min(qs + block, S)
+        lo, hi = 0, S
+        if causal:
+            hi = qe
+        if right >= 0:
+            hi = min(hi, qe + right)
+        if left >= 0:
+            lo = max(lo, qs - left)
+        if chunk > 0:
+            lo = max(lo, qs // chunk * chunk)
+            hi = min(hi, ((qe - 1) // chunk + 1) * chunk)
+        if doc_starts is not None:  # the document of the block's first / last query, per row
+            firsts, lasts = [], []
+            for row in doc_starts:
+                bounds = list(row) + [S]
+                firsts.append(max(t for t in bounds[:-1] if t <= qs))
+                lasts.append(min(t for t in bounds[1:] if t > qe - 1))
+            lo, hi = max(lo, min(firsts)), min(hi, max(lasts))
+        out += [lo, max(lo, hi)]
+    return out
+
+
+def _visible(
+    qs: int, qe: int, ks: int, ke: int, device, causal: bool, window, chunk: int, doc_ids_BS
+) -> torch.Tensor | None:
+    """``[B or 1, Q, J]`` booleans (broadcast over heads later), or ``None``: all visible."""
+    i = torch.arange(qs, qe, device=device)[:, None]
+    j = torch.arange(ks, ke, device=device)[None, :]
+    mask = None
+
+    def both(m, new):
+        return new if m is None else m & new
+
+    left, right = window
+    if causal and ke - 1 > qs:
+        mask = both(mask, j <= i)
+    if left >= 0 and ks < qe - 1 - left:
+        mask = both(mask, j >= i - left)
+    if right >= 0 and ke - 1 > qs + right:
+        mask = both(mask, j <= i + right)
+    if chunk > 0 and (qs // chunk != (qe - 1) // chunk or ks // chunk != (ke - 1) // chunk
+                      or qs // chunk != ks // chunk):  # fmt: skip
+        mask = both(mask, (j // chunk) == (i // chunk))
+    mask_BQJ = None if mask is None else mask[None]
+    if doc_ids_BS is not None:
+        same_BQJ = doc_ids_BS[:, qs:qe, None] == doc_ids_BS[:, None, ks:ke]
+        mask_BQJ = same_BQJ if mask_BQJ is None else mask_BQJ & same_BQJ
+    return mask_BQJ
+
+
+def _scores(q_BKGQH, k_BKJH, scale: float, softcap: float):
+    """``(s, t)``: the scores ``[B, K, G, Q, J]`` and ``tanh(s0 / c)`` (softcap) or ``None``."""
+    s0 = torch.einsum("bkgqh,bkjh->bkgqj", q_BKGQH, k_BKJH) * scale
+    if softcap > 0:
+        t = torch.tanh(s0 / softcap)
+        return t * softcap, t
+    return s0, None
+
+
+def _views(q_BSNH, k_BSKH, v_BSKH):
+    B, S, N, H = q_BSNH.shape
+    K = k_BSKH.shape[2]
+    acc = _acc_dtype(q_BSNH.dtype)
+    q_BKGSH = q_BSNH.view(B, S, K, N // K, H).permute(0, 2, 3, 1, 4)
+    k_BKSH, v_BKSH = (t.permute(0, 2, 1, 3) for t in (k_BSKH, v_BSKH))
+    return acc, q_BKGSH, k_BKSH, v_BKSH
+
+
+def _forward(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, scale, causal, window, chunk,
+             softcap, ranges, block):  # fmt: skip
+    """``o[B, S, N, H]`` (input dtype) and ``L[B, N, S]`` (float32 or float64)."""
+    B, S, N, H = q_BSNH.shape
+    K = k_BSKH.shape[2]
+    G = N // K
+    acc, q_BKGSH, k_BKSH, v_BKSH = _views(q_BSNH, k_BSKH, v_BSKH)
+    o_BSNH = torch.empty_like(q_BSNH)
+    L_BKGS = torch.empty(B, K, G, S, dtype=acc, device=q_BSNH.device)
+    sink_KG1 = None if sinks_N is None else sinks_N.to(acc).view(K, G, 1)
+    for n, qs in enumerate(range(0, S, block)):
+        qe = min(qs + block, S)
+        lo, hi = ranges[2 * n], ranges[2 * n + 1]
+        q_blk = q_BKGSH[:, :, :, qs:qe].to(acc)
+        m = torch.full((B, K, G, qe - qs), -math.inf, dtype=acc, device=q_BSNH.device)
+        l_sum = torch.zeros_like(m)
+        o_acc = torch.zeros(B, K, G, qe - qs, H, dtype=acc, device=q_BSNH.device)
+        for ks in range(lo, hi, block):
+            ke = min(ks + block, hi)
+            s, _ = _scores(q_blk, k_BKSH[:, :, ks:ke].to(acc), scale, softcap)
+            mask_BQJ = _visible(qs, qe, ks, ke, q_BSNH.device, causal, window, chunk, doc_ids_BS)
+            if mask_BQJ is not None:
+                s = s.masked_fill(~mask_BQJ[:, None, None], -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)
+            l_sum = l_sum * alpha + p.sum(-1)
+            o_acc = o_acc * alpha[..., None] + torch.einsum(
+                "bkgqj,bkjh->bkgqh", p, v_BKSH[:, :, ks:ke].to(acc)
+            )
+            m = m_new
+            del s, p
+        m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        lse = m_safe + torch.log(l_sum)  # -inf where a query sees no key
+        L = lse if sink_KG1 is None else torch.logaddexp(lse, sink_KG1.expand_as(lse))
+        scale_o = torch.where(torch.isinf(L), torch.zeros_like(L), torch.exp(m_safe - L))
+        o_blk = o_acc * scale_o[..., None]
+        o_BSNH[:, qs:qe] = o_blk.permute(0, 3, 1, 2, 4).reshape(B, qe - qs, N, H)
+        L_BKGS[:, :, :, qs:qe] = L
+    return o_BSNH, L_BKGS.view(B, N, S)
+
+
+def _backward(do_BSNH, q_BSNH, k_BSKH, v_BSKH, o_BSNH, L_BNS, doc_ids_BS, sinks_N, scale, causal,
+              window, chunk, softcap, ranges, block):  # fmt: skip
+    """``dq, dk, dv`` (input dtypes) and ``dsinks[N]`` (float32/64; empty without sinks)."""
+    B, S, N, H = q_BSNH.shape
+    K = k_BSKH.shape[2]
+    G = N // K
+    acc, q_BKGSH, k_BKSH, v_BKSH = _views(q_BSNH, k_BSKH, v_BSKH)
+    do_BKGSH = do_BSNH.reshape(B, S, K, G, H).permute(0, 2, 3, 1, 4)
+    o_BKGSH = o_BSNH.reshape(B, S, K, G, H).permute(0, 2, 3, 1, 4)
+    L_BKGS = L_BNS.view(B, K, G, S)
+    L_BKGS = torch.where(torch.isinf(L_BKGS), torch.full_like(L_BKGS, math.inf), L_BKGS)
+    dq_BKGSH = torch.zeros(B, K, G, S, H, dtype=acc, device=q_BSNH.device)
+    dk_BKSH = torch.zeros(B, K, S, H, dtype=acc, device=q_BSNH.device)
+    dv_BKSH = torch.zeros_like(dk_BKSH)
+    dsink_KG = torch.zeros(K, G, dtype=acc, device=q_BSNH.device)
+    for n, qs in enumerate(range(0, S, block)):
+        qe = min(qs + block, S)
+        lo, hi = ranges[2 * n], ranges[2 * n + 1]
+        q_blk = q_BKGSH[:, :, :, qs:qe].to(acc)
+        do_blk = do_BKGSH[:, :, :, qs:qe].to(acc)
+        L = L_BKGS[:, :, :, qs:qe]
+        D = (do_blk * o_BKGSH[:, :, :, qs:qe].to(acc)).sum(-1)  # [B, K, G, Q]
+        if sinks_N is not None:
+            p_sink = torch.exp(sinks_N.to(acc).view(1, K, G, 1) - L)
+            dsink_KG -= (p_sink * D).sum((0, 3))
+        dq_blk = torch.zeros_like(q_blk)
+        for ks in range(lo, hi, block):
+            ke = min(ks + block, hi)
+            k_blk, v_blk = k_BKSH[:, :, ks:ke].to(acc), v_BKSH[:, :, ks:ke].to(acc)
+            s, t = _scores(q_blk, k_blk, scale, softcap)
+            p = torch.exp(s - L[..., None])
+            mask_BQJ = _visible(qs, qe, ks, ke, q_BSNH.device, causal, window, chunk, doc_ids_BS)
+            if mask_BQJ is not None:
+                p = p.masked_fill(~mask_BQJ[:, None, None], 0.0)
+            dv_BKSH[:, :, ks:ke] += torch.einsum("bkgqj,bkgqh->bkjh", p, do_blk)
+            dp = torch.einsum("bkgqh,bkjh->bkgqj", do_blk, v_blk)
+            ds = p * (dp - D[..., None])
+            if t is not None:
+                ds = ds * (1 - t * t)
+            dq_blk += torch.einsum("bkgqj,bkjh->bkgqh", ds, k_blk) * scale
+            dk_BKSH[:, :, ks:ke] += torch.einsum("bkgqj,bkgqh->bkjh", ds, q_blk) * scale
+            del s, p, dp, ds
+        dq_BKGSH[:, :, :, qs:qe] = dq_blk
+    dq = dq_BKGSH.permute(0, 3, 1, 2, 4).reshape(B, S, N, H).to(q_BSNH.dtype)
+    dk = dk_BKSH.permute(0, 2, 1, 3).to(k_BSKH.dtype).contiguous()
+    dv = dv_BKSH.permute(0, 2, 1, 3).to(v_BSKH.dtype).contiguous()
+    dsinks = dsink_KG.reshape(N) if sinks_N is not None else dsink_KG.new_zeros(0)
+    return dq, dk, dv, dsinks
+
+
+# ---------------------------------------------------------------------------------------------
+# the custom ops (opaque to torch.compile; fake implementations for tracing)
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("dtensor_ulysses::blockwise_attn", mutates_args=())
+def _attn_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    window: list[int],
+    chunk: int,
+    softcap: float,
+    ranges: list[int],
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, doc_ids, sinks, scale, causal, window, chunk, softcap, ranges, block)
+
+
+@_attn_op.register_fake
+def _attn_fake(q, k, v, doc_ids, sinks, scale, causal, window, chunk, softcap, ranges, block):
+    B, S, N, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, N, S), dtype=_acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("dtensor_ulysses::blockwise_attn_backward", mutates_args=())
+def _attn_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    window: list[int],
+    chunk: int,
+    softcap: float,
+    ranges: list[int],
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, doc_ids, sinks, scale, causal, window, chunk, softcap,
+                     ranges, block)  # fmt: skip
+
+
+@_attn_backward_op.register_fake
+def _attn_backward_fake(do, q, k, v, o, lse, doc_ids, sinks, scale, causal, window, chunk,
+                        softcap, ranges, block):  # fmt: skip
+    N = q.shape[2]
+    dsinks = q.new_empty((N if sinks is not None else 0,), dtype=_acc_dtype(q.dtype))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, doc_ids, sinks, scale, causal, window, chunk, softcap, ranges, block = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, doc_ids, sinks)
+    ctx.args = (scale, causal, window, chunk, softcap, ranges, block)
+    ctx.sinks_dtype = None if sinks is None else sinks.dtype
+
+
+def _autograd_backward(ctx, do, _dlse):
+    q, k, v, o, lse, doc_ids, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _attn_backward_op(do, q, k, v, o, lse, doc_ids, sinks, *ctx.args)
+    dsinks = None if ctx.sinks_dtype is None else dsinks.to(ctx.sinks_dtype)
+    return dq, dk, dv, None, dsinks, None, None, None, None, None, None, None
+
+
+_attn_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def blockwise_attention(
+    q_BSNH: torch.Tensor,
+    k_BSKH: torch.Tensor,
+    v_BSKH: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    chunk: int = 0,
+    softcap: float = 0.0,
+    sinks_N: torch.Tensor | None = None,
+    doc_ids_BS: torch.Tensor | None = None,
+    doc_starts: Sequence[Sequence[int]] | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """``o[B, S, N, H]`` (see the module docstring); ``doc_ids`` mask the documents,
+    ``doc_starts`` (host ints, when known) only let whole key blocks be skipped."""
+    S = q_BSNH.shape[1]
+    block = max(1, min(block, S))
+    ranges = key_ranges(S, block, causal=causal, window=window, chunk=chunk,
+                        doc_starts=doc_starts)  # fmt: skip
+    o_BSNH, _ = _attn_op(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, float(scale), bool(causal),
+                         [int(window[0]), int(window[1])], int(chunk), float(softcap), ranges,
+                         int(block))  # fmt: skip
+    return o_BSNH
