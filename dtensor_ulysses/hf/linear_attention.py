@@ -144,7 +144,7 @@ def route_gated_deltanet(
     """
     sp = dist.get_world_size(group)
     for name, m in modules:
-        K, V = int(m.num_k_heads), int(m.num_v_heads)
+        K, V = int(m.num_k_heads), int(m.num_v_heads)  # type: ignore[arg-type]
         if V % K:
             raise LinearAttentionError(
                 f"{name} ({type(m).__name__}): {V} value heads are not a multiple of its {K} "
@@ -170,7 +170,7 @@ def _kernels(m: nn.Module) -> tuple[Callable, Callable]:
 
 
 def _routed_forward(
-    self: nn.Module,
+    self: Any,
     hidden_states: torch.Tensor,
     cache: Any = None,
     attention_mask: torch.Tensor | None = None,
@@ -228,7 +228,7 @@ def _routed_forward(
     b_BSv, a_BSv = b_BSkr.reshape(B, S, kh * r), a_BSkr.reshape(B, S, kh * r)
     # this rank's channels of the depthwise conv: its q, k and v heads, in the model's order
     w_CW = self.conv1d.weight.squeeze(1)
-    kd, vd = K * dk, V * dv
+    kd = K * dk
     chans = [(k0 * dk, (k0 + kh) * dk), (kd + k0 * dk, kd + (k0 + kh) * dk),
              (2 * kd + k0 * r * dv, 2 * kd + (k0 + kh) * r * dv)]  # fmt: skip
     w_cW = torch.cat([w_CW[lo:hi] for lo, hi in chans])
@@ -258,7 +258,7 @@ def _routed_forward(
     return self.out_proj(o_NH.reshape(B, s, V * dv))
 
 
-def _project(m: nn.Module, x_BsD: torch.Tensor):
+def _project(m: Any, x_BsD: torch.Tensor):
     """The layer's projections of this rank's tokens, grouped by key head: ``q, k[B, s, K, dk]``,
     ``v[B, s, K, r*dv]``, ``z[B, s, V, dv]``, ``b, a[B, s, K, r]`` (views where possible)."""
     B, s, _ = x_BsD.shape
@@ -282,7 +282,7 @@ class _Mixer:
     """The layer's token mixing on full-length local heads, with the model's own kernels:
     ``q, k[B, L, k, dk], v[B, L, v, dv], b, a[B, L, v] -> o[B, L, v, dv]`` (``v = k * r``)."""
 
-    def __init__(self, m: nn.Module, w_cW, bias_c, A_log_v, dt_bias_v) -> None:
+    def __init__(self, m: Any, w_cW, bias_c, A_log_v, dt_bias_v) -> None:
         self.m, self.w_cW, self.bias_c = m, w_cW, bias_c
         self.A_log_v, self.dt_bias_v = A_log_v, dt_bias_v
         self.conv, self.rule = _kernels(m)

@@ -324,7 +324,8 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
     classes = _attention_classes(hf)
     prefix, layers = decoder_layers(hf)
     layer_types = getattr(cfg, "layer_types", None)
-    problems, found = [], []
+    problems: list[str] = []
+    found: list[tuple[str, nn.Module, LayerFeatures | None]] = []
     for i, layer in enumerate(layers):
         lt = layer_types[i] if layer_types and i < len(layer_types) else None
         where = f"{prefix}.{i} ({type(layer).__name__})"
@@ -403,7 +404,7 @@ def apply_ulysses(
     )
     if head_chunks != 1:
         check_head_chunks(n_heads, sp, head_chunks)
-    _check_backends(hf, [t for t in found if t[2] is not None], mesh, backend)
+    _check_backends(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend)
     base = hf.base_model
     old: _State | None = base.__dict__.get(_STATE)
     if old is not None:
@@ -412,9 +413,9 @@ def apply_ulysses(
         for handle in old.hooks:
             handle.remove()
     engine = UlyssesAttention(local_attention, group, head_chunks=head_chunks)
-    attns = [t for t in found if t[2] is not None]
+    feats = {id(m): f for _, m, f in found if f is not None}
     state = _State(engine, group, backend, head_chunks, {id(m): n for n, m, _ in found},
-                   {id(m): f for _, m, f in attns})  # fmt: skip
+                   feats)  # fmt: skip
     route_gated_deltanet(  # Gated DeltaNet layers: hf/linear_attention.py
         [(n, m) for n, m, f in found if f is None], group, state.record,
         allow_uneven_heads=allow_uneven_heads,

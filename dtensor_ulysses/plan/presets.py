@@ -54,9 +54,15 @@ class LinearAttentionShape:
         """Weights of one Gated DeltaNet mixer (projections, conv, A_log, dt_bias, norm)."""
         kd, vd = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         conv = (2 * kd + vd) * self.conv_kernel
-        return dim * (2 * kd + vd) + dim * vd + 2 * dim * self.v_heads + conv + 2 * (
-            self.v_heads
-        ) + self.v_dim + vd * dim
+        return (
+            dim * (2 * kd + vd)
+            + dim * vd
+            + 2 * dim * self.v_heads
+            + conv
+            + 2 * (self.v_heads)
+            + self.v_dim
+            + vd * dim
+        )
 
 
 @dataclass(frozen=True)
@@ -211,8 +217,7 @@ def get_shape(name: str) -> ModelShape:
     shape = PRESETS.get(name) or HYBRID_PRESETS.get(name)
     if shape is None:
         raise ValueError(
-            f"unknown model preset {name!r}; choose one of "
-            f"{', '.join([*PRESETS, *HYBRID_PRESETS])}"
+            f"unknown model preset {name!r}; choose one of {', '.join([*PRESETS, *HYBRID_PRESETS])}"
         )
     return shape
 
