@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
+from dtensor_ulysses.hf.linear_attention import gdn_bytes  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
 from tests import hf_linear_workers as W  # noqa: E402
 from tests import hf_trainer_workers as T  # noqa: E402
@@ -139,6 +140,10 @@ def test_exchanged_bytes_closed_form(world4):
         assert res["bytes"]["forward"] == [fwd_in, fwd_out], rank
         assert res["bytes"]["backward"] == [bwd_out, bwd_in], rank
         assert res["bytes"]["other"] == []
+        # the library's closed form (for the simulator) says the same
+        lib = gdn_bytes(W.G, sizes, rank, key_heads=K, value_heads=V, key_dim=dk,
+                        value_dim=dv, elem_bytes=e)  # fmt: skip
+        assert lib == {"forward": [fwd_in, fwd_out], "backward": [bwd_out, bwd_in]}
 
 
 def test_guard_names_unrouted_linear_layer(world4):
