@@ -22,8 +22,12 @@ What it holds the caller to, as the real kernel does:
   ``[B, N, Sq]`` (dense) or ``[N, total_q]`` (varlen); ``S_dmask`` is ``None`` without dropout
   (the real interface only asks the kernel for it when ``dropout_p > 0``).
 
-Only what the project uses is implemented: dropout, sliding windows, softcap, ALiBi and paged
-KV raise ``NotImplementedError``. Math in float32, results cast back to the input dtype; the
+* ``window_size=(left, right)`` (``-1``: unlimited) aligned like causal: query ``i`` sees keys
+  ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; ``causal=True`` sets ``right`` to 0;
+* ``softcap > 0``: scores ``softcap * tanh(softmax_scale * q.k / softcap)``.
+
+Only what the project uses is implemented: dropout, ALiBi and paged KV raise
+``NotImplementedError``. Math in float32, results cast back to the input dtype; the
 backward is the explicit flash recipe (probabilities recomputed from the saved ``lse``). Both
 functions are ``torch.autograd.Function.apply`` calls with the tensors as inputs, as in the real
 package, so ``torch.compile`` sees the same structure (e.g. dynamo's rule against one tensor
@@ -48,8 +52,10 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def _check_common(q, k, v, dropout_p, window_size, softcap, alibi_slopes, block_table=None):
-    if dropout_p != 0.0 or tuple(window_size) != (-1, -1) or softcap != 0.0:
-        raise NotImplementedError("the flash-attn double has no dropout, window or softcap")
+    if dropout_p != 0.0:
+        raise NotImplementedError("the flash-attn double has no dropout")
+    _check(len(window_size) == 2 and min(window_size) >= -1, "window_size must be (left, right)")
+    _check(softcap >= 0.0, "softcap must be >= 0")
     if alibi_slopes is not None or block_table is not None:
         raise NotImplementedError("the flash-attn double has no ALiBi or paged KV")
     _check(q.dtype in (torch.float16, torch.bfloat16),
@@ -68,11 +74,20 @@ def _check_common(q, k, v, dropout_p, window_size, softcap, alibi_slopes, block_
     _check(N % K == 0, "Number of heads in key/value must divide number of heads in query")
 
 
-def _attend(q, k, v, mask, scale):
+def _scores(q, kr, scale, softcap):
+    """``(s, t)``: fp32 scores and ``tanh(s0 / softcap)`` (``None`` without a softcap)."""
+    s = torch.einsum("bqnh,bknh->bnqk", q.float(), kr) * scale
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        return t * softcap, t
+    return s, None
+
+
+def _attend(q, k, v, mask, scale, softcap=0.0):
     """fp32 ``o[B, Tq, N, H]``, ``lse[B, N, Tq]`` (+inf on empty rows), probabilities."""
     G = q.shape[2] // k.shape[2]
     kr, vr = (t.float().repeat_interleave(G, dim=2) for t in (k, v))
-    s = torch.einsum("bqnh,bknh->bnqk", q.float(), kr) * scale
+    s, _ = _scores(q, kr, scale, softcap)
     s = s.masked_fill(~mask[:, None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
@@ -80,32 +95,46 @@ def _attend(q, k, v, mask, scale):
     return torch.einsum("bnqk,bknh->bqnh", p, vr), lse, p
 
 
-def _grads(q, k, v, o, do, mask, scale, lse):
+def _grads(q, k, v, o, do, mask, scale, lse, softcap=0.0):
     B, Tk, K, H = k.shape
     G = q.shape[2] // K
     kr, vr = (t.float().repeat_interleave(G, dim=2) for t in (k, v))
-    s = torch.einsum("bqnh,bknh->bnqk", q.float(), kr) * scale
+    s, t = _scores(q, kr, scale, softcap)
     s = s.masked_fill(~mask[:, None], float("-inf"))
     p = torch.exp(s - lse[..., None])
     do = do.float()
     delta = (do * o.float()).sum(-1).transpose(1, 2)  # [B, N, Tq]
     dv = torch.einsum("bnqk,bqnh->bknh", p, do)
     ds = p * (torch.einsum("bqnh,bknh->bnqk", do, vr) - delta[..., None]) * scale
+    if t is not None:
+        ds = ds * (1 - t * t)  # d(c * tanh(s0 / c)) / d s0
     dq = torch.einsum("bnqk,bknh->bqnh", ds, kr)
     dk = torch.einsum("bnqk,bqnh->bknh", ds, q.float())
     dk, dv = (t.view(B, Tk, K, G, H).sum(3) for t in (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _dense_mask(Sq: int, Sk: int, causal: bool, device) -> torch.Tensor:
-    if not causal:
-        return torch.ones(1, Sq, Sk, dtype=torch.bool, device=device)
-    i = torch.arange(Sq, device=device)[:, None]
+def _window(i, j, causal: bool, window) -> torch.Tensor:
+    """Visibility of key offset ``j`` to query offset ``i`` (both already bottom-right aligned):
+    causal is a right window of 0."""
+    left, right = window
+    if causal:
+        right = 0
+    ok = torch.ones(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.bool, device=i.device)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
+def _dense_mask(Sq: int, Sk: int, causal: bool, device, window=(-1, -1)) -> torch.Tensor:
+    i = torch.arange(Sq, device=device)[:, None] + (Sk - Sq)  # bottom-right aligned
     j = torch.arange(Sk, device=device)[None, :]
-    return (j <= i + (Sk - Sq))[None]  # bottom-right aligned
+    return _window(i, j, causal, window)[None]
 
 
-def _varlen_mask(cu_q, cu_k, Tq: int, Tk: int, causal: bool) -> torch.Tensor:
+def _varlen_mask(cu_q, cu_k, Tq: int, Tk: int, causal: bool, window=(-1, -1)) -> torch.Tensor:
     """``[1, Tq, Tk]``: same segment, and (causal) bottom-right aligned inside it."""
     cu_q, cu_k = cu_q.long(), cu_k.long()
     tq = torch.arange(Tq, device=cu_q.device)
@@ -113,49 +142,52 @@ def _varlen_mask(cu_q, cu_k, Tq: int, Tk: int, causal: bool) -> torch.Tensor:
     seg_q = torch.searchsorted(cu_q, tq, right=True) - 1
     seg_k = torch.searchsorted(cu_k, tk, right=True) - 1
     mask = seg_q[:, None] == seg_k[None, :]
-    if causal:
-        len_q = (cu_q[1:] - cu_q[:-1])[seg_q.clamp(0, len(cu_q) - 2)]
-        len_k = (cu_k[1:] - cu_k[:-1])[seg_k.clamp(0, len(cu_k) - 2)]
-        iq, ik = tq - cu_q[seg_q.clamp(0, len(cu_q) - 2)], tk - cu_k[seg_k.clamp(0, len(cu_k) - 2)]
-        mask &= (ik[None, :] - len_k[None, :]) <= (iq[:, None] - len_q[:, None])
+    len_q = (cu_q[1:] - cu_q[:-1])[seg_q.clamp(0, len(cu_q) - 2)]
+    len_k = (cu_k[1:] - cu_k[:-1])[seg_k.clamp(0, len(cu_k) - 2)]
+    iq, ik = tq - cu_q[seg_q.clamp(0, len(cu_q) - 2)], tk - cu_k[seg_k.clamp(0, len(cu_k) - 2)]
+    # offsets from each segment's end: bottom-right aligned inside the segment
+    mask &= _window((iq - len_q)[:, None], (ik - len_k)[None, :], causal, window)
     return mask[None]
 
 
 class _DenseFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q, k, v, scale: float, causal: bool):
-        mask = _dense_mask(q.shape[1], k.shape[1], causal, q.device)
-        o, lse, _ = _attend(q, k, v, mask, scale)
+    def forward(ctx: Any, q, k, v, scale: float, causal: bool, window, softcap: float):
+        mask = _dense_mask(q.shape[1], k.shape[1], causal, q.device, window)
+        o, lse, _ = _attend(q, k, v, mask, scale, softcap)
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.causal = scale, causal
+        ctx.args = (scale, causal, window, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, do, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        mask = _dense_mask(q.shape[1], k.shape[1], ctx.causal, q.device)
-        return (*_grads(q, k, v, out, do, mask, ctx.scale, lse), None, None)
+        scale, causal, window, softcap = ctx.args
+        mask = _dense_mask(q.shape[1], k.shape[1], causal, q.device, window)
+        return (*_grads(q, k, v, out, do, mask, scale, lse, softcap), None, None, None, None)
 
 
 class _VarlenFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q, k, v, cu_q, cu_k, scale: float, causal: bool):
-        mask = _varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal)
-        o, lse, _ = _attend(q[None], k[None], v[None], mask, scale)
+    def forward(ctx: Any, q, k, v, cu_q, cu_k, scale: float, causal: bool, window, softcap):
+        mask = _varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal, window)
+        o, lse, _ = _attend(q[None], k[None], v[None], mask, scale, softcap)
         out = o[0].to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.scale, ctx.causal = scale, causal
+        ctx.args = (scale, causal, window, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse[0]
 
     @staticmethod
     def backward(ctx: Any, do, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        mask = _varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], ctx.causal)
-        dq, dk, dv = _grads(q[None], k[None], v[None], out[None], do[None], mask, ctx.scale, lse)
-        return dq[0], dk[0], dv[0], None, None, None, None
+        scale, causal, window, softcap = ctx.args
+        mask = _varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal, window)
+        dq, dk, dv = _grads(q[None], k[None], v[None], out[None], do[None], mask, scale, lse,
+                            softcap)  # fmt: skip
+        return dq[0], dk[0], dv[0], None, None, None, None, None, None
 
 
 def _contig(x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +214,9 @@ def flash_attn_func(
     if not torch.compiler.is_compiling():  # a counter in the graph would be a guard
         calls["dense"] += 1
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = _DenseFn.apply(_contig(q), _contig(k), _contig(v), scale, causal)
+    window = (int(window_size[0]), int(window_size[1]))
+    out, lse = _DenseFn.apply(_contig(q), _contig(k), _contig(v), scale, causal, window,
+                              float(softcap))  # fmt: skip
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -227,7 +261,7 @@ def flash_attn_varlen_func(
     if not torch.compiler.is_compiling():
         calls["varlen"] += 1
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = _VarlenFn.apply(
-        _contig(q), _contig(k), _contig(v), cu_seqlens_q, cu_seqlens_k, scale, causal
-    )
+    window = (int(window_size[0]), int(window_size[1]))
+    out, lse = _VarlenFn.apply(_contig(q), _contig(k), _contig(v), cu_seqlens_q, cu_seqlens_k,
+                               scale, causal, window, float(softcap))  # fmt: skip
     return (out, lse, None) if return_attn_probs else out

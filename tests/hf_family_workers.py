@@ -197,6 +197,19 @@ def run_cases(rank: int, world: int, cases: list) -> list:
     return out
 
 
+def refusal(rank: int, world: int, model_dir: str, backend: str) -> str:
+    """The message of ``apply_ulysses(model, backend=...)`` for a backend that cannot run the
+    model's features (raised before any forward)."""
+    from dtensor_ulysses import hf
+
+    mesh = init_mesh(1, world, device_type="cpu")
+    try:
+        hf.apply_ulysses(_load(model_dir, attn=None), mesh["sp"], backend=backend)
+    except hf.UnsupportedModelError as e:
+        return str(e)
+    return "no error"
+
+
 def run_jobs(rank: int, world: int, jobs: list) -> list:
     """``("cases", [apply cases])``, ``("specs", [trainer specs])`` and ``("hf_model", (dirs,
     dp, sp))`` (the trainer's ``--hf-model`` build, plain rows) jobs in one world."""
@@ -208,6 +221,8 @@ def run_jobs(rank: int, world: int, jobs: list) -> list:
             out.append(run_cases(rank, world, payload))
         elif kind == "specs":
             out.append(T.run_specs(rank, world, payload))
+        elif kind == "refusal":
+            out.append(refusal(rank, world, *payload))
         else:
             dirs, dp, sp = payload
             out.append(W.train_three_steps(rank, world, dirs, [(dp, sp)], False,

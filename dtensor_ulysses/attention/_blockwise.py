@@ -133,7 +133,7 @@ def _forward(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, scale, causal, window,
     K = k_BSKH.shape[2]
     G = N // K
     acc, q_BKGSH, k_BKSH, v_BKSH = _views(q_BSNH, k_BSKH, v_BSKH)
-    o_BSNH = torch.empty_like(q_BSNH)
+    o_BSNH = q_BSNH.new_empty(q_BSNH.shape)  # contiguous, as the fake says
     L_BKGS = torch.empty(B, K, G, S, dtype=acc, device=q_BSNH.device)
     sink_KG1 = None if sinks_N is None else sinks_N.to(acc).view(K, G, 1)
     for n, qs in enumerate(range(0, S, block)):
@@ -212,7 +212,7 @@ def _backward(do_BSNH, q_BSNH, k_BSKH, v_BSKH, o_BSNH, L_BNS, doc_ids_BS, sinks_
             dk_BKSH[:, :, ks:ke] += torch.einsum("bkgqj,bkgqh->bkjh", ds, q_blk) * scale
             del s, p, dp, ds
         dq_BKGSH[:, :, :, qs:qe] = dq_blk
-    dq = dq_BKGSH.permute(0, 3, 1, 2, 4).reshape(B, S, N, H).to(q_BSNH.dtype)
+    dq = dq_BKGSH.permute(0, 3, 1, 2, 4).reshape(B, S, N, H).to(q_BSNH.dtype).contiguous()
     dk = dk_BKSH.permute(0, 2, 1, 3).to(k_BSKH.dtype).contiguous()
     dv = dv_BKSH.permute(0, 2, 1, 3).to(v_BSKH.dtype).contiguous()
     dsinks = dsink_KG.reshape(N) if sinks_N is not None else dsink_KG.new_zeros(0)
@@ -243,7 +243,7 @@ def _attn_op(
 @_attn_op.register_fake
 def _attn_fake(q, k, v, doc_ids, sinks, scale, causal, window, chunk, softcap, ranges, block):
     B, S, N, _ = q.shape
-    return torch.empty_like(q), q.new_empty((B, N, S), dtype=_acc_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty((B, N, S), dtype=_acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("dtensor_ulysses::blockwise_attn_backward", mutates_args=())
@@ -273,7 +273,7 @@ def _attn_backward_fake(do, q, k, v, o, lse, doc_ids, sinks, scale, causal, wind
                         softcap, ranges, block):  # fmt: skip
     N = q.shape[2]
     dsinks = q.new_empty((N if sinks is not None else 0,), dtype=_acc_dtype(q.dtype))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
@@ -307,12 +307,13 @@ def blockwise_attention(
     sinks_N: torch.Tensor | None = None,
     doc_ids_BS: torch.Tensor | None = None,
     doc_starts: Sequence[Sequence[int]] | None = None,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
 ) -> torch.Tensor:
     """``o[B, S, N, H]`` (see the module docstring); ``doc_ids`` mask the documents,
-    ``doc_starts`` (host ints, when known) only let whole key blocks be skipped."""
+    ``doc_starts`` (host ints, when known) only let whole key blocks be skipped; ``block``
+    (default :data:`DEFAULT_BLOCK`, read at the call) queries and keys per block."""
     S = q_BSNH.shape[1]
-    block = max(1, min(block, S))
+    block = max(1, min(DEFAULT_BLOCK if block is None else block, S))
     ranges = key_ranges(S, block, causal=causal, window=window, chunk=chunk,
                         doc_starts=doc_starts)  # fmt: skip
     o_BSNH, _ = _attn_op(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, float(scale), bool(causal),

@@ -5,16 +5,17 @@ A step's :class:`~dtensor_ulysses.plan.SeqLayout` gives the documents as Python 
 recompile the block (and ``fullgraph=True`` hits the recompile limit after a few steps). So the
 model converts them once per step, before the compiled blocks run, into :class:`DocTensors`:
 
-* ``doc_ids[B, S]`` (int32, on the device): the document index of every token. Fixed shape, so a
-  compiled SDPA path (a block-diagonal causal mask, ``[B, 1, S, S]`` booleans built on the device)
-  never recompiles;
+* ``doc_ids[B, S]`` (int32, on the device): the document index of every token. Fixed shape, so
+  the compiled kernels that mask with it (FlexAttention's block mask, the blockwise kernel; no
+  ``S x S`` mask anywhere) never recompile;
 * ``cu_seqlens_q`` and ``cu_seqlens_k`` (int32, on the device, contiguous): flash-attn's
   ``cu_seqlens`` over the ``B * S`` flattened tokens, two distinct tensors (dynamo refuses one
   tensor passed twice to an ``autograd.Function``). Their length (documents + 1) changes per step:
   dynamo makes that dimension dynamic after the first change (one recompile, then none);
 * ``doc_starts`` and ``max_seqlen``, the host values, for eager code only (exact per-document
-  SDPA, flash-attn's ``max_seqlen``); compiled code passes ``max_seqlen = S`` instead, an upper
-  bound flash-attn accepts (it sizes the grid; blocks past a document's end exit at once).
+  SDPA, flash-attn's ``max_seqlen``, the blockwise kernel's skipped key blocks); compiled code
+  passes ``max_seqlen = S`` instead, an upper bound flash-attn accepts (it sizes the grid;
+  blocks past a document's end exit at once).
 
 One host-to-device copy per step (all three tensors in one buffer), none per layer.
 """

@@ -167,6 +167,10 @@ def ulysses_attention(
     position_ids: DTensor | None = None,
     allow_uneven: bool = False,
     fuse_qkv: bool = True,
+    window: tuple[int, int] | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> DTensor:
     """Attention on sequence-sharded DTensors: each rank attends over all of S for its heads.
 
@@ -181,7 +185,8 @@ def ulysses_attention(
         v: like ``k``.
         causal: causal (lower-triangular) masking.
         softmax_scale: defaults to ``1 / sqrt(H)``.
-        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``; an explicit one that cannot run raises.
+        backend: ``"auto"`` or a name of :data:`~dtensor_ulysses.attention.BACKENDS`; an explicit
+            one that cannot run the features raises.
         position_ids: packed documents: a ``[B, S]`` int64 DTensor placed like ``q`` whose values
             restart at 0 at each document start (any break in ``+1`` steps starts a document).
             Attention then never crosses a document boundary. Costs one all-gather of the ids.
@@ -190,6 +195,10 @@ def ulysses_attention(
             token is padded or dropped and results are exact. Off by default so a length that
             does not divide is a visible choice.
         fuse_qkv: move q, k and v in one all-to-all (same bytes, one launch instead of three).
+        window: a sliding window ``(left, right)``; chunk: chunked attention (``C`` tokens);
+            softcap: a logit softcap; see :func:`~dtensor_ulysses.attention.local_attention`.
+        sinks: a plain ``[Nq]`` tensor (the same on every rank): one sink logit per q head; each
+            rank attends with the sinks of its heads, and their gradients come back to them.
 
     ``Nq`` need not divide by sp: ranks then attend with ``ceil`` or ``floor(Nq / sp)`` heads
     (a one-time warning reports the imbalance); ``sp > Nq`` is an error.
@@ -251,5 +260,7 @@ def ulysses_attention(
         causal=causal,
         softmax_scale=softmax_scale,
         backend=backend,
-    )
+        **{n: x for n, x in (("window", window), ("chunk", chunk), ("softcap", softcap),
+                             ("sinks", sinks)) if x is not None},
+    )  # fmt: skip
     return _rewrap(q, o_BsNH, sp_axis, SEQ_DIM)

@@ -22,6 +22,7 @@ test suite's pure-PyTorch double runs the flash path on CPU).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -234,9 +235,12 @@ def local_attention(
             f"torch.no_grad()"
         )
     scale = H**-0.5 if softmax_scale is None else float(softmax_scale)
-    host_starts = None if doc_tensors is None or compiled else doc_tensors.doc_starts
+    # the documents as host ints, where known without a sync (never inside a compiled graph)
+    host_starts: list[list[int]] | None = None
     if doc_starts is not None:
         host_starts = [list(row) for row in doc_starts]
+    elif doc_tensors is not None and not compiled:
+        host_starts = [list(row) for row in doc_tensors.doc_starts]
     if chosen in ("flex", "blockwise"):
         doc_ids_BS = None
         if doc_tensors is not None:
@@ -257,7 +261,7 @@ def local_attention(
             doc_tensors = build_doc_tensors(doc_starts, S, q_BSNH.device)
         if chosen == "torch_varlen":
             return _torch_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, scale, win)
-        extra = {}
+        extra: dict[str, Any] = {}
         if win != (-1, -1):
             extra["window_size"] = win
         if softcap:
@@ -417,4 +421,5 @@ def _torch_varlen(q_BSNH, k_BSKH, v_BSKH, docs: DocTensors | None, causal, scale
         window_size=(left, right),
         enable_gqa=k_BSKH.shape[2] != N,
     )
+    assert isinstance(o_TNH, torch.Tensor)
     return o_TNH.view(B, S, N, H)

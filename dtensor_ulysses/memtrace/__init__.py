@@ -12,6 +12,7 @@ from dtensor_ulysses._public import lazy_exports
 
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
+    "AttentionTrace": "attention",
     "CATEGORIES": "_results",
     "extrapolate": "trace",
     "fake_world": "_setup",
@@ -21,11 +22,13 @@ _EXPORTS = {
     "StepTrace": "trace",
     "trace_config": "_setup",
     "TRACE_DEVICES": "trace",
+    "trace_attention": "attention",
     "trace_train_step": "trace",
     "TraceUnavailable": "_results",
 }
 
 __all__ = [
+    "AttentionTrace",
     "CATEGORIES",
     "extrapolate",
     "fake_world",
@@ -35,6 +38,7 @@ __all__ = [
     "StepTrace",
     "trace_config",
     "TRACE_DEVICES",
+    "trace_attention",
     "trace_train_step",
     "TraceUnavailable",
 ]
@@ -52,6 +56,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         rank0_batch,
         trace_config,
     )
+    from dtensor_ulysses.memtrace.attention import AttentionTrace, trace_attention
     from dtensor_ulysses.memtrace.trace import (
         PHASES,
         TRACE_DEVICES,

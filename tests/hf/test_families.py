@@ -90,9 +90,10 @@ def world4(assets):
     specs.append(_trainer_spec(assets, GA["family"], "t_ga", sp=2, dp=2, batch=GA["batch"],
                                ga=GA["ga"]))  # fmt: skip
     dirs = {f: assets["dirs"][f] for f in HF_MODEL}
-    jobs = [("cases", _cases(assets)), ("specs", specs), ("hf_model", (dirs, 2, 2))]
-    cases, runs, hf_model = run_local_world(F.run_jobs, 4, jobs, timeout_s=600)[0]
-    out = {"apply": {}, "trainer": {}, "hf_model": hf_model}
+    jobs = [("cases", _cases(assets)), ("specs", specs), ("hf_model", (dirs, 2, 2)),
+            ("refusal", (assets["dirs"]["mistral"], "sdpa"))]  # fmt: skip
+    cases, runs, hf_model, refused = run_local_world(F.run_jobs, 4, jobs, timeout_s=600)[0]
+    out = {"apply": {}, "trainer": {}, "hf_model": hf_model, "refused": refused}
     for (model_dir, dp, sp, packed, _), r in zip(_cases(assets), cases):
         out["apply"][(os.path.basename(model_dir), dp, sp, packed)] = r
     for spec, r in zip(specs, runs):
@@ -202,6 +203,15 @@ def test_hf_model_trainer_equals_stock_eager(world4, refs, family):
     router loss where the stock model adds one) and every gradient."""
     got = world4["hf_model"][(family, 2, 2)]
     _check({"loss": got["losses"][0], "grads": got["grads"]}, refs["apply"][(family, False)])
+
+
+@pytest.mark.timeout(900)
+def test_backend_that_cannot_run_a_window_is_refused_before_step_1(world4):
+    """``backend="sdpa"`` for Mistral's windowed layers: refused in apply_ulysses, naming the
+    layer, the feature and the kernel's reason."""
+    msg = world4["refused"]
+    assert "model.layers.0.self_attn (MistralAttention, sliding_window=8)" in msg, msg
+    assert "sliding window" in msg, msg
 
 
 def _differs(a: dict, b: dict) -> bool:
