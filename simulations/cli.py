@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dtensor_ulysses.plan import PRESETS
+from dtensor_ulysses.plan import PRESETS, get_shape
 from simulations.config import AC_MODES, DTYPE_BYTES, IMPLEMENTATIONS, METHODS, Workload
 from simulations.hardware import GPUS
 from simulations.planner import plan
@@ -395,6 +395,11 @@ def _trace_case(a):
         raise ValueError(
             f"--layers={a.layers}: extrapolation needs traces of at least 5 blocks (the two "
             f"first, the two last and one between); use --layers 5"
+        )
+    if a.layers is not None and get_shape(a.model).linear is not None:
+        raise ValueError(
+            f"--layers={a.layers}: extrapolation assumes identical blocks, but {a.model} mixes "
+            f"linear-attention and full-attention layers; trace it without --layers"
         )
     case = _trace.TraceCase(
         a.model, a.seq_len or 1024 * a.sp, a.dp, a.sp, ac=a.ac, features=feats,

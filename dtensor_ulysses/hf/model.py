@@ -293,7 +293,7 @@ def _tied_names(hf: PreTrainedModel) -> set[str]:
 
 
 @torch.no_grad()
-def _init_buffers(hf: PreTrainedModel) -> None:
+def _init_buffers(hf: PreTrainedModel, check: bool = True) -> None:
     """Recompute the non-persistent buffers that ``to_empty`` left blank (RoPE frequencies,
     Gemma's embedding scale) with the model's own ``_init_weights``, as transformers does when
     it loads from ``meta`` (parameters it also resets are loaded from the checkpoint after).
@@ -312,6 +312,8 @@ def _init_buffers(hf: PreTrainedModel) -> None:
             if own[n].is_floating_point():
                 own[n].fill_(float("nan"))
         hf._init_weights(module)
+        if not check:  # fake tensors (the memory trace) hold no values to check
+            continue
         unset = [n for n in blank if getattr(module, n).isnan().any()]
         if unset:
             raise ValueError(
@@ -326,22 +328,25 @@ def load_pretrained(
     device: torch.device | str,
     *,
     loss_chunk_tokens: int | None = None,
+    weights: bool = True,
     **parallel_kwargs: Any,
 ) -> HFCausalLM:
     """``config.json`` + safetensors -> an FSDP2-sharded, Ulysses-routed :class:`HFCausalLM`.
 
     Built on ``meta``, parallelized (``parallel_kwargs`` go to :func:`parallelize`), then only
-    this rank's shards are allocated (on the host with ``offload_params``) and filled.
+    this rank's shards are allocated (on the host with ``offload_params``) and filled;
+    ``weights=False``: left unfilled, and only ``config.json`` is read (the memory tracer).
     """
-    path = check_model_dir(directory)
+    path = check_model_dir(directory) if weights else Path(directory)
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = HFCausalLM(hf, loss_chunk_tokens=loss_chunk_tokens)
     parallelize(model, mesh, **parallel_kwargs)
     model.to_empty(device="cpu" if parallel_kwargs.get("offload_params") else device)
-    _init_buffers(hf)
-    load_weights(model, path)
+    _init_buffers(hf, check=weights)
+    if weights:
+        load_weights(model, path)
     return model
 
 

@@ -27,8 +27,11 @@ each layer is chosen (:func:`~dtensor_ulysses.attention.select_backend`) in
 After the all-to-all every rank holds the full sequence of its heads, so a window, a chunk or a
 softcap is a property of the local kernel and never compared with the local slice length.
 
+Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) go through the same exchange, routed
+by :mod:`~dtensor_ulysses.hf.linear_attention` (their key heads split over sp, as q heads are).
+
 Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
-layers without attention (linear attention, Mamba / GatedDeltaNet mixers), attention dropout,
+other layers without attention (Mamba, other linear attention), attention dropout,
 bidirectional attention, models whose attention does not go through the ``AttentionInterface``,
 a KV cache, padding masks on the model call (use :func:`~dtensor_ulysses.hf.shard_batch`). On the
 first forward after :func:`apply_ulysses`, a guard checks that every attention layer went
@@ -57,6 +60,7 @@ from dtensor_ulysses.attention.ulysses import (
     gather_doc_starts,
     sp_group,
 )
+from dtensor_ulysses.hf.linear_attention import is_gated_deltanet, route_gated_deltanet
 from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
 __all__ = [
@@ -107,6 +111,11 @@ class _State:
     chunked: dict[int, tuple[SeqLayout, SeqLayout]] = field(default_factory=dict)
     checked: bool = False
     hooks: list = field(default_factory=list)
+
+    def record(self, module: nn.Module) -> None:
+        """Count a routed call of ``module`` (attention or linear attention) for the guard."""
+        if not self.checked:
+            self.calls[id(module)] = self.calls.get(id(module), 0) + 1
 
 
 def unwrap(model: nn.Module) -> PreTrainedModel:
@@ -298,11 +307,15 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m, _ in _supported(model)]
 
 
-def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures]]:
+def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | None]]:
+    """``(name, module, features)`` of every attention module (features ``None``: a Gated
+    DeltaNet mixer, routed by hf/linear_attention.py)."""
     hf = unwrap(model)
     cfg = hf.config.get_text_config()
     what = f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
-    routable = getattr(hf, "_supports_attention_backend", False)
+    routable = getattr(hf, "_supports_attention_backend", False) or any(
+        is_gated_deltanet(m) for m in hf.modules()
+    )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks)
     if not (routable and hf._can_set_attn_implementation()):
         raise UnsupportedModelError(
             f"{what} does not route its attention through transformers' AttentionInterface, "
@@ -311,14 +324,18 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures]]:
     classes = _attention_classes(hf)
     prefix, layers = decoder_layers(hf)
     layer_types = getattr(cfg, "layer_types", None)
-    problems, found = [], []
+    problems: list[str] = []
+    found: list[tuple[str, nn.Module, LayerFeatures | None]] = []
     for i, layer in enumerate(layers):
         lt = layer_types[i] if layer_types and i < len(layer_types) else None
         where = f"{prefix}.{i} ({type(layer).__name__})"
-        if lt is not None and lt not in _ATTENTION_LAYER_TYPES:
+        mixers = [(n, m) for n, m in layer.named_modules() if is_gated_deltanet(m)]
+        if lt == "linear_attention" and mixers:  # routed by hf/linear_attention.py
+            found += [(f"{prefix}.{i}.{n}", m, None) for n, m in mixers]
+        elif lt is not None and lt not in _ATTENTION_LAYER_TYPES:
             problems.append(f"{where}: {_LAYER_FEATURES.get(lt, repr(lt))}")
         attns = [(n, m) for n, m in layer.named_modules() if _is_attention(m, classes)]
-        if not attns:
+        if not attns and not mixers:
             kinds = sorted({type(m).__name__ for m in layer.children()})
             problems.append(
                 f"{where}: no attention module (it has {', '.join(kinds)}); layers that do not "
@@ -387,7 +404,7 @@ def apply_ulysses(
     )
     if head_chunks != 1:
         check_head_chunks(n_heads, sp, head_chunks)
-    _check_backends(hf, found, mesh, backend)
+    _check_backends(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend)
     base = hf.base_model
     old: _State | None = base.__dict__.get(_STATE)
     if old is not None:
@@ -396,8 +413,13 @@ def apply_ulysses(
         for handle in old.hooks:
             handle.remove()
     engine = UlyssesAttention(local_attention, group, head_chunks=head_chunks)
+    feats = {id(m): f for _, m, f in found if f is not None}
     state = _State(engine, group, backend, head_chunks, {id(m): n for n, m, _ in found},
-                   {id(m): f for _, m, f in found})  # fmt: skip
+                   feats)  # fmt: skip
+    route_gated_deltanet(  # Gated DeltaNet layers: hf/linear_attention.py
+        [(n, m) for n, m, f in found if f is None], group, state.record,
+        allow_uneven_heads=allow_uneven_heads,
+    )  # fmt: skip
     base.__dict__[_STATE] = state
     for _, m, _ in found:
         m.__dict__[_STATE] = state
@@ -621,8 +643,7 @@ def _ulysses_attention(
     o = state.engine(
         q, k, v, layout=layout, causal=True, softmax_scale=scaling, backend=state.backend, **extra
     )
-    if not state.checked:
-        state.calls[id(module)] = state.calls.get(id(module), 0) + 1
+    state.record(module)
     return o, None
 
 

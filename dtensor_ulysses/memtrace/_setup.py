@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +34,7 @@ from dtensor_ulysses.memtrace._timeline import _Timeline
 from dtensor_ulysses.plan import PRESETS, get_shape
 from dtensor_ulysses.train import TrainConfig
 
-__all__ = ["fake_world", "rank0_batch", "trace_config"]
+__all__ = ["fake_world", "hybrid_model_dir", "rank0_batch", "trace_config"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,6 +116,22 @@ def _temporary_preset(name: str, layers: int | None) -> Iterator[str]:
         PRESETS.pop(tmp, None)
 
 
+@contextlib.contextmanager
+def hybrid_model_dir(name: str) -> Iterator[str | None]:
+    """For a hybrid linear-attention preset (``ModelShape.linear``), a temporary transformers
+    model directory holding only its ``config.json``, traced through ``--hf-model`` (the real
+    Gated DeltaNet layers, routed by ``du.hf``: their conv, chunked delta-rule intermediates and
+    recurrent states, as the torch reference kernels allocate them); ``None`` otherwise."""
+    shape = get_shape(name)
+    if shape.linear is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="du-hybrid-") as tmp:
+        config = {k: v for k, v in shape.hf_config().items() if v is not None}
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        yield tmp
+
+
 def trace_config(model: str, seq_len: int, dp: int, sp: int, ac: bool, features: dict[str, Any]):
     """The :class:`~dtensor_ulysses.train.TrainConfig` of a traced step (micro-batch 1 per dp
     rank, SDPA, uneven heads allowed) with ``features`` (its memory-feature fields).
@@ -171,6 +190,14 @@ def _classify_states(net, optimizer, tl: _Timeline, offload_params: bool) -> Non
                     tl.set_host(t)
 
 
+def _norm_and_blocks(net) -> tuple[Any, Any]:
+    """The final norm and the blocks: the built-in model's, or a transformers model's."""
+    hf = net.__dict__.get("hf_model")
+    if hf is None:
+        return net.norm, net.layers
+    return hf.base_model.norm, hf.base_model.layers
+
+
 def _phase_hooks(net, optimizer, rec: Any, offload_params: bool) -> list[Any]:
     """Marks: ``loss`` when the final norm starts, ``backward`` when the gradient of its output
     exists, ``optimizer`` before the optimizer step (gradients classified there), and one mark
@@ -210,9 +237,10 @@ def _phase_hooks(net, optimizer, rec: Any, offload_params: bool) -> list[Any]:
     def step_post(_opt, _args, _kwargs):
         rec.all_host = False
 
-    hooks.append(net.norm.register_forward_pre_hook(norm_pre))
-    hooks.append(net.norm.register_forward_hook(norm_post))
-    for i, block in enumerate(net.layers):
+    norm, layers = _norm_and_blocks(net)
+    hooks.append(norm.register_forward_pre_hook(norm_pre))
+    hooks.append(norm.register_forward_hook(norm_post))
+    for i, block in enumerate(layers):
         hooks.append(block.register_forward_pre_hook(block_pre(i), prepend=True))
         hooks.append(block.register_forward_hook(block_post(i)))
     hooks.append(optimizer.register_step_pre_hook(step_pre))

@@ -76,6 +76,7 @@ from dtensor_ulysses.memtrace._setup import (
     _phase_hooks,
     _temporary_preset,
     fake_world,
+    hybrid_model_dir,
     rank0_batch,
     trace_config,
 )
@@ -264,8 +265,10 @@ def trace_train_step(
     schedule = cuda_schedule_on_cpu() if device == "cuda" else contextlib.nullcontext()
     offload_params = bool(features.get("offload_params"))
     warm = warmup_seq_len or sp * 64
-    with _temporary_preset(model, layers) as name:
+    with _temporary_preset(model, layers) as name, hybrid_model_dir(name) as hf_dir:
         cfg = trace_config(name, seq_len, dp, sp, ac, features)
+        if hf_dir is not None:  # a hybrid: the real transformers model, Gated DeltaNet routed
+            cfg = dataclasses.replace(cfg, hf_model=hf_dir)
         n_layers = (layers if layers is not None else None) or _n_layers(model)
         dims = ParallelDims(dp=dp, sp=sp)
         with fake_world(dims.world_size) as (fake_mode, make_recorder):

@@ -38,7 +38,9 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         check_fits,
     )
     from dtensor_ulysses.plan.presets import (
+        HYBRID_PRESETS,
         PRESETS,
+        LinearAttentionShape,
         ModelShape,
         get_shape,
         training_flops_per_token,

@@ -10,7 +10,59 @@ from dataclasses import asdict, dataclass, replace
 
 from dtensor_ulysses.plan.splits import divisors
 
-__all__ = ["ModelShape", "PRESETS", "get_shape", "training_flops_per_token"]
+__all__ = [
+    "HYBRID_PRESETS",
+    "LinearAttentionShape",
+    "ModelShape",
+    "PRESETS",
+    "get_shape",
+    "training_flops_per_token",
+]
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3.5, Qwen3-Next).
+
+    Attributes:
+        k_heads: linear key heads (``linear_num_key_heads``; q has as many).
+        v_heads: value heads (``linear_num_value_heads``; a multiple of ``k_heads``).
+        k_dim: key head dim (``linear_key_head_dim``).
+        v_dim: value head dim (``linear_value_head_dim``).
+        conv_kernel: the depthwise causal convolution's width (``linear_conv_kernel_dim``).
+        full_every: every ``full_every``-th layer is full attention (``full_attention_interval``),
+            the others Gated DeltaNet.
+        model_type: the transformers ``model_type`` the memory tracer builds.
+    """
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+    full_every: int = 4
+    model_type: str = "qwen3_5_text"
+
+    def layer_types(self, n_layers: int) -> list[str]:
+        """``config.layer_types`` of ``n_layers`` blocks (transformers' rule)."""
+        return [
+            "full_attention" if (i + 1) % self.full_every == 0 else "linear_attention"
+            for i in range(n_layers)
+        ]
+
+    def params(self, dim: int) -> int:
+        """Weights of one Gated DeltaNet mixer (projections, conv, A_log, dt_bias, norm)."""
+        kd, vd = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        conv = (2 * kd + vd) * self.conv_kernel
+        return (
+            dim * (2 * kd + vd)
+            + dim * vd
+            + 2 * dim * self.v_heads
+            + conv
+            + 2 * (self.v_heads)
+            + self.v_dim
+            + vd * dim
+        )
 
 
 @dataclass(frozen=True)
@@ -30,6 +82,11 @@ class ModelShape:
         qk_norm: RMSNorm on q and k per head (Qwen3).
         rope_theta: RoPE base.
         norm_eps: RMSNorm epsilon.
+        linear: a hybrid's Gated DeltaNet layers (``None``: every layer is full attention).
+            The full-attention layers of a hybrid have Qwen3.5's output gate (``q_proj`` twice
+            as wide). The cost model (``simulations predict``) still treats every layer as full
+            attention; the memory tracer builds the real transformers model
+            (:meth:`hf_config`).
     """
 
     name: str
@@ -44,6 +101,7 @@ class ModelShape:
     qk_norm: bool = False
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    linear: LinearAttentionShape | None = None
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
@@ -67,7 +125,35 @@ class ModelShape:
         qk = 2 * self.head_dim if self.qk_norm else 0
         block = attn + 3 * D * self.ffn_dim + 2 * D + qk
         head = 0 if self.tie_embeddings else V * D
-        return V * D + L * block + D + head
+        if self.linear is None:
+            return V * D + L * block + D + head
+        n_full = self.linear.layer_types(L).count("full_attention")
+        gate = D * self.n_heads * self.head_dim  # the output gate's half of q_proj
+        mlp = 3 * D * self.ffn_dim + 2 * D
+        mixers = n_full * (attn + qk + gate) + (L - n_full) * self.linear.params(D)
+        return V * D + L * mlp + mixers + D + head
+
+    def hf_config(self) -> dict:
+        """The transformers ``config.json`` of a hybrid preset (what the memory tracer builds).
+
+        Raises:
+            ValueError: the shape has no linear-attention layers.
+        """
+        lin = self.linear
+        if lin is None:
+            raise ValueError(f"{self.name} is not a hybrid (no linear-attention layers)")
+        return {
+            "model_type": lin.model_type, "architectures": None,
+            "vocab_size": self.vocab_size, "hidden_size": self.dim,
+            "intermediate_size": self.ffn_dim, "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "linear_num_key_heads": lin.k_heads, "linear_num_value_heads": lin.v_heads,
+            "linear_key_head_dim": lin.k_dim, "linear_value_head_dim": lin.v_dim,
+            "linear_conv_kernel_dim": lin.conv_kernel,
+            "layer_types": lin.layer_types(self.n_layers),
+        }  # fmt: skip
 
     def valid_sp(self) -> list[int]:
         """sp degrees that divide the q-head count."""
@@ -108,14 +194,32 @@ PRESETS: dict[str, ModelShape] = {
 }  # fmt: skip
 
 
+# Hybrid linear-attention models: kept out of PRESETS (whose every entry the cost model and the
+# notebooks sweep as Llama-style decoders); get_shape and the memory tracer find them.
+HYBRID_PRESETS: dict[str, ModelShape] = {
+    s.name: s
+    for s in [
+        # Qwen3.5-9B class: transformers 5.24's Qwen3_5TextConfig defaults, documented there as
+        # "the Qwen3.5-9B style configuration": 32 layers (every 4th full attention), hidden
+        # 4096, FFN 12288, 16 q / 4 kv heads of 256 (output gate, q/k norm), Gated DeltaNet
+        # with 16 key and 32 value heads of 128, conv width 4, vocab 248320.
+        ModelShape(
+            "qwen3.5-9b", 32, 4096, 16, 4, 256, 12288, 248320, qk_norm=True,
+            rope_theta=1e7, norm_eps=1e-6,
+            linear=LinearAttentionShape(16, 32, 128, 128, conv_kernel=4, full_every=4),
+        ),
+    ]
+}  # fmt: skip
+
+
 def get_shape(name: str) -> ModelShape:
-    """The preset called ``name``; ``ValueError`` listing the presets if there is none."""
-    try:
-        return PRESETS[name]
-    except KeyError:
+    """The preset called ``name`` (also a hybrid's); ``ValueError`` listing them if none."""
+    shape = PRESETS.get(name) or HYBRID_PRESETS.get(name)
+    if shape is None:
         raise ValueError(
-            f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"
-        ) from None
+            f"unknown model preset {name!r}; choose one of {', '.join([*PRESETS, *HYBRID_PRESETS])}"
+        )
+    return shape
 
 
 def training_flops_per_token(

@@ -123,7 +123,7 @@ def _build_hf(
     cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, init: bool, mixed_precision: Any
 ) -> torch.nn.Module:
     """The transformers model from ``--hf-model``, each rank loading only its FSDP2 shards
-    (``init`` does not apply: the weights are the checkpoint's)."""
+    (the weights are the checkpoint's; ``init=False``, the memory trace: none are read)."""
     from dtensor_ulysses.hf import load_pretrained
 
     chunk = (
@@ -138,6 +138,7 @@ def _build_hf(
         offload_activations=cfg.offload_activations, offload_params=cfg.offload_params,
         head_chunks=cfg.head_chunks, attention_backend=cfg.attention_backend,
         allow_uneven_heads=cfg.allow_uneven_heads, mixed_precision=mixed_precision,
+        weights=init,
     )  # fmt: skip
 
 
