@@ -383,7 +383,7 @@ class _UlyssesTrainer:
             return model
         o = self._du_options
         hf = _trainer_state.base_model(model)
-        apply_ulysses(hf, self._du_mesh["sp"], head_chunks=o["head_chunks"],
+        apply_ulysses(hf, self._du_dims.sp_group(self._du_mesh), head_chunks=o["head_chunks"],
                       backend=o["attention_backend"],
                       allow_uneven_heads=o["allow_uneven_heads"])  # fmt: skip
         _, layers = decoder_layers(hf)
@@ -424,8 +424,10 @@ class _UlyssesTrainer:
             return batches, None
         count = torch.tensor([sum(_targets(b) for b in batches)], dtype=torch.int64)
         count = count.to(device)
-        if self._du_mesh["dp"].size() > 1:  # sp ranks hold the same rows: count over dp
-            dist.all_reduce(count, group=self._du_mesh["dp"].get_group())
+        if (
+            self._du_dims.dp_group(self._du_mesh).size() > 1
+        ):  # sp ranks hold the same rows: count over dp
+            dist.all_reduce(count, group=self._du_dims.dp_group(self._du_mesh).get_group())
         return batches, count[0]
 
     def _du_forward(self, model: nn.Module, inputs: dict, num_items: Any, *, logits: bool):
@@ -530,8 +532,8 @@ class _UlyssesTrainer:
             else:
                 seen = inputs["position_ids"].size(1)
             count = torch.tensor([seen], dtype=torch.int64)
-            if self._du_mesh["dp"].size() > 1:
-                dist.all_reduce(count, group=self._du_mesh["dp"].get_group())
+            if self._du_dims.dp_group(self._du_mesh).size() > 1:
+                dist.all_reduce(count, group=self._du_dims.dp_group(self._du_mesh).get_group())
             self._total_train_tokens += int(count[0]) // getattr(self, "_tp_size", 1)  # type: ignore[attr-defined]
             metrics["num_tokens"] = [self._total_train_tokens]  # type: ignore[attr-defined]
 
@@ -610,7 +612,7 @@ class _LossHead(nn.Linear):
 
 def _gather_seq(local_BsV: torch.Tensor, layout: Any, mesh: Any) -> torch.Tensor:
     """The full ``[B, S, ...]`` tensor from each sp rank's ``[B, s, ...]`` slice."""
-    group = mesh["sp"].get_group()
+    group = ParallelDims.from_mesh(mesh).sp_group(mesh).get_group()
     sizes = layout.seq_sizes
     if len(sizes) == 1:
         return local_BsV

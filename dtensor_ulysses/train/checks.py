@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from dtensor_ulysses.attention.kernels import AttnFeatures, select_backend
 from dtensor_ulysses.attention.local import flash_attn_available, flash_attn_module
 from dtensor_ulysses.attention.ulysses import check_head_chunks
 from dtensor_ulysses.parallel.mesh import ParallelDims, default_device_type
@@ -180,6 +181,19 @@ def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
                 f"{cfg.model or cfg.hf_model!r} "
                 f"has {head_dim}; use --attention-backend sdpa"
             )
+    elif cfg.attention_backend != "auto" and cfg.hf_model is None and shape is not None:
+        # the built-in model's features (causal; packed documents; compiled or not), refused
+        # here rather than at the first attention call (--hf-model layers are checked per layer
+        # by hf.apply_ulysses when the model is built)
+        features = AttnFeatures(docs=cfg.pack_docs)
+        dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+        try:
+            select_backend(
+                features, device_type=device_type, dtype=dtype, head_dim=shape.head_dim,
+                backend=cfg.attention_backend, compiled=cfg.compile is not None,
+            )  # fmt: skip
+        except ValueError as e:
+            raise UsageError(f"--attention-backend {cfg.attention_backend}: {e}") from None
     return device_type
 
 

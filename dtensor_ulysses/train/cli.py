@@ -15,10 +15,14 @@ from typing import TYPE_CHECKING, NoReturn
 
 from dtensor_ulysses.plan import local_tokens
 
+# every backend name of attention.kernels (spelled here to keep parsing torch-free; a test holds
+# them equal); one the running torch lacks (torch_varlen) is refused by the checks
+ATTENTION_BACKENDS = ("auto", "flash_attn", "sdpa", "flex", "torch_varlen", "blockwise")
+
 if TYPE_CHECKING:
     from dtensor_ulysses.parallel.mesh import ParallelDims
 
-__all__ = ["TrainConfig", "UsageError", "parse_args"]
+__all__ = ["ATTENTION_BACKENDS", "TrainConfig", "UsageError", "parse_args"]
 
 
 class UsageError(ValueError):
@@ -200,9 +204,11 @@ def _add_model_args(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "--activation-checkpointing", action="store_true", help="recompute each block in backward"
     )
     p.add_argument("--attention-backend", default=d.attention_backend,
-                   choices=["auto", "flash_attn", "sdpa"],
-                   help="flash_attn needs CUDA and the flash-attn package; auto: flash_attn "
-                        "when it can run, else sdpa")  # fmt: skip
+                   choices=ATTENTION_BACKENDS,
+                   help="the local attention kernel (docs: concepts/attention-kernels); "
+                        "flash_attn needs CUDA and the flash-attn package; auto: the first of "
+                        "flash_attn, sdpa, flex (CUDA), blockwise that runs the run's features; "
+                        "an explicit one that cannot is refused before step 1")  # fmt: skip
     p.add_argument(
         "--pack-docs",
         action="store_true",

@@ -140,6 +140,23 @@ def test_what_a_new_user_gets_wrong_is_refused_with_the_fix(tmp_path, monkeypatc
         validate(TrainConfig(**base, sp=2), 1)
 
 
+def test_the_kernel_that_cannot_run_the_run_is_refused_before_step_1():
+    """An explicit ``--attention-backend`` that cannot run the built-in model's features (compiled
+    SDPA with packed documents: it would need an ``S x S`` mask) is refused by the checks, naming
+    the feature and the backends that can; the flag offers every backend the kernel layer has."""
+    from dtensor_ulysses.attention import KERNELS
+    from dtensor_ulysses.train import validate
+    from dtensor_ulysses.train.cli import ATTENTION_BACKENDS, TrainConfig, UsageError
+
+    assert set(ATTENTION_BACKENDS) >= {"auto", *KERNELS}
+    base = dict(seq_len=64, batch_size=2, steps=3, device="cpu", sp=1, pack_docs=True)
+    with pytest.raises(UsageError, match=r"^--attention-backend sdpa: .*packed documents.*"
+                                         r"inside torch.compile.*'blockwise'"):  # fmt: skip
+        validate(TrainConfig(**base, compile="aot_eager", attention_backend="sdpa"), 1)
+    validate(TrainConfig(**base, attention_backend="sdpa"), 1)  # eager: one call per document
+    validate(TrainConfig(**base, compile="aot_eager", attention_backend="blockwise"), 1)
+
+
 def test_a_rank_leaves_its_note_before_its_first_step(tmp_path, monkeypatch):
     """The note torchrun's summary shows for a rank killed before it finished step 1 (while
     building, or out of memory in step 1), read back as torchrun reads it."""
