@@ -424,10 +424,9 @@ class _UlyssesTrainer:
             return batches, None
         count = torch.tensor([sum(_targets(b) for b in batches)], dtype=torch.int64)
         count = count.to(device)
-        if (
-            self._du_dims.dp_group(self._du_mesh).size() > 1
-        ):  # sp ranks hold the same rows: count over dp
-            dist.all_reduce(count, group=self._du_dims.dp_group(self._du_mesh).get_group())
+        dp_mesh = self._du_dims.dp_group(self._du_mesh)
+        if dp_mesh.size() > 1:  # sp ranks hold the same rows: count over dp
+            dist.all_reduce(count, group=dp_mesh.get_group())
         return batches, count[0]
 
     def _du_forward(self, model: nn.Module, inputs: dict, num_items: Any, *, logits: bool):
