@@ -860,4 +860,3 @@ def test_trace_find_max_bounded_by_host_memory(monkeypatch, capsys):
     assert main(["trace", "--model", "llama3-8b", "--sp", "8", "--seq-len", "8192",
                  "--host-memory", "64"]) == 2  # fmt: skip
     assert "bounds the --find-max search" in capsys.readouterr().err
-
