@@ -163,8 +163,17 @@ def _logit_rows(vocab: int, hidden: int):
 
 def run(spec: dict) -> dict:
     """Train (and evaluate / save / resume as the spec says); plain data back."""
-    trainer = build(spec)
     out: dict = {}
+    if spec.get("capture_stdout"):  # what construction prints (with_ulysses' start line)
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            trainer = build(spec)
+        out["stdout"] = buf.getvalue()
+    else:
+        trainer = build(spec)
     if spec.get("eval_first"):
         out["eval"] = trainer.evaluate()
     if spec.get("count_logit_rows"):
