@@ -474,7 +474,8 @@ def test_refusal_under_torchrun_is_one_line_from_rank_0(tmp_path):
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "examples/sft_trl.py", "--sp", "3", "--steps", "1", "--out", str(tmp_path)]  # fmt: skip
+           "2", "examples/sft_trl.py", "--sp", "3", "--steps", "1",
+           "--out", str(tmp_path)]  # fmt: skip
     res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=170)
     err = res.stderr
     assert res.returncode != 0, err[-3000:]
