@@ -421,11 +421,12 @@ def _describe(trainer: Any) -> str:
         if on
     ]
     precision = "bf16 compute" if dtype == torch.bfloat16 else f"{dtype or hf.dtype} compute"
+    name = next(c.__name__ for c in type(hf).__mro__ if not issubclass(c, FSDPModule))
     n = cfg.num_attention_heads
     per_rank = f"{n // sp} per rank" if n % sp == 0 else f"uneven over {sp} ranks"
     return (
         f"with_ulysses: sequence parallelism on: mesh dp={dp} x sp={sp} ({dp * sp} ranks, "
-        f"{device.type}), {type(hf).__name__} {n} q heads ({per_rank}), attention kernel {kernel}, "
+        f"{device.type}), {name} {n} q heads ({per_rank}), attention kernel {kernel}, "
         f"{precision}, features: {', '.join(features) or 'none'}"
     )
 

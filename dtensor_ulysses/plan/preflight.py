@@ -318,12 +318,15 @@ def _host_fix(
                     f"of host per rank)"
                 )
     n_host = est.host_bytes / max(1, host_cap * headroom)
+    per_token = "activation checkpoints" in est.host  # the only host bytes that grow with S
     n_dev = est.device_bytes / max(1, (device_cap or 1) * headroom) if dev_over else 0.0
     n_more = max(2, int(max(n_host, n_dev) + 0.999))
     dropping = f"dropping {' '.join(_flag(n) for n in on)} does not fit the device; " if on else ""
     return (
         f"{dropping}the offloaded bytes per rank shrink with the ranks: use about {n_more}x the "
         f"ranks on more nodes, or fewer ranks per node (a node's host memory is shared by its "
-        f"ranks), a shorter --seq-len or a smaller --batch-size"
+        f"ranks), "
+        + ("a shorter --seq-len, a smaller --batch-size or " if per_token else "")
+        + "a smaller --model"
         + ("" if dev_over else "; the memory flags that save device memory cannot help here")
     )
