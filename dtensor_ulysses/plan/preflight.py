@@ -54,6 +54,13 @@ estimate within a few percent of the capacity is not a fit, because the estimate
 the trainer sets ``expandable_segments:True``, which reduces but does not remove this). The same
 90% holds on CUDA: a margin of the estimate's error, not a measured fragmentation figure.
 
+On CUDA the device and the host are two limits, each with the headroom. The message names the
+one that binds (:attr:`Preflight.binding`): its estimate with the parts, the capacity and where
+it comes from, the shortfall, and a fix that helps that memory. For the host that is never a
+device flag: an offload flag to drop when the device then holds what it moved, else more ranks
+(offloaded states shrink with ``dp * sp``, offloaded checkpoints with ``sp``), fewer ranks per
+node (:func:`host_capacity` shares a node's memory among its ranks), a shorter sequence.
+
 **Where the code lives.** This module holds the check (:func:`check_fits`, :class:`Preflight`)
 and the trainer's feature lists; the closed form (:func:`estimate_memory`, :class:`MemoryEstimate`,
 :func:`format_bytes`, :data:`RUNTIME_BYTES`) is in ``_preflight_estimate.py``, the capacity probes
@@ -321,7 +328,11 @@ def _host_fix(
     per_token = "activation checkpoints" in est.host  # the only host bytes that grow with S
     n_dev = est.device_bytes / max(1, (device_cap or 1) * headroom) if dev_over else 0.0
     n_more = max(2, int(max(n_host, n_dev) + 0.999))
-    dropping = f"dropping {' '.join(_flag(n) for n in on)} does not fit the device; " if on else ""
+    dropping = (
+        f"dropping {' '.join(_flag(n) for n in on)} (any of them) does not fit both memories; "
+        if on
+        else ""
+    )
     return (
         f"{dropping}the offloaded bytes per rank shrink with the ranks: use about {n_more}x the "
         f"ranks on more nodes, or fewer ranks per node (a node's host memory is shared by its "
