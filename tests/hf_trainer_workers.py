@@ -208,4 +208,7 @@ def run_specs(rank: int, world: int, specs: list) -> list:
             if not spec.get("expect_error"):
                 raise
             results.append({"error": f"{type(e).__name__}: {e}"})
-    return results if rank == 0 else [None] * len(results)
+    if rank == 0:
+        return results
+    # the other ranks: only what construction printed, where it was captured
+    return [{"stdout": r["stdout"]} if "stdout" in r else None for r in results]

@@ -362,7 +362,7 @@ def _refuse_attention_dropout(model: Any, args: Any) -> None:
                 found[key] = float(value)
         what = repr(model)
     elif isinstance(model, nn.Module):
-        hf = _trainer_state.base_model(model)
+        hf: Any = _trainer_state.base_model(model)
         cfg = hf.config.get_text_config()
         for key in _DROPOUT_CONFIG:
             value = getattr(cfg, key, None)
@@ -400,7 +400,7 @@ def _describe(trainer: Any) -> str:
     if policy == "auto":
         policy = None if device.type != "cuda" else "bf16"
     dtype = torch.bfloat16 if policy == "bf16" else getattr(policy, "param_dtype", None)
-    hf = _trainer_state.base_model(trainer.model)
+    hf: Any = _trainer_state.base_model(trainer.model)
     cfg = hf.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     probe = torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype or hf.dtype)

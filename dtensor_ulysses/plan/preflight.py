@@ -281,6 +281,7 @@ def check_fits(
         out.suggestion = [_flag(n) for n in best[2]]
         lines.append(f"add {flags} (about {format_bytes(best[1])} per rank)")
     elif host_over:
+        assert host_cap is not None
         lines.append(_host_fix(shape, kw, features, est, device_type, device_cap, host_cap,
                                headroom, dev_over, out))  # fmt: skip
     else:
