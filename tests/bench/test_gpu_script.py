@@ -30,7 +30,7 @@ def test_dry_run_executes_every_step_on_cpu(tmp_path):
         assert f"== {step}\n" in res.stdout, log[-4000:]
     assert "!! failed" not in res.stdout
     # the real shapes of the GPU steps, through the trainer's preflight on one H100
-    for step, shape in (("mfu", "llama3-1b S=32768"), ("long", "llama3-1b S=131072"),
+    for step, shape in (("mfu", "llama3-1b S=8192"), ("long", "llama3-1b S=131072"),
                         ("long4b", "qwen3-4b S=65536")):  # fmt: skip
         assert f"== {step} preflight\npreflight {shape} on h100 + 120 GiB of host: " in res.stdout
     assert "REFUSED" not in res.stdout
