@@ -462,8 +462,12 @@ def _format_trace(obj: dict) -> str:
                 f"; with {1 - obj['headroom']:.0%} headroom (peak <= {obj['headroom']:.0%} of "
                 f"the usable memory"
                 + (" and of the host memory" if hcap else "")
-                + f"): {obj['max_seq_len_with_headroom']:,} ({obj['binding_with_headroom']} "
-                f"binds)"
+                + f"): {obj['max_seq_len_with_headroom']:,} "
+                + (
+                    f"({obj['binding_with_headroom']} binds)"
+                    if "binding_with_headroom" in obj
+                    else "(nothing fits)"
+                )
                 if "max_seq_len_with_headroom" in obj
                 else ""
             )
