@@ -20,6 +20,11 @@ The MFU sweep (issue #14's >= 50% target for llama3-1b at 32K)::
 
 All the GPU checks in one command: ``bash benchmarks/gpu.sh`` (see benchmarks/README.md).
 A CPU smoke run: ``--models tiny --seq-lens 256 --device cpu --steps 2``.
+
+``--preflight-only --gpu h100 --host-memory 120`` runs nothing: for each row it prints the
+trainer's memory preflight (its estimate, ``--memory-headroom`` and all) against that GPU's memory
+and that much host memory per rank, and exits 1 if a row would be refused. The CPU dry run of
+``gpu.sh`` checks the real shapes of its steps this way.
 """
 
 from __future__ import annotations
@@ -41,17 +46,6 @@ FEATURE_SETS = {
         "--tiled-loss",
         "--tiled-mlp",
         "--offload-activations",
-        "--offload-params",
-    ],  # fmt: skip
-    # llama3-8b on a lent machine (one GPU, 128 GiB of host memory): AdamW's fp32 parameters,
-    # gradients and states need 16 bytes a parameter (119.7 GiB) wherever they live: on the host
-    # (--offload-params; the preflight says 119.8 GiB of host, the trace 117.7 GiB at 32K), the
-    # checkpoints stay on the device (--offload-activations would add (L-1) x S x D x 2 bytes
-    # of host: 31 GiB at 128K, the preflight's 150.8 GiB)
-    "all8b": [
-        "--activation-checkpointing",
-        "--tiled-loss",
-        "--tiled-mlp",
         "--offload-params",
     ],  # fmt: skip
 }
@@ -117,8 +111,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="the trainer's --compile per block (default BACKEND inductor)")  # fmt: skip
     p.add_argument("--json", default=None)
+    p.add_argument("--preflight-only", action="store_true",
+                   help="run nothing: the trainer's memory preflight of each row against --gpu's "
+                   "memory and --host-memory, exit 1 if one would be refused")  # fmt: skip
+    p.add_argument("--host-memory", type=float, default=None, metavar="GIB",
+                   help="with --preflight-only: host memory per rank, GiB")  # fmt: skip
     args = p.parse_args(argv)
     flags = FEATURE_SETS[args.features]
+    if args.preflight_only:
+        return preflight_rows(args, flags)
     rows: list[dict] = []
     result = {"argv": sys.argv[1:] if argv is None else argv, "environment": _environment(),
               "rows": rows}  # fmt: skip
@@ -151,6 +152,46 @@ def main(argv: list[str] | None = None) -> dict:
             )
             _write(args.json, result)
     return result
+
+
+def preflight_rows(args: argparse.Namespace, flags: list[str]) -> dict:
+    """The trainer's memory preflight of every row, on one ``args.gpu`` with ``args.host_memory``
+    GiB of host memory per rank (``check_fits`` with the trainer's config of the row, as
+    ``dtensor_ulysses.train`` runs it on CUDA); ``{"rows": [...]}``, a row's ``error`` its
+    refusal."""
+    from dtensor_ulysses import train as du_train
+    from dtensor_ulysses.plan import GPU_SPECS, MEMORY_FEATURES, check_fits, get_shape
+
+    if args.host_memory is None or "max" in args.seq_lens:
+        raise SystemExit("--preflight-only needs --host-memory GIB and --seq-lens as numbers")
+    device_cap, host_cap = GPU_SPECS[args.gpu].memory_bytes, int(args.host_memory * 2**30)
+    rows: list[dict] = []
+    for model in args.models:
+        for length in args.seq_lens:
+            argv = ["--dp", "1", "--sp", "1", "--model", model, "--seq-len", length,
+                    "--batch-size", "1", *flags, *_head_chunks(model, args.features)]  # fmt: skip
+            cfg = du_train.parse_args(argv)
+            features = {name: getattr(cfg, name) for name in MEMORY_FEATURES}
+            res = check_fits(
+                get_shape(model), device_type="cuda", features=features, seq_len=cfg.seq_len,
+                batch_size=cfg.batch_size, dp=1, sp=1, device_cap=device_cap, host_cap=host_cap,
+                capacity_source=f"{args.gpu} total memory", host_capacity_source="--host-memory",
+                headroom=cfg.memory_headroom,
+            )  # fmt: skip
+            est = res.estimate
+            row = {"model": model, "seq_len": cfg.seq_len, "device_bytes": est.device_bytes,
+                   "host_bytes": est.host_bytes, "fits": res.fits}  # fmt: skip
+            if not res.fits:
+                row["error"] = f"memory preflight: {res.problem}"
+            rows.append(row)
+            print(
+                f"preflight {model} S={cfg.seq_len} on {args.gpu} + {args.host_memory:g} GiB of "
+                f"host: device {est.device_bytes / 2**30:.1f} GiB, host "
+                f"{est.host_bytes / 2**30:.1f} GiB: "
+                + ("fits" if res.fits else f"REFUSED ({res.problem})"),
+                flush=True,
+            )
+    return {"rows": rows, "preflight_only": True}
 
 
 def _reset_peak(device: str) -> None:
@@ -186,6 +227,8 @@ def _write(path: str | None, result: dict) -> None:
 def failed_rows(result: dict) -> list[dict]:
     """Rows whose run or trace failed, or that never ran."""
     rows = result["rows"]
+    if result.get("preflight_only"):
+        return [r for r in rows if "error" in r]
     return [r for r in rows if "error" in r.get("measured", {"error": "not run"})
             or "error" in r["predicted"]]  # fmt: skip
 

@@ -12,10 +12,11 @@
 #                                                                  -> OUT_DIR/bench_mfu_gpu.json
 #   long   llama3-1b at 128K tokens with every memory feature, the allocator's peak next to the
 #          trace's                                                 -> OUT_DIR/bench_long_context_gpu.json
-#   long8b llama3-8b at 32K tokens: checkpointing, tiled loss/MLP, --offload-params (AdamW's
-#          16 bytes a parameter on the host: ~120 GiB of 128), checkpoints kept on the device
-#          (offloading them adds 31 GiB of host at 128K), the trace beside it
-#                                                                  -> OUT_DIR/bench_long_context_8b_gpu.json
+#   long4b qwen3-4b at 64K tokens with every memory feature (--offload-params: AdamW's 16 bytes
+#          a parameter on the host, 60 GiB; the checkpoints 11 GiB), the trace beside it. Not
+#          llama3-8b: its 16 bytes a parameter are 119.7 GiB wherever they live, past the 90% of
+#          a 128 GiB machine's host that the trainer's preflight allows (it would be refused)
+#                                                                  -> OUT_DIR/bench_long_context_4b_gpu.json
 #   a2a    with 2+ GPUs: the Ulysses exchange against NCCL's own all-to-all at equal bytes
 #          (issue #14: within 10%)                                 -> OUT_DIR/bench_a2a_gpu.json
 #   hf     with 2+ GPUs and trl installed: with_ulysses in TRL's SFTTrainer (packed, tiled loss,
@@ -24,31 +25,44 @@
 # Each step prints as it goes; a failing step (any command of it, also inside a pipe) is reported
 # and the next one still runs; the exit status is 1 if any step failed.
 # Environment: PYTHON (default python3); DRY_RUN=1 runs every step on the CPU with the tiny model
-# and tiny lengths (no nvidia-smi; the a2a step on 2 gloo processes), to check the script itself.
+# and tiny lengths (no nvidia-smi; the a2a step on 2 gloo processes), to check the script itself,
+# and first checks the real shapes of mfu, long and long4b against the trainer's memory preflight
+# on one H100 with HOST_GIB (default 120: a 128 GiB machine less what the system holds) of host
+# memory: a real step that the trainer would refuse fails the dry run.
 set -uo pipefail
 out=${1:-benchmarks/results}
 shift || true
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env tests mfu long long8b a2a hf)
+[ ${#steps[@]} -eq 0 ] && steps=(env tests mfu long long4b a2a hf)
 py=${PYTHON:-python3}
 dry=${DRY_RUN:-0}
 mkdir -p "$out"
 status=0
 run() { echo "== $1"; shift; "$@" || { echo "!! failed (exit $?): $*"; status=1; }; }
 
+# the real shapes (what a GPU runs)
+mfu_real=(--models llama3-1b --features ac --seq-lens 8192 16384 32768)
+long_real=(--models llama3-1b --features all --seq-lens 131072)
+long4b_real=(--models qwen3-4b --features all --seq-lens 65536)
 if [ "$dry" = 1 ]; then  # the same steps, on the CPU, with shapes that take seconds
     dev=(--device cpu)
     mfu_args=(--models tiny --features ac --compile aot_eager --seq-lens 64 128 --steps 2)
     long_args=(--models tiny --features all --seq-lens 128 --steps 2)
-    long8b_args=(--models tiny --features all8b --seq-lens 128 --steps 2)
+    long4b_args=(--models tiny --features all --seq-lens 128 --steps 2)
     tests_args=(tests/attention/test_local_kernel.py)
 else
     dev=()
-    mfu_args=(--models llama3-1b --features ac --compile --seq-lens 8192 16384 32768 --steps 5)
-    long_args=(--models llama3-1b --features all --seq-lens 131072 --steps 3)
-    long8b_args=(--models llama3-8b --features all8b --seq-lens 32768 --steps 3)
+    mfu_args=("${mfu_real[@]}" --compile --steps 5)
+    long_args=("${long_real[@]}" --steps 3)
+    long4b_args=("${long4b_real[@]}" --steps 3)
     tests_args=(tests)
 fi
+preflight() {  # DRY_RUN: would the trainer start the real shapes of step $1 on the GPU machine?
+    local step=$1
+    shift
+    [ "$dry" = 1 ] && run "$step preflight" "$py" -m benchmarks.bench_long_context "$@" \
+        --preflight-only --gpu h100 --host-memory "${HOST_GIB:-120}"
+}
 
 env_step() {
     date -u
@@ -60,12 +74,15 @@ for s in "${steps[@]}"; do
     case "$s" in
     env) run env eval 'env_step 2>&1 | tee "$out/gpu_environment.txt"' ;;
     tests) run tests eval '"$py" -m pytest -q -m gpu "${tests_args[@]}" 2>&1 | tee "$out/gpu_tests.txt"' ;;
-    mfu) run mfu "$py" -m benchmarks.bench_long_context "${mfu_args[@]}" "${dev[@]}" \
+    mfu) preflight mfu "${mfu_real[@]}"
+        run mfu "$py" -m benchmarks.bench_long_context "${mfu_args[@]}" "${dev[@]}" \
         --json "$out/bench_mfu_gpu.json" ;;
-    long) run long "$py" -m benchmarks.bench_long_context "${long_args[@]}" "${dev[@]}" \
+    long) preflight long "${long_real[@]}"
+        run long "$py" -m benchmarks.bench_long_context "${long_args[@]}" "${dev[@]}" \
         --json "$out/bench_long_context_gpu.json" ;;
-    long8b) run long8b "$py" -m benchmarks.bench_long_context "${long8b_args[@]}" "${dev[@]}" \
-        --json "$out/bench_long_context_8b_gpu.json" ;;
+    long4b) preflight long4b "${long4b_real[@]}"
+        run long4b "$py" -m benchmarks.bench_long_context "${long4b_args[@]}" "${dev[@]}" \
+        --json "$out/bench_long_context_4b_gpu.json" ;;
     a2a)
         if [ "$dry" = 1 ]; then
             run a2a "$py" -m benchmarks.bench_a2a --cpu-world 2 --sizes-mib 1 \
@@ -91,7 +108,7 @@ for s in "${steps[@]}"; do
                 --out "$out/hf_sft" && "${launch[@]}" examples/trainer_hf.py --sp 2 --eval \
                 --out "$out/hf_trainer"; } 2>&1 | tee "$out/gpu_hf.txt"'
         fi ;;
-    *) echo "unknown step '$s' (use: env tests mfu long long8b a2a hf)"; exit 2 ;;
+    *) echo "unknown step '$s' (use: env tests mfu long long4b a2a hf)"; exit 2 ;;
     esac
 done
 [ "$status" = 0 ] && echo "== all steps passed" || echo "!! some step failed (see above)"

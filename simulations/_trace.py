@@ -206,66 +206,80 @@ def find_max(
     start: int | None = None,
     log: Callable[[str], None] | None = None,
     capacity: int | None = None,
+    host_capacity: int | None = None,
 ) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
     """The longest ``seq_len`` (a multiple of ``granularity``, default ``1024 * sp``) whose traced
-    device peak fits the GPU; ``(max_seq_len, probes, report at max_seq_len)``.
+    device peak fits the GPU, and whose host bytes fit ``host_capacity`` when one is given;
+    ``(max_seq_len, probes, report at max_seq_len)``.
 
-    The device peak grows (nearly) linearly with the sequence: a secant through two probes
-    proposes the crossing, and a bisection on the grid settles it (every step is a real trace).
-    ``capacity``: the bytes the peak may reach (default: the GPU's usable bytes; less for a
-    search with headroom).
+    Both grow (nearly) linearly with the sequence: the search runs on the larger of the two
+    loads (device peak / capacity, host bytes / host capacity), a secant through two probes
+    proposes where it crosses 1, and a bisection on the grid settles it (every step is a real
+    trace). ``capacity``: the bytes the peak may reach (default: the GPU's usable bytes; less
+    for a search with headroom). ``host_capacity``: the host bytes a rank may hold (None: the
+    host is not a limit). The report says which one binds (``binding``: ``"device"`` or
+    ``"host"``, the resource the next length on the grid exceeds).
     """
     g = granularity or 1024 * case.sp
     cap = capacity if capacity is not None else get_gpu(case.gpu).usable_bytes
+    hcap = host_capacity
     probes: list[dict[str, Any]] = []
     cache: dict[int, Any] = {}
 
-    def peak(n_units: int) -> int:
+    def loads(t: Any) -> tuple[float, float]:
+        return t.device_peak_bytes / cap, (t.host_bytes / hcap if hcap else 0.0)
+
+    def load(n_units: int) -> float:
         if n_units not in cache:
             c = _with_seq(case, n_units * g)
             t = trace(c)
             cache[n_units] = (t, c)
-            probes.append(
-                {"seq_len": n_units * g, "device_peak_bytes": t.device_peak_bytes,
-                 "host_bytes": t.host_bytes, "fits": t.device_peak_bytes <= cap}
-            )  # fmt: skip
+            dev, host = loads(t)
+            probe = {"seq_len": n_units * g, "device_peak_bytes": t.device_peak_bytes,
+                     "host_bytes": t.host_bytes, "fits": max(dev, host) <= 1}  # fmt: skip
+            if hcap:
+                probe["device_fits"], probe["host_fits"] = dev <= 1, host <= 1
+            probes.append(probe)
             if log:
+                host_note = (
+                    f" ({'fits' if host <= 1 else 'does not fit'} {hcap / GiB:.2f})" if hcap else ""
+                )
                 log(
                     f"  S={n_units * g:>10,}: device {t.device_peak_bytes / GiB:8.2f} GiB "
-                    f"({'fits' if t.device_peak_bytes <= cap else 'does not fit'}), host "
-                    f"{t.host_bytes / GiB:.2f} GiB"
+                    f"({'fits' if dev <= 1 else 'does not fit'}), host "
+                    f"{t.host_bytes / GiB:.2f} GiB{host_note}"
                 )
-        return cache[n_units][0].device_peak_bytes
+        return max(loads(cache[n_units][0]))
 
     # two probes for the secant: the simulator's guess and half of it
     if start is None:
-        start = _predicted_max(case, g)
+        start = _predicted_max(case, g, capacity=cap, host_capacity=hcap)
     u1 = max(2, start // g)
     u0 = max(1, u1 // 2)
-    known = {u0: peak(u0), u1: peak(u1)}
+    known = {u0: load(u0), u1: load(u1)}
 
     def secant(a: int, b: int) -> int:
         pa, pb = known[a], known[b]
         if pb == pa:
             return b + (b - a)
-        return a + math.floor((cap - pa) * (b - a) / (pb - pa))
+        return a + math.floor((1.0 - pa) * (b - a) / (pb - pa))
 
-    fits = [u for u, p in known.items() if p <= cap]
-    over = [u for u, p in known.items() if p > cap]
+    fits = [u for u, p in known.items() if p <= 1]
+    over = [u for u, p in known.items() if p > 1]
     lo, hi = (max(fits) if fits else 0), (min(over) if over else None)
     # bracket: grow past the last fitting length, or shrink below the first that does not fit
     while hi is None:
         u = max(secant(u0, u1), lo + 1, 2 * lo - u0 if lo > u0 else lo + 1)
-        known[u] = peak(u)
+        known[u] = load(u)
         u0, u1 = lo, u
-        if known[u] <= cap:
+        if known[u] <= 1:
             lo = u
         else:
             hi = u
     while lo == 0:
         u = max(1, min(hi - 1, secant(u0, u1) if u0 != u1 else hi // 2, hi // 2))
-        known[u] = peak(u)
-        if known[u] <= cap:
+        known[u] = load(u)
+        if known[u] <= 1:
             lo = u
         elif u == 1:
             return 0, sorted(probes, key=lambda x: x["seq_len"]), None
@@ -277,8 +291,8 @@ def find_max(
         u = secant(lo, hi) if use_secant else (lo + hi) // 2
         u = min(max(u, lo + 1), hi - 1)
         width = hi - lo
-        known[u] = peak(u)
-        if known[u] <= cap:
+        known[u] = load(u)
+        if known[u] <= 1:
             lo = u
         else:
             hi = u
@@ -286,7 +300,13 @@ def find_max(
         if not use_secant and hi - lo <= 1:
             break
     t, c = cache[lo]
-    return lo * g, sorted(probes, key=lambda x: x["seq_len"]), report(c, traced=t)
+    out = report(c, traced=t)
+    dev_next, host_next = loads(cache[hi][0])
+    out["binding"] = "host" if host_next > 1 and host_next >= dev_next else "device"
+    if hcap:
+        out["host_capacity_bytes"] = hcap
+        out["host_fits"] = t.host_bytes <= hcap
+    return lo * g, sorted(probes, key=lambda x: x["seq_len"]), out
 
 
 def _with_seq(case: TraceCase, seq_len: int) -> TraceCase:
@@ -295,19 +315,29 @@ def _with_seq(case: TraceCase, seq_len: int) -> TraceCase:
     return replace(case, seq_len=seq_len)
 
 
-def _predicted_max(case: TraceCase, g: int) -> int:
-    """The simulator's longest fitting sequence on the grid (a starting point only)."""
+def _predicted_max(
+    case: TraceCase, g: int, *, capacity: int | None = None, host_capacity: int | None = None
+) -> int:
+    """The simulator's longest fitting sequence on the grid (a starting point only): its device
+    peak within ``capacity`` (default: the simulator's own fit), its host bytes within
+    ``host_capacity`` (None: no host limit)."""
+    w0 = _with_seq(case, g).workload()
+
+    def fits(seq_len: int) -> bool:
+        m = memory.estimate(w0.with_(seq_len=seq_len))
+        dev_ok = m.fits if capacity is None else m.peak - m.components["fixed"] <= capacity
+        return dev_ok and (host_capacity is None or m.cpu_bytes <= host_capacity)
+
     lo, hi = g, g
-    w = _with_seq(case, g).workload()
-    if not memory.estimate(w).fits:
+    if not fits(g):
         return g
-    while memory.estimate(w.with_(seq_len=hi)).fits and hi < 2**31:
+    while fits(hi) and hi < 2**31:
         lo, hi = hi, hi * 2
     while hi - lo > g:
         mid = (lo + hi) // 2 // g * g
         if mid <= lo:
             break
-        if memory.estimate(w.with_(seq_len=mid)).fits:
+        if fits(mid):
             lo = mid
         else:
             hi = mid

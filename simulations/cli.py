@@ -10,6 +10,7 @@ Kept in one file (~450 lines): the parser of every subcommand and its text outpu
     python -m simulations trace --model llama3-8b --seq-len 131072 --dp 1 --sp 8 --gpu h100 \
         --tiled-loss --tiled-mlp --layers 2 --json          # the real step, fake tensors
     python -m simulations trace --model llama3-8b --sp 8 --gpu h100 --find-max [features] --json
+    python -m simulations trace --model llama3-8b --sp 8 --find-max --host-memory 128 [features]
     python -m simulations trace --model tiny --seq-len 8192 --dp 1 --sp 1 --device cpu --json
     python -m simulations trace-check [--config plain]   # the CPU trace against a real run
 
@@ -114,6 +115,11 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
         "--headroom", type=float, default=None, metavar="FRACTION",
         help="--find-max also reports the longest sequence whose peak stays within this "
         "fraction of the usable memory (default: 0.9, the trainer's --memory-headroom; 1: skip)",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-memory", type=float, default=None, metavar="GIB",
+        help="--find-max: host memory a rank may hold, GiB (a node's memory / its ranks); the "
+        "longest sequence then fits both, and the report says which binds (default: no limit)",
     )  # fmt: skip
     p.add_argument(
         "--breakdown", type=int, default=0, metavar="N",
@@ -384,6 +390,16 @@ def _trace_case(a):
         raise ValueError(
             "--find-max bisects against a GPU's memory; with --device cpu give --seq-len S"
         )
+    if a.host_memory is not None and not a.find_max:
+        raise ValueError(
+            "--host-memory bounds the --find-max search; with --seq-len the report's host_bytes "
+            "is the figure to compare with it"
+        )
+    if a.host_memory is not None and not a.host_memory > 0:
+        raise ValueError(
+            f"--host-memory {a.host_memory} must be > 0 GiB per rank (a node's memory divided "
+            f"by its ranks, e.g. 256 for 2 TB and 8 GPUs)"
+        )
     if a.breakdown < 0:
         raise ValueError(f"--breakdown={a.breakdown} must be >= 0 (a number of tensors)")
     feats = tuple(
@@ -442,11 +458,21 @@ def _format_trace(obj: dict) -> str:
             f"host {_b(obj['host_bytes'])}; simulator {_b(obj['predicted']['device_peak_bytes'])}"
         )
     if "max_seq_len" in obj:
+        hcap = obj.get("host_capacity_bytes")
         out.append(
-            f"longest fitting sequence: {obj['max_seq_len']:,} (grid {obj['granularity']:,})"
+            f"longest fitting sequence: {obj['max_seq_len']:,} (grid {obj['granularity']:,}; "
+            + (f"within {_b(hcap)} of host per rank; " if hcap else "")
+            + f"{obj['binding']} memory binds)"
             + (
                 f"; with {1 - obj['headroom']:.0%} headroom (peak <= {obj['headroom']:.0%} of "
-                f"the usable memory): {obj['max_seq_len_with_headroom']:,}"
+                f"the usable memory"
+                + (" and of the host memory" if hcap else "")
+                + f"): {obj['max_seq_len_with_headroom']:,} "
+                + (
+                    f"({obj['binding_with_headroom']} binds)"
+                    if "binding_with_headroom" in obj
+                    else "(nothing fits)"
+                )
                 if "max_seq_len_with_headroom" in obj
                 else ""
             )
@@ -471,12 +497,26 @@ def _find_max_with_headroom(a, case, g: int, best: int, log) -> dict[str, Any]:
     if frac == 1:
         return {}
     cap = int(get_gpu(a.gpu).usable_bytes * frac)
+    hcap = _host_bytes(a)
+    hcap = int(hcap * frac) if hcap else None  # the trainer's preflight: the same fraction
     if log:
-        log(f"with {1 - frac:.0%} headroom (peak <= {cap / 2**30:.2f} GiB):")
-    within, _, _ = _trace.find_max(
-        case, granularity=g, start=max(g, int(best * frac)), log=log, capacity=cap
-    )
-    return {"headroom": frac, "max_seq_len_with_headroom": within}
+        on_host = f", host <= {hcap / 2**30:.2f} GiB" if hcap else ""
+        log(f"with {1 - frac:.0%} headroom (peak <= {cap / 2**30:.2f} GiB{on_host}):")
+    within, _, rep = _trace.find_max(
+        case, granularity=g, start=max(g, int(best * frac)), log=log, capacity=cap,
+        host_capacity=hcap,
+    )  # fmt: skip
+    out: dict[str, Any] = {"headroom": frac, "max_seq_len_with_headroom": within}
+    if rep is not None:
+        out["binding_with_headroom"] = rep["binding"]
+        out["device_peak_bytes_with_headroom"] = rep["device_peak_bytes"]
+        out["host_bytes_with_headroom"] = rep["host_bytes"]
+    return out
+
+
+def _host_bytes(a) -> int | None:
+    """``--host-memory`` in bytes (None: no host limit)."""
+    return int(a.host_memory * 2**30) if a.host_memory is not None else None
 
 
 def _cmd_trace(a) -> int:
@@ -488,10 +528,14 @@ def _cmd_trace(a) -> int:
         g = a.granularity or 1024 * a.sp
         if g < 1:
             raise ValueError(f"--granularity={g} must be >= 1")
-        best, probes, rep = _trace.find_max(case, granularity=g, log=log)
+        best, probes, rep = _trace.find_max(
+            case, granularity=g, log=log, host_capacity=_host_bytes(a)
+        )
         if rep is None:
             obj: dict[str, Any] = {"model": a.model, "gpu": a.gpu, "dp": a.dp, "sp": a.sp,
                                    "fits": False, "max_seq_len": 0}  # fmt: skip
+            if a.host_memory is not None:
+                obj["host_capacity_bytes"] = _host_bytes(a)
             print(json.dumps(obj, indent=2) if a.json else f"nothing fits (grid {g:,} tokens)")
             return 1
         obj = dict(rep, max_seq_len=best, granularity=g, probes=probes)

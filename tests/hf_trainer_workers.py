@@ -164,8 +164,17 @@ def _logit_rows(vocab: int, hidden: int):
 
 def run(spec: dict) -> dict:
     """Train (and evaluate / save / resume as the spec says); plain data back."""
-    trainer = build(spec)
     out: dict = {}
+    if spec.get("capture_stdout"):  # what construction prints (with_ulysses' start line)
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            trainer = build(spec)
+        out["stdout"] = buf.getvalue()
+    else:
+        trainer = build(spec)
     if spec.get("eval_first"):
         out["eval"] = trainer.evaluate()
     if spec.get("count_logit_rows"):
@@ -200,4 +209,7 @@ def run_specs(rank: int, world: int, specs: list) -> list:
             if not spec.get("expect_error"):
                 raise
             results.append({"error": f"{type(e).__name__}: {e}"})
-    return results if rank == 0 else [None] * len(results)
+    if rank == 0:
+        return results
+    # the other ranks: only what construction printed, where it was captured
+    return [{"stdout": r["stdout"]} if "stdout" in r else None for r in results]

@@ -73,7 +73,9 @@ FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
+import linecache
 import os
 import sys
 from pathlib import Path
@@ -84,13 +86,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from dtensor_ulysses._exit import leave_together
+from dtensor_ulysses._exit import exit_process, leave_together
 from dtensor_ulysses.data import IGNORE_INDEX
 from dtensor_ulysses.hf import _trainer_accel, _trainer_state
 from dtensor_ulysses.hf.batch import shard_batch
 from dtensor_ulysses.hf.model import _plain_head
 from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
-from dtensor_ulysses.hf.routing import apply_ulysses, check_supported, decoder_layers
+from dtensor_ulysses.hf.routing import (
+    UnsupportedModelError,
+    apply_ulysses,
+    attention_modules,
+    check_supported,
+    decoder_layers,
+)
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.parallel import checkpoint_blocks, flatten_dp_sp, shard_blocks
 from dtensor_ulysses.parallel.mesh import ParallelDims
@@ -123,6 +131,91 @@ class UnsupportedTrainerError(ValueError):
     names it and the reason."""
 
 
+# ----------------------------------------------------------------------------------------------
+# a refusal under a launch: one line, from rank 0 (the exception itself is unchanged)
+# ----------------------------------------------------------------------------------------------
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _is_refusal(e: BaseException) -> bool:
+    """An exception the library raised on purpose for bad input: the engine's and the trainer's
+    refusals, or a ``ValueError`` from a ``raise`` statement in this package (a ``ValueError``
+    a builtin raised inside it is a bug, and keeps its traceback)."""
+    if isinstance(e, (UnsupportedTrainerError, UnsupportedModelError)):
+        return True
+    if not isinstance(e, ValueError) or e.__traceback__ is None:
+        return False
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    line = linecache.getline(filename, tb.tb_lineno).strip()
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep) and line.startswith("raise")
+
+
+def _refusals_in_one_line(fn: Any) -> Any:
+    """Decorate ``fn`` so that a refusal it raises, if nothing catches it, ends the process with
+    one ``error:`` line printed by rank 0 alone (status 2, the message also in torchrun's failure
+    summary) instead of a traceback from every rank. In-process it is raised as before."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as e:
+            if _is_refusal(e):
+                e._du_refusal = True  # type: ignore[attr-defined]
+                _install_refusal_hook()
+            raise
+
+    return wrapper
+
+
+def _install_refusal_hook() -> None:
+    """Wrap ``sys.excepthook`` (once): an uncaught refusal leaves as :func:`_leave_refused`
+    says; anything else goes to the previous hook (its traceback)."""
+    if getattr(sys.excepthook, "_du_refusals", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type, value: BaseException, tb: Any) -> None:
+        if not getattr(value, "_du_refusal", False):
+            return previous(kind, value, tb)
+        _leave_refused(value)
+
+    hook._du_refusals = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _leave_refused(e: BaseException) -> None:
+    """Rank 0 prints ``error: <message>`` on one line; every rank writes the message where
+    torchrun's failure summary shows it; the other ranks wait for rank 0 to end the job
+    (:func:`~dtensor_ulysses._exit.leave_together`); all leave with status 2."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK") or 0)
+    text = " ".join(str(e).split())
+    _write_error_file(f"{type(e).__name__}: {text}")
+    if rank == 0:
+        print(f"error: {text}", file=sys.stderr, flush=True)
+    exit_process(leave_together(2, rank))
+
+
+def _write_error_file(text: str) -> None:
+    """``text`` as this worker's torchelastic error file (torchrun's failure summary shows it
+    instead of "To enable traceback see ..."); nothing outside torchrun."""
+    import contextlib
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    info = {"py_callstack": text, "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"message": {"message": text, "extraInfo": info}}))
+
+
+@_refusals_in_one_line
 def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer`` or a subclass of
     either) that trains with Ulysses sequence parallelism of degree ``sp`` on FSDP2.
@@ -296,6 +389,103 @@ def _targets(batch: dict) -> int:
     return int(valid.sum())
 
 
+_DROPOUT_CONFIG = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def _refuse_attention_dropout(model: Any, args: Any) -> None:
+    """Refuse attention dropout at construction, before the model is loaded when TRL loads it
+    from a name (its config, with ``model_init_kwargs``), and on the modules of a loaded model
+    (the probability each attention layer would pass to the kernel in training)."""
+    found: dict[str, float] = {}
+    if isinstance(model, str):
+        try:
+            from transformers import AutoConfig
+
+            cfg: Any = AutoConfig.from_pretrained(model).get_text_config()
+        except Exception:  # not readable here: the loaded model is checked after loading
+            return
+        overrides = getattr(args, "model_init_kwargs", None) or {}
+        for key in _DROPOUT_CONFIG:
+            value = overrides.get(key, getattr(cfg, key, None))
+            if isinstance(value, (int, float)) and value > 0:
+                found[key] = float(value)
+        what = repr(model)
+    elif isinstance(model, nn.Module):
+        hf: Any = _trainer_state.base_model(model)
+        cfg = hf.config.get_text_config()
+        for key in _DROPOUT_CONFIG:
+            value = getattr(cfg, key, None)
+            if isinstance(value, (int, float)) and value > 0:
+                found[f"config.{key}"] = float(value)
+        for name, m in attention_modules(hf):
+            for key in ("attention_dropout", "attn_dropout", "dropout"):
+                value = getattr(m, key, None)
+                value = value.p if isinstance(value, nn.Dropout) else value
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                    found[f"{name}.{key}"] = float(value)
+        what = type(hf).__name__
+    else:
+        return
+    if found:
+        items = [f"{k}={v}" for k, v in found.items()]
+        more = f" and {len(items) - 2} more" if len(items) > 2 else ""
+        raise UnsupportedModelError(
+            f"{what} has attention dropout ({', '.join(items[:2])}{more}): each rank would draw "
+            f"its own mask for its heads and slice, so training cannot equal the single-process "
+            f"run; set attention_dropout=0.0 in the model config (from_pretrained(..., "
+            f"attention_dropout=0.0), or SFTConfig(model_init_kwargs={{'attention_dropout': "
+            f"0.0}}))"
+        )
+
+
+def _describe(trainer: Any) -> str:
+    """One line: the mesh, sp and dp, the attention kernel and the features in use."""
+    from dtensor_ulysses.attention import resolve_backend
+
+    o, mesh = trainer._du_options, trainer._du_mesh
+    dp, sp = mesh["dp"].size(), mesh["sp"].size()
+    device = trainer.args.device
+    policy = o["mixed_precision"]
+    if policy == "auto":
+        policy = None if device.type != "cuda" else "bf16"
+    dtype = torch.bfloat16 if policy == "bf16" else getattr(policy, "param_dtype", None)
+    hf: Any = _trainer_state.base_model(trainer.model)
+    cfg = hf.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    probe = torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype or hf.dtype)
+    try:
+        kernel = resolve_backend(o["attention_backend"], probe)
+    except RuntimeError:  # an explicit kernel that cannot run: the first step says why
+        kernel = f"{o['attention_backend']} (cannot run here)"
+    features = [
+        name
+        for name, on in (
+            ("activation checkpointing", o["activation_checkpointing"]),
+            ("offloaded activations", o["offload_activations"]),
+            ("offloaded parameters", o["offload_params"]),
+            (f"head chunks {o['head_chunks']}", o["head_chunks"] > 1),
+            ("tiled loss", o["tiled_loss"]),
+            ("uneven heads", o["allow_uneven_heads"]),
+        )
+        if on
+    ]
+    precision = "bf16 compute" if dtype == torch.bfloat16 else f"{dtype or hf.dtype} compute"
+    name = next(c.__name__ for c in type(hf).__mro__ if not issubclass(c, FSDPModule))
+    n = cfg.num_attention_heads
+    per_rank = f"{n // sp} per rank" if n % sp == 0 else f"uneven over {sp} ranks"
+    return (
+        f"with_ulysses: sequence parallelism on: mesh dp={dp} x sp={sp} ({dp * sp} ranks, "
+        f"{device.type}), {name} {n} q heads ({per_rank}), attention kernel {kernel}, "
+        f"{precision}, features: {', '.join(features) or 'none'}"
+    )
+
+
+def _announce(trainer: Any) -> None:
+    """Print :func:`_describe` once, from rank 0, when the trainer is built."""
+    if dist.get_rank() == 0:
+        print(_describe(trainer), flush=True)
+
+
 class _UlyssesTrainer:
     """Mixin placed before the user's trainer class by :func:`with_ulysses`."""
 
@@ -312,8 +502,10 @@ class _UlyssesTrainer:
     lr_scheduler: Any
     state: Any
 
+    @_refusals_in_one_line
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
+        _refuse_attention_dropout(model, kwargs.get("args", args[1] if len(args) > 1 else None))
         if isinstance(model, nn.Module):
             check_supported(_trainer_state.base_model(model))
             if self._du_options["tiled_loss"]:
@@ -342,7 +534,9 @@ class _UlyssesTrainer:
             self.args.gradient_checkpointing = False
         self.model_accepts_loss_kwargs = True  # the loss below is normalized over the step
         self.loss_is_scaled_for_ga = True
+        _refuse_attention_dropout(self.model, self.args)  # a model TRL loaded from its name
         self.model = self.model_wrapped = self._du_parallelize(self.model)
+        _announce(self)
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -429,6 +623,7 @@ class _UlyssesTrainer:
             dist.all_reduce(count, group=dp_mesh.get_group())
         return batches, count[0]
 
+    @_refusals_in_one_line
     def _du_forward(self, model: nn.Module, inputs: dict, num_items: Any, *, logits: bool):
         """This rank's slice through the model: the loss (its value the global one, its gradient
         this rank's part), the slice's logits (``None`` with the tiled loss unless ``logits``),

@@ -54,6 +54,13 @@ estimate within a few percent of the capacity is not a fit, because the estimate
 the trainer sets ``expandable_segments:True``, which reduces but does not remove this). The same
 90% holds on CUDA: a margin of the estimate's error, not a measured fragmentation figure.
 
+On CUDA the device and the host are two limits, each with the headroom. The message names the
+one that binds (:attr:`Preflight.binding`): its estimate with the parts, the capacity and where
+it comes from, the shortfall, and a fix that helps that memory. For the host that is never a
+device flag: an offload flag to drop when the device then holds what it moved, else more ranks
+(offloaded states shrink with ``dp * sp``, offloaded checkpoints with ``sp``), fewer ranks per
+node (:func:`host_capacity` shares a node's memory among its ranks), a shorter sequence.
+
 **Where the code lives.** This module holds the check (:func:`check_fits`, :class:`Preflight`)
 and the trainer's feature lists; the closed form (:func:`estimate_memory`, :class:`MemoryEstimate`,
 :func:`format_bytes`, :data:`RUNTIME_BYTES`) is in ``_preflight_estimate.py``, the capacity probes
@@ -132,6 +139,7 @@ class Preflight:
     capacity_source: str = ""
     suggestion: list[str] = field(default_factory=list)
     problem: str | None = None
+    binding: str | None = None  # "device", "host" or "device and host" when it does not fit
 
     @property
     def fits(self) -> bool:
@@ -175,18 +183,26 @@ def check_fits(
     host_cap: int | None = None,
     capacity_source: str = "",
     headroom: float | None = None,
+    host_capacity_source: str = "",
 ) -> Preflight:
     """Estimate this rank's memory and compare it with the capacities given (or probed).
 
     ``features``: the memory fields of a :class:`~dtensor_ulysses.train.TrainConfig`
     (``activation_checkpointing``, ``tiled_loss``, ...); ``headroom``: the fraction of the
-    capacity an estimate may use (None: :data:`HEADROOM`). When the run does not fit, ``problem``
-    holds a message with the estimate, the capacity and the smallest set of flags that fits (or
-    that none does, and by how much the best falls short).
+    capacity an estimate may use (None: :data:`HEADROOM`). When the run does not fit,
+    ``binding`` names the memory that does not (``"device"``, ``"host"`` or both; on CPU they
+    are one, reported as ``"device"``) and ``problem`` holds a message with that memory's
+    estimate, capacity and shortfall, and a fix that helps it: the smallest set of flags that
+    fits, or when the host binds the offload flags to drop (if the device then fits) or more
+    ranks, fewer ranks per node, a shorter sequence.
     """
+    host_source = host_capacity_source
     if device_cap is None and host_cap is None:
         device_cap, capacity_source = device_capacity(device_type)
-        host_cap = host_capacity()[0] if device_type == "cuda" else device_cap
+        if device_type == "cuda":
+            host_cap, host_source = host_capacity()
+        else:
+            host_cap = device_cap
     c = 2 if device_type == "cuda" else 4
     kw: dict[str, Any] = dict(seq_len=seq_len, batch_size=batch_size, dp=dp, sp=sp, compute_bytes=c)
     est = estimate_memory(shape, **kw, **features)
@@ -224,24 +240,50 @@ def check_fits(
             break
 
     need_dev, need_host = _need(est, device_type)
-    where = "device" if device_type == "cuda" else "memory"
-    lines = [
-        f"this run needs about {format_bytes(need_dev)} of {where} per rank "
-        f"({est.describe('device')}"
-        + (f"; host {est.describe('host')}" if device_type != "cuda" and est.host else "")
-        + f") but a rank has {format_bytes(device_cap or 0)} ({capacity_source}), of which "
-        f"a run may use {headroom:.0%} ({format_bytes((device_cap or 0) * headroom)}; "
-        f"--memory-headroom)"
-    ]
-    if device_type == "cuda" and host_cap is not None and need_host > host_cap:
-        lines[0] += (
-            f", and about {format_bytes(need_host)} of host memory per rank "
-            f"({est.describe('host')}) against {format_bytes(host_cap)}"
+    dev_over = device_cap is not None and need_dev > device_cap * headroom
+    host_over = device_type == "cuda" and host_cap is not None and need_host > host_cap * headroom
+    out.binding = "device and host" if dev_over and host_over else "host" if host_over else "device"
+    lines = []
+    if dev_over or not host_over:
+        where = "device memory" if device_type == "cuda" else "memory"
+        lines.append(
+            f"this run needs about {format_bytes(need_dev)} of {where} per rank "
+            f"({est.describe('device')}"
+            + (f"; host {est.describe('host')}" if device_type != "cuda" and est.host else "")
+            + f") but a rank has {format_bytes(device_cap or 0)} ({capacity_source}), of which "
+            f"a run may use {headroom:.0%} ({format_bytes((device_cap or 0) * headroom)}; "
+            f"--memory-headroom)"
+            + (
+                f" (the host fits: {format_bytes(need_host)} of "
+                f"{format_bytes(host_cap * headroom)})"
+                if device_type == "cuda" and host_cap is not None and not host_over
+                else ""
+            )
+        )
+    if host_over:
+        assert host_cap is not None
+        lines.append(
+            ("" if dev_over else "host memory is the limit: ")
+            + f"this run needs about {format_bytes(need_host)} of host memory per rank "
+            f"({est.describe('host')}) but a rank has {format_bytes(host_cap)} of host memory "
+            f"({host_source or 'host capacity'}), of which a run may use {headroom:.0%} "
+            f"({format_bytes(host_cap * headroom)}; --memory-headroom): "
+            f"{format_bytes(need_host - host_cap * headroom)} short"
+            + (
+                ""
+                if dev_over or device_cap is None
+                else f" (the device fits: {format_bytes(need_dev)} of "
+                f"{format_bytes(device_cap * headroom)})"
+            )
         )
     if best is not None:
         flags = " ".join(_flag(n) for n in best[2])
         out.suggestion = [_flag(n) for n in best[2]]
         lines.append(f"add {flags} (about {format_bytes(best[1])} per rank)")
+    elif host_over:
+        assert host_cap is not None
+        lines.append(_host_fix(shape, kw, features, est, device_type, device_cap, host_cap,
+                               headroom, dev_over, out))  # fmt: skip
     else:
         n_more = need_dev / max(1, (device_cap or 1) * headroom)
         floor = smallest[0] if smallest else need_dev
@@ -254,3 +296,49 @@ def check_fits(
     lines.append("or pass --allow-oversubscribe to start anyway")
     out.problem = "; ".join(lines)
     return out
+
+
+def _host_fix(
+    shape: ModelShape,
+    kw: dict[str, Any],
+    features: dict,
+    est: MemoryEstimate,
+    device_type: str,
+    device_cap: int | None,
+    host_cap: int,
+    headroom: float,
+    dev_over: bool,
+    out: Preflight,
+) -> str:
+    """What helps a run whose host memory binds: the offload flags to drop, when the device then
+    fits both; otherwise more ranks or fewer ranks per node (the host bytes per rank shrink with
+    ``dp * sp``; a node's memory is shared by its ranks), a shorter sequence or a smaller batch."""
+    on = [name for name, to_host in FEATURE_FLAGS if to_host and features.get(name)]
+    for k in range(1, len(on) + 1):
+        for combo in itertools.combinations(on, k):
+            f = dict(features, **{name: False for name in combo})
+            e = estimate_memory(shape, **kw, **f)
+            if _fits(e, device_type, device_cap, host_cap, headroom):
+                out.suggestion = [f"no {_flag(n)}" for n in combo]
+                return (
+                    f"drop {' '.join(_flag(n) for n in combo)} (about "
+                    f"{format_bytes(e.device_bytes)} of device and {format_bytes(e.host_bytes)} "
+                    f"of host per rank)"
+                )
+    n_host = est.host_bytes / max(1, host_cap * headroom)
+    per_token = "activation checkpoints" in est.host  # the only host bytes that grow with S
+    n_dev = est.device_bytes / max(1, (device_cap or 1) * headroom) if dev_over else 0.0
+    n_more = max(2, int(max(n_host, n_dev) + 0.999))
+    dropping = (
+        f"dropping {' '.join(_flag(n) for n in on)} (any of them) does not fit both memories; "
+        if on
+        else ""
+    )
+    return (
+        f"{dropping}the offloaded bytes per rank shrink with the ranks: use about {n_more}x the "
+        f"ranks on more nodes, or fewer ranks per node (a node's host memory is shared by its "
+        f"ranks), "
+        + ("a shorter --seq-len, a smaller --batch-size or " if per_token else "")
+        + "a smaller --model"
+        + ("" if dev_over else "; the memory flags that save device memory cannot help here")
+    )

@@ -26,11 +26,16 @@ def test_dry_run_executes_every_step_on_cpu(tmp_path):
     res = _run(tmp_path)
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
-    for step in ("env", "tests", "mfu", "long", "long8b", "a2a", "hf"):
+    for step in ("env", "tests", "mfu", "long", "long4b", "a2a", "hf"):
         assert f"== {step}\n" in res.stdout, log[-4000:]
     assert "!! failed" not in res.stdout
+    # the real shapes of the GPU steps, through the trainer's preflight on one H100
+    for step, shape in (("mfu", "llama3-1b S=8192"), ("long", "llama3-1b S=131072"),
+                        ("long4b", "qwen3-4b S=65536")):  # fmt: skip
+        assert f"== {step} preflight\npreflight {shape} on h100 + 120 GiB of host: " in res.stdout
+    assert "REFUSED" not in res.stdout
     for name, n_rows in (("bench_mfu_gpu.json", 2), ("bench_long_context_gpu.json", 1),
-                         ("bench_long_context_8b_gpu.json", 1)):  # fmt: skip
+                         ("bench_long_context_4b_gpu.json", 1)):  # fmt: skip
         rows = json.loads((tmp_path / name).read_text())["rows"]
         assert len(rows) == n_rows and all("error" not in r["measured"] for r in rows), name
     assert "flash_attn" in (tmp_path / "gpu_environment.txt").read_text()
@@ -55,6 +60,22 @@ def test_a_failing_step_inside_a_pipe_fails_the_script(tmp_path):
     assert "boom" in (tmp_path / "out" / "gpu_tests.txt").read_text()
     ok = _run(tmp_path / "ok", "env")
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_preflight_only_refuses_llama3_8b_on_one_gpu_with_128_gib_of_host(capsys):
+    """The check the dry run makes of the real shapes: llama3-8b's AdamW states, 16 bytes a
+    parameter (119.7 GiB), do not fit 90% of 128 GiB of host (the old long8b step); the row
+    says the host binds, and the rows that fail are reported."""
+    from benchmarks import bench_long_context as b
+
+    argv = ["--models", "llama3-8b", "qwen3-4b", "--features", "all", "--seq-lens", "32768",
+            "--preflight-only", "--gpu", "h100", "--host-memory", "128"]  # fmt: skip
+    result = b.main(argv)
+    eight, four = result["rows"]
+    assert not eight["fits"] and "host memory is the limit" in eight["error"], eight
+    assert eight["host_bytes"] > 119 * 2**30 and four["fits"], result
+    assert b.failed_rows(result) == [eight]
+    assert "REFUSED (host memory is the limit" in capsys.readouterr().out
 
 
 def test_bench_long_context_exits_nonzero_and_keeps_rows_when_a_row_fails(tmp_path):

@@ -122,6 +122,7 @@ def world2(assets):
             sp=2,
             args={"gradient_checkpointing": True},
             options={"head_chunks": 2},
+            capture_stdout=True,
         ),  # fmt: skip
         _spec(assets, "trainer", "tl2", sp=2, options=TILED, count_logit_rows=True, **EVAL),
         _spec(assets, "sft_packed", "tlp2", sp=2, options=TILED),
@@ -129,7 +130,10 @@ def world2(assets):
     names = ["trainer", "sft_chat", "sft_packed", "ga", "ckpt", "resume", "lora", "masked",
              "uneven", "sp3", "lora_ckpt", "lora_resume", "checkpointing", "tiled",
              "tiled_packed"]  # fmt: skip
-    return dict(zip(names, run_local_world(T.run_specs, 2, specs, timeout_s=400)[0]))
+    ranks = run_local_world(T.run_specs, 2, specs, timeout_s=400)
+    out = dict(zip(names, ranks[0]))
+    out["checkpointing_rank1"] = ranks[1][names.index("checkpointing")]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +293,19 @@ def test_heads_not_divisible_by_sp(world2, refs):
 
 
 @pytest.mark.timeout(600)
+def test_start_line_once_from_rank_0(world2):
+    """Construction prints one line from rank 0 that shows sequence parallelism is on: the
+    mesh, the kernel, the features (gradient_checkpointing turns on the per-layer checkpoints);
+    rank 1 prints nothing."""
+    [line] = world2["checkpointing"]["stdout"].splitlines()
+    assert line.startswith("with_ulysses: sequence parallelism on: mesh dp=1 x sp=2 (2 ranks, "
+                           "cpu), LlamaForCausalLM "), line  # fmt: skip
+    assert "attention kernel sdpa" in line and "torch.float32 compute" in line, line
+    assert line.endswith("features: activation checkpointing, head chunks 2"), line
+    assert world2["checkpointing_rank1"]["stdout"] == ""
+
+
+@pytest.mark.timeout(600)
 def test_sp_not_dividing_world(world2):
     assert "sp=3 does not divide the 2 ranks" in world2["sp3"]["error"]
 
@@ -426,3 +443,71 @@ def test_needs_distributed_launch(assets, tmp_path):
     m, a, data = _stock(assets, tmp_path)
     with pytest.raises(ValueError, match="needs a distributed launch: torchrun"):
         with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)
+
+
+def test_attention_dropout_refused_at_construction_with_the_fix(assets, tmp_path, monkeypatch):
+    """Attention dropout is refused when the trainer is built, once, with the fix: in the
+    config, on the attention modules alone (what the kernel would get in training), and for a
+    model TRL loads from its name, before it is loaded (from its config file)."""
+    import transformers as tf
+    import trl
+
+    from dtensor_ulysses.hf import UnsupportedModelError, with_ulysses
+
+    fix = r"set attention_dropout=0\.0 in the model config"
+    m, a, data = _stock(assets, tmp_path)
+    m.config.attention_dropout = 0.1
+    with pytest.raises(UnsupportedModelError, match=r"config\.attention_dropout=0\.1\): .*" + fix):
+        with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)
+    m.config.attention_dropout = 0.0
+    for layer in m.model.layers:  # the modules only: the config says 0
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(UnsupportedModelError, match=r"self_attn\.attention_dropout=0\.1 and 0 "
+                       "more|self_attn\\.attention_dropout=0\\.1\\): .*" + fix):  # fmt: skip
+        with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)
+
+    saved = tmp_path / "dropout_model"
+    m.config.attention_dropout = 0.1
+    m.save_pretrained(saved)
+    loads = []
+    monkeypatch.setattr(tf.PreTrainedModel, "from_pretrained",
+                        classmethod(lambda cls, *x, **k: loads.append(x) or 1 / 0))  # fmt: skip
+    tok = tf.AutoTokenizer.from_pretrained(assets["tok"])
+    sft = trl.SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[])
+    chats = T._data("sft_chat", tok)
+    with pytest.raises(UnsupportedModelError, match=r"has attention dropout \(attention_dropout"):
+        with_ulysses(trl.SFTTrainer, sp=2)(model=str(saved), args=sft, train_dataset=chats,
+                                           processing_class=tok)  # fmt: skip
+    assert loads == []  # refused before loading
+    sft.model_init_kwargs = {"attention_dropout": 0.0}  # the fix given to TRL's loading: passes
+    with pytest.raises(ZeroDivisionError):  # ... and reaches the (stubbed) loading
+        with_ulysses(trl.SFTTrainer, sp=2)(model=str(saved), args=sft, train_dataset=chats,
+                                           processing_class=tok)  # fmt: skip
+    assert len(loads) == 1
+
+
+@pytest.mark.timeout(180)
+def test_refusal_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """A refusal at construction under torchrun (2 ranks, sp=3): one ``error:`` line from
+    rank 0, no worker traceback, the reason in torchrun's failure summary, exit status 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "examples/sft_trl.py", "--sp", "3", "--steps", "1",
+           "--out", str(tmp_path)]  # fmt: skip
+    res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=170)
+    err = res.stderr
+    assert res.returncode != 0, err[-3000:]
+    # (rank 1's progress bars may share its line: they end with a carriage return)
+    assert err.count("error:") == 1 and ("error: sp=3 does not divide the 2 ranks; launch a "
+                                         "multiple of 3 ranks") in err, err[-3000:]  # fmt: skip
+    assert "hf/trainer.py" not in err and "UnsupportedTrainerError: sp=3" not in err.split(
+        "Root Cause")[0], err[-3000:]  # fmt: skip
+    assert "exitcode  : 2" in err and "sp=3 does not divide the 2 ranks" in err.split(
+        "Root Cause")[-1], err[-3000:]  # fmt: skip
+    assert "To enable traceback see" not in err.split("Root Cause")[-1], err[-3000:]

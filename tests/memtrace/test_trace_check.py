@@ -92,3 +92,27 @@ def test_real_cpu_step_peak_growth_matches_trace():
     )
     gpu_growth = int(_run(code).strip().splitlines()[-1])
     assert abs(rows[0]["real_growth_bytes"] / gpu_growth - 1) > 3 * trace_check.TOLERANCE
+
+
+def test_cli_find_max_bounded_by_host_memory_on_a_small_preset():
+    """``trace --find-max --host-memory`` on the real (traced) step of ``tiny`` with offloaded
+    activations: the host holds the ``L`` block inputs ``[s, D]`` in bf16, ``2 L D S / sp``
+    bytes, so with a budget of 0.01 GiB the longest length is the last grid point within it,
+    far below what the GPU fits, and the report says the host binds."""
+    from dtensor_ulysses.plan import get_shape
+
+    out = _run(
+        "from simulations.cli import main; import sys; sys.exit(main(['trace', '--model', "
+        "'tiny', '--sp', '2', '--offload-activations', '--find-max', '--host-memory', '0.01', "
+        "'--headroom', '1', '--json']))"
+    )
+    obj = json.loads(out)
+    m, sp, budget = get_shape("tiny"), 2, int(0.01 * 2**30)
+    g = obj["granularity"]
+    per_token = 2 * m.n_layers * m.dim // sp  # host bytes per token of the sequence
+    expect = budget // per_token // g * g
+    assert obj["max_seq_len"] == expect and obj["host_bytes"] == expect * per_token, obj
+    assert obj["binding"] == "host" and obj["host_capacity_bytes"] == budget
+    assert obj["fits"] and obj["device_peak_bytes"] < obj["capacity_bytes"] / 10  # far from it
+    over = [p for p in obj["probes"] if p["seq_len"] == expect + g]
+    assert over and over[0]["host_bytes"] > budget and over[0]["device_fits"], obj["probes"]

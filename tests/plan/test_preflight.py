@@ -108,3 +108,72 @@ def test_preflight_is_close_to_the_traced_step():
         offload_activations=True, head_chunks=4, offload_optimizer=True,
     )  # fmt: skip
     assert -0.10 <= est.device_bytes / traced - 1 <= 0.15, (est.device, traced)
+
+
+# the CUDA branch with given capacities: an 80 GB GPU's bytes, host per rank as given
+GPU_80GB = 80 * 10**9
+RECIPE = dict(activation_checkpointing=True, tiled_loss=True, tiled_mlp=True, head_chunks=4,
+              offload_activations=True, offload_optimizer=True)  # fmt: skip
+
+
+def _cuda(features, *, host_cap, device_cap=GPU_80GB, seq_len=4_194_304, **run):
+    run = dict(dict(batch_size=1, dp=1, sp=8), **run)
+    caps = dict(device_cap=device_cap, host_cap=host_cap, capacity_source="test GPU",
+                host_capacity_source="test host")  # fmt: skip
+    return check_fits(get_shape("llama3-8b"), device_type="cuda", features=features,
+                      seq_len=seq_len, **caps, **run)  # fmt: skip
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def test_preflight_on_cuda_names_the_host_when_the_host_binds():
+    """The 8x H100 recipe at 4M tokens with 64 GiB of host per rank: the device fits, the host
+    does not. The message names the host, its need, capacity and shortfall, says the device
+    fits, and suggests what shrinks host bytes (more ranks, fewer per node, a shorter sequence),
+    not a device flag; with the host it needs, the same run fits."""
+    host_cap = 64 * 2**30
+    res = _cuda(RECIPE, host_cap=host_cap)
+    need_host = res.estimate.host_bytes
+    assert need_host > 0.9 * host_cap and res.estimate.device_bytes < 0.9 * GPU_80GB  # premise
+    assert not res.fits and res.binding == "host", res.problem
+    msg = res.problem or ""
+    assert msg.startswith("host memory is the limit: this run needs about "
+                          f"{_gib(need_host)} of host memory per rank"), msg  # fmt: skip
+    assert "but a rank has 64.0 GiB of host memory (test host)" in msg, msg
+    assert f"{_gib(need_host - 0.9 * host_cap)} short" in msg, msg
+    assert "(the device fits: " in msg and "of device memory" not in msg, msg
+    assert "x the ranks on more nodes, or fewer ranks per node" in msg, msg
+    dropping = "dropping --offload-activations --offload-optimizer (any of them) does not fit"
+    assert f"{dropping} both memories" in msg, msg
+    assert res.suggestion == [] and "add --" not in msg, msg
+    assert _cuda(RECIPE, host_cap=int(need_host / 0.9) + 1).fits
+
+
+def test_preflight_on_cuda_host_bound_suggests_dropping_an_offload_that_the_device_holds():
+    """A short run with --offload-optimizer and 8 GiB of host per rank: the AdamW states and
+    master weights (16 bytes a parameter shard) do not fit the host, and the device holds them:
+    the fix is to drop --offload-optimizer, and the run without it fits."""
+    feats = dict(activation_checkpointing=True, offload_optimizer=True)
+    res = _cuda(feats, host_cap=8 * 2**30, seq_len=65536)
+    assert res.binding == "host" and res.suggestion == ["no --offload-optimizer"], res.problem
+    assert "drop --offload-optimizer (about " in (res.problem or ""), res.problem
+    assert _cuda(dict(feats, offload_optimizer=False), host_cap=8 * 2**30, seq_len=65536).fits
+
+
+def test_preflight_on_cuda_names_the_device_when_the_device_binds():
+    """No memory flags at 128K on 8 ranks, 512 GiB of host: the device binds; the message names
+    the device memory and says the host fits; the fix is a device flag (checkpointing)."""
+    res = _cuda({}, host_cap=512 * 2**30, seq_len=131072)
+    assert res.binding == "device" and res.suggestion == ["--activation-checkpointing"]
+    msg = res.problem or ""
+    assert msg.startswith(f"this run needs about {_gib(res.estimate.device_bytes)} of device "
+                          "memory per rank"), msg  # fmt: skip
+    assert "but a rank has 74.5 GiB (test GPU)" in msg and "(the host fits: " in msg, msg
+    assert "host memory is the limit" not in msg, msg
+    # both bound: both named, and the ranks suggested cover the larger shortfall
+    both = _cuda(RECIPE, host_cap=64 * 2**30, seq_len=12_000_000)
+    assert both.binding == "device and host", both.problem
+    assert "of device memory per rank" in (both.problem or "")
+    assert "of host memory per rank" in (both.problem or "")

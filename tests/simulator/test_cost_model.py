@@ -802,3 +802,61 @@ def test_trace_find_max_reports_the_length_within_the_headroom(monkeypatch, caps
     assert main([*args, "--headroom", "1"]) == 0
     assert "max_seq_len_with_headroom" not in json.loads(capsys.readouterr().out)
     assert main([*args, "--headroom", "0"]) == 2
+
+
+def test_trace_find_max_bounded_by_host_memory(monkeypatch, capsys):
+    """``trace --find-max --host-memory GIB`` (a stand-in linear trace, no torch): the longest
+    length fits both memories, the report says which binds, and without the host budget (or with
+    one that does not bind) the device length comes back, the device named as binding."""
+    from simulations import _trace
+    from simulations.cli import main
+    from simulations.hardware import get_gpu
+
+    cap = get_gpu("h100").usable_bytes
+
+    class Fake:
+        def __init__(self, s):
+            self.device_peak_bytes = 20 * 2**30 + 10_000 * s
+            self.host_bytes, self.traced_layers = 12 * 2**30 + 30_000 * s, (32,)
+
+        def to_dict(self):
+            phase = {"device_peak_bytes": self.device_peak_bytes, "by_category": {"other": 0}}
+            return {"device_peak_bytes": self.device_peak_bytes, "phases": {"backward": phase},
+                    "layers": 32, "traced_layers": [32], "peak_phase": "backward"}  # fmt: skip
+
+    monkeypatch.setattr(_trace, "trace", lambda case: Fake(case.seq_len))
+    args = ["trace", "--model", "llama3-8b", "--sp", "8", "--find-max", "--json"]
+    assert main(args) == 0
+    free = json.loads(capsys.readouterr().out)
+    g, dev_max = free["granularity"], free["max_seq_len"]
+    assert Fake(dev_max).device_peak_bytes <= cap < Fake(dev_max + g).device_peak_bytes
+    assert free["binding"] == "device" and "host_capacity_bytes" not in free
+
+    host = 64 * 2**30  # binds: at the device's longest length the host holds ~180 GiB
+    assert main([*args, "--host-memory", "64"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    best = obj["max_seq_len"]
+    assert best % g == 0 and best < dev_max
+    assert Fake(best).host_bytes <= host < Fake(best + g).host_bytes
+    assert obj["binding"] == "host" and obj["host_capacity_bytes"] == host
+    assert obj["host_bytes"] == Fake(best).host_bytes and obj["host_fits"] is True
+    assert all(p["fits"] == (p["host_bytes"] <= host and p["device_peak_bytes"] <= cap)
+               for p in obj["probes"])  # fmt: skip
+    # the headroom search keeps 10% of both, as the trainer's preflight does
+    within = obj["max_seq_len_with_headroom"]
+    assert Fake(within).host_bytes <= 0.9 * host < Fake(within + g).host_bytes
+    assert obj["binding_with_headroom"] == "host"
+
+    assert main([*args, "--host-memory", "4096"]) == 0  # more than the device's length needs
+    roomy = json.loads(capsys.readouterr().out)
+    assert roomy["max_seq_len"] == dev_max and roomy["binding"] == "device"
+
+    assert main([*args[:-1], "--host-memory", "64"]) == 0  # the text report names it too
+    text = capsys.readouterr().out
+    assert f"longest fitting sequence: {best:,}" in text and "host memory binds" in text, text
+    assert f"{within:,} (host binds)" in text, text
+    assert main([*args, "--host-memory", "0"]) == 2
+    assert "--host-memory 0.0 must be > 0" in capsys.readouterr().err
+    assert main(["trace", "--model", "llama3-8b", "--sp", "8", "--seq-len", "8192",
+                 "--host-memory", "64"]) == 2  # fmt: skip
+    assert "bounds the --find-max search" in capsys.readouterr().err
