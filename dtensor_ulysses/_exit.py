@@ -15,18 +15,22 @@
    fix, pytorch/pytorch#179291). Workers flush their streams and leave with ``os._exit``
    (:func:`exit_process`): nothing is lost, because results, metrics and checkpoints are written
    and closed before this point.
+4. Leave a note. A worker's torchelastic error file is what torchrun's failure summary shows
+   next to the rank (instead of "To enable traceback see ..."): :func:`write_rank_note`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["USAGE_ERROR_GRACE_S", "exit_process", "leave_together"]
+__all__ = ["USAGE_ERROR_GRACE_S", "exit_process", "leave_together", "write_rank_note"]
 
 USAGE_ERROR_GRACE_S = 30.0
 
@@ -55,3 +59,19 @@ def exit_process(code: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def write_rank_note(text: str) -> None:
+    """Write ``text`` as this worker's torchelastic error file, atomically (torchrun's failure
+    summary shows it next to the rank and its exit code or signal); nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = str(int(time.time()))
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": stamp}}}
+    with contextlib.suppress(OSError):
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(target)

@@ -86,7 +86,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from dtensor_ulysses._exit import exit_process, leave_together
+from dtensor_ulysses._exit import exit_process, leave_together, write_rank_note
 from dtensor_ulysses.data import IGNORE_INDEX
 from dtensor_ulysses.hf import _trainer_accel, _trainer_state
 from dtensor_ulysses.hf.batch import shard_batch
@@ -193,26 +193,10 @@ def _leave_refused(e: BaseException) -> None:
     (:func:`~dtensor_ulysses._exit.leave_together`); all leave with status 2."""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK") or 0)
     text = " ".join(str(e).split())
-    _write_error_file(f"{type(e).__name__}: {text}")
+    write_rank_note(f"{type(e).__name__}: {text}")
     if rank == 0:
         print(f"error: {text}", file=sys.stderr, flush=True)
     exit_process(leave_together(2, rank))
-
-
-def _write_error_file(text: str) -> None:
-    """``text`` as this worker's torchelastic error file (torchrun's failure summary shows it
-    instead of "To enable traceback see ..."); nothing outside torchrun."""
-    import contextlib
-    import json
-    import time
-
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    info = {"py_callstack": text, "timestamp": str(int(time.time()))}
-    with contextlib.suppress(OSError):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"message": {"message": text, "extraInfo": info}}))
 
 
 @_refusals_in_one_line

@@ -30,17 +30,16 @@ before step ``N`` (1-based), a real non-finite step through the model.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from dtensor_ulysses._exit import write_rank_note
 from dtensor_ulysses.train import checkpoint as ckpt
 from dtensor_ulysses.train.cli import TrainConfig, UsageError
 from dtensor_ulysses.train.metrics import _fmt_bytes
@@ -291,7 +290,7 @@ class GuardStop(Exception):
 
     def report(self, rank: int) -> None:
         """Rank 0 prints the message; every rank leaves it in its torchelastic error file."""
-        _write_rank_note(str(self))
+        write_rank_note(str(self))
         if rank == 0:
             print(f"{self.prefix}: {self}", file=sys.stderr, flush=True)
 
@@ -420,29 +419,13 @@ class RunGuard:
 
     def heartbeat(self, record: dict) -> None:
         """Keep this rank's last step and peak memory where torchrun reports a dead worker."""
-        _write_rank_note(
+        write_rank_note(
             f"rank {self.rank} (pid {os.getpid()}) had finished step {record['step']} of "
             f"{self.cfg.steps}, peak memory {_fmt_bytes(record['peak_mem_bytes'])}; a rank "
             f"ended by a signal leaves no message of its own (SIGKILL: often the kernel's "
             f"out-of-memory killer, see `dmesg`; lower the memory per rank, see "
             f"--memory-headroom)"
         )
-
-
-def _write_rank_note(text: str) -> None:
-    """Write ``text`` as this worker's torchelastic error file (shown by torchrun's failure
-    summary next to the rank and its exit code or signal); nothing outside torchrun."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    stamp = str(int(time.time()))
-    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": stamp}}}
-    with contextlib.suppress(OSError):
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(target)
 
 
 def clear_rank_note() -> None:
@@ -456,7 +439,7 @@ def clear_rank_note() -> None:
 def note_building(rank: int, steps: int) -> None:
     """Leave the note of a rank that has not finished a step yet (building the model, loading
     a checkpoint, or inside step 1), replaced by :meth:`RunGuard.heartbeat` after each step."""
-    _write_rank_note(
+    write_rank_note(
         f"rank {rank} (pid {os.getpid()}) had not finished step 1 of {steps} (it was building "
         f"the model, loading data or a checkpoint, or running step 1); a rank ended by a signal "
         f"leaves no message of its own (SIGKILL: often the kernel's out-of-memory killer, see "
@@ -466,7 +449,7 @@ def note_building(rank: int, steps: int) -> None:
 
 def note_refusal(message: str) -> None:
     """Leave a refusal's reason where torchrun's failure summary shows it."""
-    _write_rank_note(f"error: {message}")
+    write_rank_note(f"error: {message}")
 
 
 def record_exit_status(code: int, rank: int) -> None:
