@@ -345,7 +345,8 @@ def test_attention_dropout_refused(assets, tmp_path):
     from dtensor_ulysses.hf import UnsupportedModelError, with_ulysses
 
     m, a, data = _stock(assets, tmp_path, model="llama_dropout")
-    with pytest.raises(UnsupportedModelError, match=r"attention dropout \(attention_dropout=0.1"):
+    refusal = r"has attention dropout \(config\.attention_dropout=0\.1"
+    with pytest.raises(UnsupportedModelError, match=refusal):
         with_ulysses(tf.Trainer, sp=2)(model=m, args=a, train_dataset=data)
 
 
