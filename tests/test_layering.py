@@ -41,7 +41,7 @@ MEASUREMENT_MODULES = {
 # only from itself and from units of lower layers. The root's private helpers serve every layer;
 # the root __init__ (the lazy ``du.*`` facade) sits under the tools that use it.
 LAYERS: list[set[str]] = [
-    {"_torch_private", "_exit", "_public", "_file_modes"},
+    {"_torch_private", "_exit", "_public", "_file_modes", "_safe_pickle"},
     {"plan"},  # torch-free: splits, presets, hardware, preflight (the simulator imports only this)
     {"comm", "memory", "debug"},
     {"attention", "data"},

@@ -2,26 +2,35 @@
 
 A checkpoint is a directory ``step_00000042/`` holding the sharded model and optimizer state
 (DCP: each rank writes its own shards, any (dp, sp) can load them), ``trainer.pt`` (scheduler,
-step, config) and ``rng_rank{r}.pt`` (each rank's RNG state). It is written to ``*.tmp`` and
-renamed when every rank has finished, so a run killed mid-save leaves the previous checkpoint as
-the newest one.
+step, config), ``rng_rank{r}.pt`` (each rank's RNG state) and, written last,
+``manifest.json`` (:mod:`~dtensor_ulysses.train.manifest`: every file's size and CRC-32s). It
+is written to ``*.tmp`` and renamed when every rank has finished, so a run killed mid-save
+leaves the previous checkpoint as the newest one.
 
 Loading a checkpoint never runs code from it (checkpoints are shared between people and
-machines): ``trainer.pt`` and ``rng_rank*.pt`` hold only numbers, strings, lists, dicts and
-tensors, read with ``torch.load(weights_only=True)``; DCP's ``.metadata`` (a plain pickle, which
-DCP reads with ``pickle.load``) is first read by :func:`read_dcp_metadata`, an unpickler that
-admits only DCP's own metadata types and the few torch and stdlib types they hold; the small
-non-tensor items in the ``.distcp`` files (DCP loads them with ``weights_only=False``) are
-loaded with ``weights_only=True`` (:class:`_SafeLoadPlanner`). A file that fails any of these is
-damaged, like a truncated one: ``--resume`` falls back to an older intact checkpoint. Checkpoints
-of earlier versions hold the same kinds of data and are read the same safe way.
+machines). Every file a resume reads, and how:
 
-Damage after the fact (a truncated or overwritten file, a disk that filled up) is found before
-anything is built: :func:`verify` checks that ``.metadata`` loads, that every file it names exists
-and holds every item it points into, and that ``trainer.pt`` and the RNG files load and agree
-with the directory's step. :func:`select_resume` picks the newest checkpoint that passes, and
-reports the damaged ones it skipped. ``keep_last`` (:func:`save`) deletes older checkpoints only
-once the new one is complete (renamed into place).
+* ``.metadata`` (a plain pickle, which DCP itself would read with ``pickle.load``): by
+  :func:`read_dcp_metadata`, an unpickler that admits only an explicit set of classes by exact
+  module and name (:data:`ADMITTED`; ``dtensor_ulysses._safe_pickle``), both when it is checked
+  and when DCP loads (:class:`_SafeReader` replaces DCP's reader);
+* the ``.distcp`` files: their tensors are read by DCP with ``torch.load(weights_only=True)``;
+  their non-tensor items (DCP reads them with ``weights_only=False``) with
+  ``weights_only=True`` (:class:`_SafeLoadPlanner`);
+* ``trainer.pt`` and ``rng_rank*.pt``: ``torch.load(weights_only=True)`` (numbers, strings,
+  lists, dicts and tensors only);
+* ``manifest.json``: JSON.
+
+A file that fails any of these is damaged, like a truncated one. Damage after the fact is found
+before anything is loaded: :func:`verify` (each process, before the model is built) checks that
+``.metadata`` loads, that every file it names exists and holds every item it points into, that
+``trainer.pt`` and the RNG files load and agree with the directory's step, and that the files
+and their sizes are the manifest's; :func:`load` then checks every byte against the manifest
+(the ranks share the reading) before DCP reads anything, and treats any failure while loading
+(DCP's ``CheckpointException`` included, a ``BaseException``) as damage on every rank alike
+(:class:`DamagedCheckpoint`). :func:`select_resume` picks the newest checkpoint that passes
+:func:`verify`, and reports the damaged ones it skipped. ``keep_last`` (:func:`save`) deletes
+older checkpoints only once the new one is complete (renamed into place).
 """
 
 from __future__ import annotations
@@ -41,9 +50,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from dtensor_ulysses._safe_pickle import SafeUnpickler, UnsafePickle
+from dtensor_ulysses.train import manifest
+
 __all__ = [
+    "ADMITTED",
+    "DamagedCheckpoint",
     "ENOSPC_HOOK_ENV",
     "EXIT_CHECKPOINT_FAILED",
     "CheckpointWriteError",
@@ -142,17 +157,33 @@ def save(
     if dist.is_initialized() and dist.get_world_size() > 1:  # every rank learns of a failure
         whys = [None] * dist.get_world_size()
         dist.all_gather_object(whys, why)
-    failed = [(r, w) for r, w in enumerate(whys) if w is not None]
-    if failed:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
-        rank, why = failed[0]
-        where = f"rank {rank}: " if len(whys) > 1 else ""
-        raise CheckpointWriteError(step, final, where + why)
+    _raise_if_failed(whys, step, final, tmp)
+    # the manifest, last: each rank checksums its share of the files, rank 0 writes it
+    why, entries = None, {}
+    rank, world = _rank(), _world()
+    try:
+        entries = manifest.checksum(tmp, manifest.files_of(tmp)[rank::world])
+    except OSError as e:
+        why = _write_failure(e)
+    gathered = [(why, entries)]
+    if world > 1:
+        gathered = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(gathered, (why, entries))
+    whys = [w for w, _ in gathered]
+    _raise_if_failed(whys, step, final, tmp)
+    why = None
     if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        try:
+            manifest.write(tmp, {k: v for _, part in gathered for k, v in part.items()})
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        except OSError as e:
+            why = _write_failure(e)
+    whys = [why]
+    if world > 1:
+        dist.broadcast_object_list(whys, src=0)
+    _raise_if_failed([whys[0]], step, final, tmp)
+    if _rank() == 0:
         if keep_last is not None:
             prune(ckpt_dir, keep_last)
         if announce:
@@ -166,12 +197,39 @@ def save(
     return final
 
 
-class UnsafeCheckpoint(pickle.UnpicklingError):
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _raise_if_failed(whys: list, step: int, final: Path, tmp: Path) -> None:
+    """Every rank raises the same :class:`CheckpointWriteError` when any rank failed."""
+    failed = [(r, w) for r, w in enumerate(whys) if w is not None]
+    if not failed:
+        return
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    rank, why = failed[0]
+    where = f"rank {rank}: " if len(whys) > 1 else ""
+    raise CheckpointWriteError(step, final, where + why)
+
+
+class UnsafeCheckpoint(UnsafePickle):
     """A checkpoint file asks to load something other than plain data (code could run)."""
 
 
+class DamagedCheckpoint(Exception):
+    """A checkpoint failed while it was being loaded (on any rank; every rank raises it)."""
+
+
+# DCP's metadata and what it holds, by exact module and qualified name: the only globals a
+# .metadata file may name (torch's dtypes are admitted as the exact objects, see _CONSTANTS)
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_ADMITTED = {
+ADMITTED: frozenset[tuple[str, str]] = frozenset({
+    *((_DCP_METADATA_MODULE, name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a lookup of torch's layouts by name
@@ -181,39 +239,80 @@ _ADMITTED = {
     ("pathlib", "WindowsPath"),
     ("pathlib", "PurePosixPath"),
     ("pathlib", "PureWindowsPath"),
-}
+})  # fmt: skip
+# TensorProperties.__setstate__ only unpacks a tuple into attributes (its memory format from
+# the enum above)
+_SETSTATE_OK = frozenset({(_DCP_METADATA_MODULE, "TensorProperties")})
+_CONSTANTS = {("torch", k): v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata classes, torch's dtypes and the names in :data:`_ADMITTED`."""
+def _pathlib_fix() -> frozenset[tuple[str, str]]:
+    """pathlib's classes live in ``pathlib._local`` on Python >= 3.13 but pickle as
+    ``pathlib.X``; admit each under the module its ``__module__`` names too."""
+    import pathlib
+
+    out = set()
+    for module, name in ADMITTED:
+        if module == "pathlib":
+            cls = getattr(pathlib, name, None)
+            if cls is not None and cls.__module__ != "pathlib":
+                out.add((cls.__module__, name))
+    return frozenset(out)
+
+
+class _MetadataUnpickler(SafeUnpickler):
+    """Admits exactly :data:`ADMITTED` (and torch's dtypes)."""
+
+    def __init__(self, file) -> None:
+        super().__init__(
+            file, ADMITTED | _pathlib_fix(), constants=_CONSTANTS, setstate_ok=_SETSTATE_OK
+        )
 
     def find_class(self, module: str, name: str) -> Any:
-        obj = None
-        if module == _DCP_METADATA_MODULE or (module, name) in _ADMITTED:
-            obj = super().find_class(module, name)
-            if module == _DCP_METADATA_MODULE and not isinstance(obj, type):
-                obj = None
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            obj = getattr(torch, name)
-        if obj is None:
-            raise UnsafeCheckpoint(f"it names {module}.{name}, which is not checkpoint metadata")
-        return obj
+        if module == "pathlib" and (module, name) in ADMITTED:
+            import pathlib
+
+            cls = vars(pathlib).get(name)
+            if isinstance(cls, type) and (cls.__module__, name) in self._admitted:
+                module = cls.__module__  # resolved and checked under its own module
+        try:
+            return super().find_class(module, name)
+        except UnsafePickle as e:
+            raise UnsafeCheckpoint(f"{e}, and a checkpoint's metadata never names it") from None
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> Any:
-    """DCP's ``Metadata`` of the checkpoint at ``path``, unpickled with only DCP's metadata
-    types admitted (plain ``pickle.load``, DCP's own reader, would run any code in the file).
+    """DCP's ``Metadata`` of the checkpoint at ``path``, unpickled with only :data:`ADMITTED`
+    (plain ``pickle.load``, DCP's own reader, would run any code in the file).
 
     Raises:
-        UnsafeCheckpoint: the file names another class or function.
+        UnsafeCheckpoint: the file names or calls anything else.
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
     with open(Path(path) / ".metadata", "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
+        try:
+            metadata = _MetadataUnpickler(f).load()
+        except UnsafeCheckpoint:
+            raise
+        except UnsafePickle as e:
+            raise UnsafeCheckpoint(str(e)) from None
+    if type(metadata) is not Metadata:
         raise UnsafeCheckpoint(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
     return metadata
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` with :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
 
 
 def _load_plain(file: Path) -> Any:
@@ -296,8 +395,9 @@ def verify(path: str | os.PathLike) -> str | None:
     Checks, without loading any tensor: ``.metadata`` loads; every file it names exists and is
     long enough for every item stored in it, and each item starts like a ``torch.save`` archive;
     ``trainer.pt`` loads as plain data, with a ``step`` equal to the directory's, a scheduler
-    state and the run's metadata; every ``rng_rank*.pt`` loads as plain data. Fast: reads the
-    small files and a few bytes per item.
+    state and the run's metadata; every ``rng_rank*.pt`` loads as plain data; the files and
+    their sizes are those of ``manifest.json`` when there is one. Fast: reads the small files
+    and a few bytes per item (:func:`load` checks every byte).
     """
     path = Path(path)
     if not path.is_dir():
@@ -349,6 +449,12 @@ def verify(path: str | os.PathLike) -> str | None:
                 return f"{rng.name} does not hold an RNG state"
         except Exception as e:
             return f"{rng.name} cannot be read ({type(e).__name__}: {_short(e)})"
+    try:
+        files = manifest.read(path)
+    except ValueError as e:
+        return str(e)
+    if files is not None:  # the files and their sizes (the bytes: in load(), on every rank)
+        return manifest.check(path, files, checksums=False)
     return None
 
 
@@ -357,12 +463,16 @@ def _short(e: BaseException) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def select_resume(ckpt_dir: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+def select_resume(
+    ckpt_dir: str | os.PathLike, *, older_than: Path | None = None
+) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest intact checkpoint in ``ckpt_dir`` (or None), and the newer ones that are
     damaged, each with what is wrong (newest first). Incomplete ``*.tmp`` directories are not
-    checkpoints and are ignored."""
+    checkpoints and are ignored; ``older_than``: only checkpoints older than that one."""
     damaged: list[tuple[Path, str]] = []
     for p in _step_dirs(Path(ckpt_dir)):
+        if older_than is not None and p.name >= Path(older_than).name:
+            continue
         problem = verify(p)
         if problem is None:
             return p, damaged
@@ -383,21 +493,67 @@ def load(
 ) -> dict:
     """Load a checkpoint into ``model``, ``optimizer``, ``scheduler`` in place; return trainer data.
 
-    The caller checks the metadata (model shape) first: see :func:`read_meta`.
+    Call on every rank. First every byte is checked against ``manifest.json`` (each rank its
+    share of the files), then the small files are read, then DCP loads the tensors through
+    :class:`_SafeReader` and :class:`_SafeLoadPlanner`. The caller checks the metadata (model
+    shape) first: see :func:`read_meta`.
+
+    Raises:
+        DamagedCheckpoint: on every rank alike, when any step failed on any rank (a checksum
+            mismatch, a file that does not load, DCP's ``CheckpointException``); the model and
+            optimizer may then hold part of it, the scheduler and RNG are untouched.
     """
-    trainer = read_meta(path)
-    read_dcp_metadata(path)  # refuses a .metadata that names anything but DCP's types
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # loaded in place
-    dcp.load(state, checkpoint_id=str(path), planner=_SafeLoadPlanner())
+    problem = None
+    try:
+        files = manifest.read(path)
+        if files is not None:
+            problem = manifest.check(path, files, rank=_rank(), world=_world())
+        if problem is None:
+            trainer = read_meta(path)
+            read_dcp_metadata(path)  # refuses a .metadata that names anything but ADMITTED
+            rng_file = path / f"rng_rank{_rank()}.pt"
+            rng = _load_plain(rng_file) if rng_file.is_file() else None
+    except Exception as e:
+        problem = _failure(e)
+    _agree(problem)
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # loaded in place
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        problem = _failure(e)
+    _agree(problem)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     scheduler.load_state_dict(trainer["scheduler"])
-    rng = path / f"rng_rank{_rank()}.pt"
-    if rng.is_file():
-        _set_rng_state(_load_plain(rng))
+    if rng is not None:
+        _set_rng_state(rng)
     return trainer
+
+
+def _failure(e: BaseException) -> str:
+    """A load failure in a few words (the first failure inside DCP's, with its rank)."""
+    if isinstance(e, CheckpointException):
+        failures = sorted(e.failures.items())
+        if failures:
+            rank, (inner, _) = failures[0][0], failures[0][1]
+            return f"rank {rank}: {type(inner).__name__}: {_short(inner)}"
+    return f"{type(e).__name__}: {_short(e)}"
+
+
+def _agree(problem: str | None) -> None:
+    """Raise :class:`DamagedCheckpoint` on every rank when ``problem`` is set on any."""
+    problems = [problem]
+    if _world() > 1:
+        problems = [None] * _world()
+        dist.all_gather_object(problems, problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        rank, what = failed[0]
+        if len(problems) > 1 and not what.startswith("rank "):
+            what = f"rank {rank}: {what}"
+        raise DamagedCheckpoint(what)
 
 
 def _rng_state() -> dict:

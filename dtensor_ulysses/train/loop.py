@@ -83,7 +83,7 @@ from dtensor_ulysses.train.guard import (
     record_exit_status,
 )
 from dtensor_ulysses.train.metrics import StepLogger, truncate_after
-from dtensor_ulysses.train.resume import checkpoint_meta, save_checkpoint
+from dtensor_ulysses.train.resume import checkpoint_meta, load_checkpoint, save_checkpoint
 from dtensor_ulysses.train.spec import make_optimizer, model_spec
 
 __all__ = [
@@ -224,13 +224,8 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
             path = ckpt.select_resume(cfg.checkpoint_dir)[0]
         if path is None:
             raise UsageError(f"--resume: no intact checkpoint in {cfg.checkpoint_dir!r}")
-        try:
-            start = ckpt.load(path, model, optimizer, scheduler)["step"]
-        except Exception as e:  # damage that verify() cannot see (e.g. bytes overwritten)
-            raise UsageError(
-                f"--resume: checkpoint {path} cannot be loaded ({type(e).__name__}: "
-                f"{' '.join(str(e).split())[:200]}); move it aside to resume from an older one"
-            ) from None
+        # damage that verify() cannot see (bytes changed, DCP failing): an older one instead
+        start, path = load_checkpoint(cfg, path, model, optimizer, scheduler)
     name, n_params, flops_per_token = spec.describe(cfg, model)
     if rank == 0:
         print(

@@ -13,8 +13,15 @@ from dtensor_ulysses.plan.presets import get_shape
 from dtensor_ulysses.train import checkpoint as ckpt
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, _warn
 from dtensor_ulysses.train.inputs import hf_dir, run_tokenizer
+from dtensor_ulysses.train.manifest import MANIFEST
 
-__all__ = ["check_resumable", "checkpoint_meta", "save_checkpoint", "select_checkpoint"]
+__all__ = [
+    "check_resumable",
+    "checkpoint_meta",
+    "load_checkpoint",
+    "save_checkpoint",
+    "select_checkpoint",
+]
 
 
 def select_checkpoint(ckpt_dir: str) -> Path:
@@ -36,6 +43,37 @@ def select_checkpoint(ckpt_dir: str) -> Path:
     for bad, problem in damaged:
         _warn(f"checkpoint {bad} is damaged ({problem}); resuming from {path} instead")
     return path
+
+
+def load_checkpoint(cfg: TrainConfig, path: Path, model, optimizer, scheduler) -> tuple[int, Path]:
+    """Load ``path`` (validate()'s choice) on every rank, or, when it turns out damaged while
+    loading (a checksum mismatch, a failure inside DCP), the newest older intact one: one
+    ``warning:`` line per damaged checkpoint. Returns ``(step, the checkpoint loaded)``.
+
+    Raises:
+        UsageError: no intact checkpoint is left (one ``error:`` line).
+    """
+    assert cfg.checkpoint_dir is not None
+    while True:
+        if not (path / MANIFEST).is_file():
+            _warn(
+                f"checkpoint {path} has no {MANIFEST} (written by an earlier version): its "
+                f"bytes cannot be checked before loading"
+            )
+        try:
+            return int(ckpt.load(path, model, optimizer, scheduler)["step"]), path
+        except ckpt.DamagedCheckpoint as e:
+            older, skipped = ckpt.select_resume(cfg.checkpoint_dir, older_than=path)
+            if older is None:
+                raise UsageError(
+                    f"--resume: checkpoint {path} is damaged ({e}) and no older intact "
+                    f"checkpoint is left in {cfg.checkpoint_dir!r}. Restore it from a copy, "
+                    f"or delete the damaged directories to start over without --resume"
+                ) from None
+            _warn(f"checkpoint {path} is damaged ({e}); resuming from {older} instead")
+            for bad, problem in skipped:
+                _warn(f"checkpoint {bad} is damaged ({problem}); resuming from {older} instead")
+            path = older
 
 
 def checkpoint_meta(cfg: TrainConfig) -> dict:

@@ -280,6 +280,13 @@ def test_a_full_disk_while_checkpointing_gives_one_error_and_resumes(tmp_path):
     assert "dtensor_ulysses/" not in none.stderr, none.stderr[-2000:]
 
 
+def _reseal(step_dir: Path) -> None:
+    """Rewrite the checkpoint's manifest to match its files as they are now."""
+    from dtensor_ulysses.train import manifest
+
+    manifest.write(step_dir, manifest.checksum(step_dir, manifest.files_of(step_dir)))
+
+
 class _Payload:
     """Unpickling this runs ``os.makedirs(marker)``: what a planted payload would do."""
 
@@ -317,6 +324,7 @@ def test_a_payload_planted_in_a_checkpoint_never_runs(tmp_path, capsys):
             metadata = ckpt.read_dcp_metadata(bad)
             metadata.planner_data = _Payload(marker)
             (bad / name).write_bytes(pickle.dumps(metadata))
+        _reseal(bad)  # a planted file comes with a matching manifest (a CRC is no signature)
         problem = ckpt.verify(bad)
         assert problem is not None and problem.startswith(name), (name, problem)
         assert "os.makedirs" in problem or "makedirs" in problem, (name, problem)
@@ -326,7 +334,7 @@ def test_a_payload_planted_in_a_checkpoint_never_runs(tmp_path, capsys):
         model = build_model("tiny", device="cpu")
         opt = torch.optim.AdamW(model.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        with pytest.raises(ckpt.UnsafeCheckpoint):
+        with pytest.raises(ckpt.DamagedCheckpoint, match="makedirs"):
             ckpt.load(bad, model, opt, sched)
         assert ckpt.load(root / "step_00000007", model, opt, sched)["step"] == 7
         assert not marker.exists(), f"the payload in {name} ran"
