@@ -16,7 +16,11 @@ While training (called by the loop, every rank alike):
 * :func:`catch_stop_signals`: SIGTERM and SIGUSR1 (what SLURM and Kubernetes send before
   killing a job) only set a flag; :meth:`RunGuard.stop_requested` all-reduces it at each step
   boundary, so every rank stops after the same step, writes the checkpoint and leaves with
-  :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again, with ``--resume``);
+  :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again, with ``--resume``). Under a launcher
+  (torchrun) it also starts a watcher thread that raises the same flag when the launcher is
+  gone (this worker's parent process changed: plain ``torchrun`` ended at once by SIGUSR1, which
+  it does not handle, or SIGKILLed by the OOM killer), so its workers stop the same way instead
+  of training on, orphaned; on other nodes the all-reduce stops the ranks whose launcher lives;
 * :meth:`RunGuard.check_finite`: a non-finite loss or gradient norm stops the run at that step
   with :data:`EXIT_NONFINITE` (3), naming the newest intact checkpoint and how to resume;
 * :meth:`RunGuard.heartbeat`: under torchrun, each rank keeps its last step and peak memory in
@@ -36,6 +40,8 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +54,7 @@ from dtensor_ulysses.train.resume import check_resumable
 __all__ = [
     "EXIT_NONFINITE",
     "EXIT_PREEMPTED",
+    "LAUNCHER_GONE",
     "NAN_HOOK_ENV",
     "SINGLE_PROCESS_ENV",
     "GuardStop",
@@ -254,10 +261,42 @@ def prepare_cuda_allocator(cfg: TrainConfig) -> TrainConfig:
 # ----------------------------------------------------------------------------------------------
 _received: list[str] = []  # names of the stop signals received while catch_stop_signals is on
 _depth: list[int] = []  # nesting of catch_stop_signals
+LAUNCHER_GONE = "launcher gone"  # in _received: this worker's launcher (its parent) died
+_LAUNCHER_GONE_CODE = 256  # above every signal number, so it wins the all-reduce
+LAUNCHER_POLL_S = 0.5
+_watching: list[threading.Thread] = []
 
 
 def _on_stop_signal(signum, frame) -> None:
     _received.append(signal.Signals(signum).name)
+
+
+def _code(name: str) -> int:
+    return _LAUNCHER_GONE_CODE if name == LAUNCHER_GONE else int(signal.Signals[name])
+
+
+def _name(code: int) -> str:
+    return LAUNCHER_GONE if code == _LAUNCHER_GONE_CODE else signal.Signals(code).name
+
+
+def _watch_launcher() -> None:
+    """Under torchrun (not a single process): start, once, a daemon thread that adds
+    :data:`LAUNCHER_GONE` to the received stop signals when this process's parent changes."""
+    if _watching or "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get(SINGLE_PROCESS_ENV):
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(LAUNCHER_POLL_S)
+            if os.getppid() != parent:
+                if _depth and LAUNCHER_GONE not in _received:
+                    _received.append(LAUNCHER_GONE)
+                return
+
+    thread = threading.Thread(target=watch, name="du-launcher-watch", daemon=True)
+    thread.start()
+    _watching.append(thread)
 
 
 @contextlib.contextmanager
@@ -268,6 +307,7 @@ def catch_stop_signals() -> Iterator[None]:
     if not _depth:  # a nested use (main's, then train's) keeps what was received before
         _received.clear()
     _depth.append(1)
+    _watch_launcher()
     try:
         for name in STOP_SIGNALS:
             sig = getattr(signal, name, None)
@@ -396,24 +436,29 @@ class RunGuard:
         import torch
         import torch.distributed as dist
 
-        local = int(signal.Signals[_received[0]]) if _received else 0
+        local = _code(_received[0]) if _received else 0
         if dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([local], dtype=torch.int32, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             local = int(flag.item())
-        self.stop_signal = signal.Signals(local).name if local else None
+        self.stop_signal = _name(local) if local else None
         return local > 0
 
     def preempted(self, step: int) -> Preempted:
         """The stop after ``step``, its checkpoint written (when the run checkpoints)."""
-        what = self.stop_signal or "a stop signal"
+        what = f"{self.stop_signal or 'a stop signal'} received"
+        if self.stop_signal == LAUNCHER_GONE:
+            what = (
+                "a rank's launcher (torchrun) is gone (ended by a signal it does not handle, "
+                "such as SIGUSR1, or SIGKILLed)"
+            )
         if self.cfg.checkpoint_dir:
             where = Path(self.cfg.checkpoint_dir) / f"step_{step:08d}"
             saved = f"checkpoint {where} written; continue with the same command plus --resume"
         else:
             saved = "no --checkpoint-dir, so nothing was saved"
         return Preempted(
-            f"{what} received: stopped after step {step} of {self.cfg.steps}; {saved} "
+            f"{what}: stopped after step {step} of {self.cfg.steps}; {saved} "
             f"(exit status {EXIT_PREEMPTED})"
         )
 
