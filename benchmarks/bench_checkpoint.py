@@ -38,8 +38,8 @@ from dtensor_ulysses.train import manifest
 
 
 def _model(gib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
-    width = 2048
     params = int(gib * 2**30 / 12)  # weights + two AdamW moments, fp32
+    width = min(2048, int((params / 4) ** 0.5))  # at least 4 layers
     layers = max(1, round(params / (width * width)))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
