@@ -275,10 +275,7 @@ class _MetadataUnpickler(SafeUnpickler):
             cls = vars(pathlib).get(name)
             if isinstance(cls, type) and (cls.__module__, name) in self._admitted:
                 module = cls.__module__  # resolved and checked under its own module
-        try:
-            return super().find_class(module, name)
-        except UnsafePickle as e:
-            raise UnsafeCheckpoint(f"{e}, and a checkpoint's metadata never names it") from None
+        return super().find_class(module, name)
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> Any:
