@@ -35,19 +35,21 @@ __all__ = ["USAGE_ERROR_GRACE_S", "exit_process", "leave_together", "write_rank_
 USAGE_ERROR_GRACE_S = 30.0
 
 
-def leave_together(code: int, rank: int) -> int:
+def leave_together(code: int, rank: int, *, grace: bool = True) -> int:
     """Tear down the process group for an exit with status ``code``; returns ``code``.
 
     ``0``: all ranks pass one barrier, then destroy the group. ``2`` (usage error): ranks other
-    than 0 wait :data:`USAGE_ERROR_GRACE_S` so rank 0's message is printed first. Anything else
-    (a failure, whose traceback is already printed): no barrier, since peers may never reach it.
+    than 0 wait :data:`USAGE_ERROR_GRACE_S` so rank 0's message is printed first, unless
+    ``grace`` is False (the launcher already asked this rank to stop: rank 0 has left, and a
+    wait would only end in the launcher's SIGKILL). Anything else (a failure, whose traceback is
+    already printed): no barrier, since peers may never reach it.
     """
     if dist.is_initialized():
         if code == 0:
             dist.barrier()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    if code == 2 and rank != 0:
+    if code == 2 and rank != 0 and grace:
         time.sleep(USAGE_ERROR_GRACE_S)
     return code
 

@@ -16,7 +16,10 @@ its whole process group:
   through this process, which forwards SIGTERM, SIGUSR1, SIGINT and SIGHUP; if this process
   is killed, torchrun gets SIGTERM (Linux);
 * the exit status is the workers' own when they agree (75: pre-empted, checkpointed; 2: bad
-  input; 3: a non-finite step), where torchrun alone would exit 1 for all of them.
+  input; 3: a non-finite step), where torchrun alone would exit 1 for all of them;
+* a second Ctrl-C (SIGINT at least :data:`ESCALATE_AFTER_S` after the first) does not wait
+  for the checkpoint: it says so and kills torchrun and every worker at once (SIGKILL); the
+  newest complete checkpoint is kept.
 
 :func:`run_local_world` is for code that wants a small CPU world
 from inside Python — a test, a notebook cell, ``python -m simulations validate`` — and wants each
@@ -53,11 +56,34 @@ import torch.multiprocessing as mp
 
 from dtensor_ulysses._exit import exit_process
 
-__all__ = ["EXIT_DIR_ENV", "FORWARDED_SIGNALS", "SHUTDOWN_TIMEOUT_S", "main", "run_local_world"]
+__all__ = [
+    "ESCALATE_AFTER_S",
+    "EXIT_DIR_ENV",
+    "FORWARDED_SIGNALS",
+    "SHUTDOWN_TIMEOUT_S",
+    "main",
+    "run_local_world",
+]
 
 EXIT_DIR_ENV = "DTENSOR_ULYSSES_EXIT_DIR"  # where each worker leaves its exit status (rank{r})
 FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
 SHUTDOWN_TIMEOUT_S = 600  # torchrun's wait for its workers after a signal (its default: 30)
+ESCALATE_AFTER_S = 1.0  # a second SIGINT this long after the first kills (closer: one press)
+_HELP = """usage: python -m dtensor_ulysses.launch [torchrun options] -m dtensor_ulysses.train
+           [trainer options]
+
+Runs torchrun with the same arguments, and adds what a long run needs from its launcher:
+  * SIGUSR1 is handled too (SLURM's --signal=B:USR1@N): torchrun alone dies on it at once;
+  * after a stop signal torchrun waits 600 s (not 30) for the workers' checkpoint
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; a value you set wins);
+  * a signal to this process or to its process group reaches torchrun once; SIGTERM, SIGUSR1,
+    SIGINT and SIGHUP are forwarded, and torchrun gets SIGTERM if this process is killed;
+  * the exit status is the workers' own when they agree: 75 pre-empted (checkpointed, rerun
+    with --resume), 2 bad input, 3 a non-finite step, 74 a checkpoint could not be written;
+  * a second Ctrl-C kills torchrun and every worker at once, without waiting for the checkpoint.
+
+torchrun's own options: python -m torch.distributed.run --help
+"""
 _TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
 
@@ -165,6 +191,37 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when the l
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux: from /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                    children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_all(pid: int) -> None:
+    """The second Ctrl-C: SIGKILL torchrun (``pid``) and every process below it, and say so."""
+    print(
+        "launch: second interrupt: killing torchrun and its workers now (SIGKILL), without "
+        "waiting for their checkpoint; the newest complete checkpoint is kept",
+        file=sys.stderr,
+        flush=True,
+    )
+    for target in [*_descendants(pid), pid]:  # workers first: they would outlive torchrun
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(target, signal.SIGKILL)
+
+
 def _workers_status(exit_dir: str) -> int | None:
     codes = set()
     for name in os.listdir(exit_dir):
@@ -180,11 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     options), forwarding stop signals; returns the exit status (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: python -m dtensor_ulysses.launch [torchrun options] -m dtensor_ulysses.train "
-            "[trainer options]\n(torchrun's own options: python -m torch.distributed.run --help)",
-            file=sys.stderr if not argv else sys.stdout,
-        )
+        print(_HELP, end="", file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
     with tempfile.TemporaryDirectory(prefix="du-launch-") as exit_dir:
         proc = subprocess.Popen(
@@ -193,13 +246,16 @@ def main(argv: list[str] | None = None) -> int:
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
-        forwarded: set[int] = set()
+        forwarded: dict[int, float] = {}
 
         def forward(signum, frame) -> None:
+            now = time.monotonic()
             if signum not in forwarded:  # once: a group signal and a trap may both deliver it
-                forwarded.add(signum)
+                forwarded[signum] = now
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signum)
+            elif signum == signal.SIGINT and now - forwarded[signum] >= ESCALATE_AFTER_S:
+                _kill_all(proc.pid)
 
         for name in FORWARDED_SIGNALS:
             signal.signal(getattr(signal, name), forward)

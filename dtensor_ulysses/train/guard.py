@@ -68,6 +68,7 @@ __all__ = [
     "note_building",
     "note_refusal",
     "record_exit_status",
+    "stop_signal_received",
     "prepare_cuda_allocator",
 ]
 
@@ -321,6 +322,12 @@ def catch_stop_signals() -> Iterator[None]:
         _depth.pop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def stop_signal_received() -> bool:
+    """Whether a stop signal (or the launcher's loss) was recorded by the last
+    :func:`catch_stop_signals` (torchrun's SIGTERM to a rank that is leaving anyway)."""
+    return bool(_received)
 
 
 class GuardStop(Exception):

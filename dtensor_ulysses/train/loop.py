@@ -81,6 +81,7 @@ from dtensor_ulysses.train.guard import (
     note_refusal,
     prepare_cuda_allocator,
     record_exit_status,
+    stop_signal_received,
 )
 from dtensor_ulysses.train.metrics import StepLogger, truncate_after
 from dtensor_ulysses.train.resume import checkpoint_meta, load_checkpoint, save_checkpoint
@@ -321,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     with catch_stop_signals():  # from the start: a signal while building stops after step 1
         code = _main(argv, rank)
     record_exit_status(code, rank)
-    return leave_together(code, rank)
+    # a refusal on a rank that torchrun already told to stop (its SIGTERM, caught above while
+    # leaving): no grace wait for rank 0's message, which torchrun would end with SIGKILL
+    return leave_together(code, rank, grace=not stop_signal_received())
 
 
 def _main(argv: list[str] | None, rank: int) -> int:

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,49 @@ def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_
         got = {**_losses(tmp_path / f"{case}.jsonl"), **_losses(tmp_path / f"{case}.b.jsonl")}
         assert sorted(got) == list(range(1, stop + 3)), (case, sorted(got))
         assert got == {s: a[s] for s in got}, f"{case}: resumed losses differ from the straight run"
+
+
+_STUBBORN = """
+import signal, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker that does not stop on Ctrl-C
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_to_the_launcher_kills_everything_and_says_so(tmp_path):
+    """The first Ctrl-C is forwarded (torchrun then waits up to 600 s for the workers); a
+    second one, later, kills torchrun and every worker at once, with one line saying so."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(_STUBBORN)
+    cmd = [sys.executable, "-m", "dtensor_ulysses.launch", "--standalone",
+           "--nproc-per-node=1", str(script)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in _descendants(proc.pid)}
+        [worker] = [p for p, c in cmdlines.items() if b"stubborn" in c and b"distributed" not in c]
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2.0)
+        assert proc.poll() is None and not _gone(worker), "the first Ctrl-C only forwards"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert "launch: second interrupt: killing torchrun and its workers now" in stderr, stderr
+    assert _gone(worker), "the worker outlived the second Ctrl-C"
+    assert took < 30, took
+
+
+def test_launch_help_says_what_it_adds_to_torchrun():
+    res = subprocess.run([sys.executable, "-m", "dtensor_ulysses.launch", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    for needed in ("SIGUSR1", "600 s", "exit status", "75", "second Ctrl-C", "--resume"):
+        assert needed in res.stdout, (needed, res.stdout)

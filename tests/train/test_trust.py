@@ -225,3 +225,5 @@ def test_resume_skips_each_damaged_checkpoint_and_equals_the_straight_run(tmp_pa
                      r"match its checksum", error), label  # fmt: skip
     assert "no older intact checkpoint is left" in error, label
     assert "dtensor_ulysses/" not in none_left.stderr, label  # torchrun's own traceback only
+    # every rank leaves promptly: none ignores torchrun's SIGTERM until its SIGKILL
+    assert "via 9" not in none_left.stderr and not re.search(r"exitcode\s*: -9", none_left.stderr)
