@@ -358,8 +358,9 @@ class GuardStop(Exception):
     def report(self, rank: int) -> None:
         """Rank 0 prints the message; every rank leaves it in its torchelastic error file."""
         write_rank_note(str(self))
-        if rank == 0:
-            print(f"{self.prefix}: {self}", file=sys.stderr, flush=True)
+        if rank == 0:  # the checkpoint is written: a closed stderr (a launcher gone) is no error
+            with contextlib.suppress(OSError):
+                print(f"{self.prefix}: {self}", file=sys.stderr, flush=True)
 
     prefix = "error"
 
