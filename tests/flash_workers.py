@@ -70,7 +70,7 @@ def train_bf16(rank: int, world_size: int, runs: list[dict]) -> list[list[tuple[
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dtensor_ulysses import train as du_train
-    from dtensor_ulysses.parallel import compose as parallel
+    from dtensor_ulysses.parallel import apply as parallel
 
     _installed()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -102,7 +102,7 @@ def train_counting_compiles(rank: int, world_size: int, runs: list[dict]) -> lis
         if kw.pop("bf16", False):  # FSDP2's CUDA policy on CPU: bf16 compute for flash-attn
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            from dtensor_ulysses.parallel import compose as parallel
+            from dtensor_ulysses.parallel import apply as parallel
 
             bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             parallel.default_mixed_precision = lambda device_type: bf16  # type: ignore[assignment]
@@ -129,7 +129,7 @@ def host_data_ops_per_step(rank: int, world_size: int, cfg_kw: dict, depths: lis
 
     from dtensor_ulysses import train as du_train
     from dtensor_ulysses.data import PackedCorpus, get_batch
-    from dtensor_ulysses.parallel import compose as parallel
+    from dtensor_ulysses.parallel import apply as parallel
     from dtensor_ulysses.parallel.mesh import flatten_dp_sp, init_mesh
     from dtensor_ulysses.plan.presets import PRESETS, get_shape
 

@@ -38,9 +38,9 @@ from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
 from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
 from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.models.weights import bare_name, copy_full_
-from dtensor_ulysses.parallel.compose import checkpoint_blocks, shard_blocks
+from dtensor_ulysses.parallel.apply import checkpoint_blocks, shard_blocks
+from dtensor_ulysses.parallel.global_loss import global_valid_tokens
 from dtensor_ulysses.parallel.mesh import MESH_AXES, ParallelDims, flatten_dp_sp
-from dtensor_ulysses.parallel.tokens import global_valid_tokens
 
 __all__ = [
     "HFCausalLM",

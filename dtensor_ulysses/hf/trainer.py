@@ -14,7 +14,7 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   adapter is the one prepared): every attention layer through the engine
   (:func:`~dtensor_ulysses.hf.apply_ulysses`, with its refusals and first-step guard), optional
   activation checkpointing, then ``fully_shard`` of each decoder layer and of the root over the
-  flattened ``dp x sp`` ranks with gradients *summed* (:func:`~dtensor_ulysses.parallel.compose.
+  flattened ``dp x sp`` ranks with gradients *summed* (:func:`~dtensor_ulysses.parallel.apply.
   shard_blocks`, the settings of :func:`~dtensor_ulysses.hf.parallelize`).
 * **Data**: the loaders are sharded over the dp ranks only: every rank of an sp group reads the
   same rows (accelerate's sampler, epochs and resume skipping unchanged). The global batch is
