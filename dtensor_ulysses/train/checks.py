@@ -14,8 +14,12 @@ from pathlib import Path
 
 import torch
 
-from dtensor_ulysses.attention.kernels import AttnFeatures, select_backend
-from dtensor_ulysses.attention.local import flash_attn_available, flash_attn_module
+from dtensor_ulysses.attention.kernels import (
+    AttentionBackendError,
+    AttnFeatures,
+    KernelChoice,
+    choose_kernel,
+)
 from dtensor_ulysses.attention.ulysses import check_head_chunks
 from dtensor_ulysses.parallel.mesh import ParallelDims, default_device_type
 from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
@@ -163,38 +167,29 @@ def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
             else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
         )
         raise UsageError(f"--device cuda: {why}; drop --device cuda to train on the CPU")
-    if cfg.attention_backend == "flash_attn":
-        if device_type not in getattr(flash_attn_module(), "DEVICE_TYPES", ("cuda",)):
-            raise UsageError(
-                "--attention-backend flash_attn runs on CUDA only and this run is on the CPU; "
-                "use --attention-backend sdpa (or auto)"
-            )
-        if not flash_attn_available():
-            raise UsageError(
-                "--attention-backend flash_attn: the flash-attn package is not importable; "
-                "pip install -e '.[flash]' in a clone, or use --attention-backend sdpa (or auto)"
-            )
-        head_dim = shape.head_dim if shape is not None else 0
-        if head_dim > 256:
-            raise UsageError(
-                f"--attention-backend flash_attn supports head dim <= 256; model "
-                f"{cfg.model or cfg.hf_model!r} "
-                f"has {head_dim}; use --attention-backend sdpa"
-            )
-    elif cfg.attention_backend != "auto" and cfg.hf_model is None and shape is not None:
-        # the built-in model's features (causal; packed documents; compiled or not), refused
-        # here rather than at the first attention call (--hf-model layers are checked per layer
-        # by hf.apply_ulysses when the model is built)
-        features = AttnFeatures(docs=cfg.pack_docs)
-        dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    if shape is not None:
         try:
-            select_backend(
-                features, device_type=device_type, dtype=dtype, head_dim=shape.head_dim,
-                backend=cfg.attention_backend, compiled=cfg.compile is not None,
-            )  # fmt: skip
-        except ValueError as e:
-            raise UsageError(f"--attention-backend {cfg.attention_backend}: {e}") from None
+            kernel_choice(cfg, device_type, shape.head_dim)
+        except AttentionBackendError as e:
+            flag = f"--attention-backend {cfg.attention_backend}"
+            if e.option == "compile":
+                flag = f"--compile with --ring {cfg.ring}"
+            raise UsageError(f"{flag}: {e}") from None
     return device_type
+
+
+def kernel_choice(cfg: TrainConfig, device_type: str, head_dim: int) -> KernelChoice:
+    """The built-in model's kernel for this run (its one layer kind: causal; packed documents
+    with ``--pack-docs``; compiled; the ring's blocks with ``--ring``): the choice
+    ``du.parallelize`` makes again when it builds the layers, made here so a kernel that cannot
+    run is refused before any process group exists. ``--hf-model`` layers are chosen per layer
+    kind by ``hf.apply_ulysses`` (their features come from the model)."""
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    return choose_kernel(
+        AttnFeatures(), device_type=device_type, dtype=dtype, head_dim=head_dim,
+        requested=cfg.attention_backend, compiled=cfg.compile is not None, ring=cfg.ring > 1,
+        docs=cfg.pack_docs,
+    )  # fmt: skip
 
 
 def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
@@ -250,11 +245,6 @@ def _validate_memory_features(cfg: TrainConfig, shape: ModelShape | None) -> Non
         raise UsageError(
             "--offload-activations moves the one input a checkpointed block keeps to the host; "
             "add --activation-checkpointing"
-        )
-    if cfg.ring > 1 and cfg.pack_docs and cfg.attention_backend == "flash_attn":
-        raise UsageError(
-            "--ring with --pack-docs masks documents inside the ring's blocks, which flash-attn "
-            "cannot do; use --attention-backend auto or sdpa (the ring's exact torch kernel)"
         )
     if cfg.offload_activations and cfg.compile:
         raise UsageError(

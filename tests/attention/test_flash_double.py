@@ -323,11 +323,11 @@ def test_explicit_rules_kept_ring_flash_docs_cc_check_and_doc_starts(flash_doubl
     from dtensor_ulysses.train.cli import UsageError
 
     q = torch.randn(1, 4, 2, 8).bfloat16()
-    with pytest.raises(ValueError, match="backend='flash_attn' and packed documents"):
+    with pytest.raises(ValueError, match="backend='flash_attn' with packed documents in ring"):
         ring.ring_attention(q, q, q, None, doc_starts=[[0, 2]], backend="flash_attn")  # type: ignore[arg-type]
     cfg = du_train.TrainConfig(**dict(TRAIN, dp=1, sp=1, ring=2, seq_len=32), pack_docs=True,
                                attention_backend="flash_attn")  # fmt: skip
-    with pytest.raises(UsageError, match="--ring with --pack-docs"):
+    with pytest.raises(UsageError, match="^--attention-backend flash_attn: .*ring attention"):
         du_train.validate(cfg, 2)
 
     class Cuda:  # a stand-in for a CUDA tensor on a pre-Ampere GPU
