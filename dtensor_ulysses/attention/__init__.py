@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         KernelSpec,
         choose_kernel,
         describe_kernels,
+        model_kernels,
         select_backend,
     )
     from dtensor_ulysses.attention.local import (

@@ -45,6 +45,7 @@ from dtensor_ulysses.parallel.apply import (
 )
 from dtensor_ulysses.parallel.global_loss import global_valid_tokens
 from dtensor_ulysses.parallel.mesh import MESH_AXES, ParallelDims, flatten_dp_sp
+from dtensor_ulysses.plan.recipe import ParallelOptions
 
 __all__ = [
     "HFCausalLM",
@@ -187,8 +188,12 @@ def parallelize(
         raise ValueError(f"parallelize needs the {MESH_AXES} mesh, got {mesh.mesh_dim_names}")
     if isinstance(model, FSDPModule):
         raise ValueError("the model is already parallelized; build a new one (on meta)")
-    if offload_activations and not activation_checkpointing:
-        raise ValueError("offload_activations needs activation_checkpointing=True")
+    ParallelOptions(
+        activation_checkpointing=activation_checkpointing,
+        offload_activations=offload_activations, offload_params=offload_params,
+        head_chunks=head_chunks, attention_backend=attention_backend,
+        allow_uneven_heads=allow_uneven_heads, mixed_precision=mixed_precision,
+    ).check(hf_model=True)  # fmt: skip
     hf = unwrap(model)
     if isinstance(model, HFCausalLM):  # the ranks that share a batch (a router loss's group)
         model.__dict__["_du_loss_group"] = flatten_dp_sp(mesh).get_group()

@@ -101,21 +101,17 @@ from dtensor_ulysses.hf.routing import (
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.parallel import flatten_dp_sp
 from dtensor_ulysses.parallel.mesh import ParallelDims
-from dtensor_ulysses.plan import default_loss_chunk
+from dtensor_ulysses.plan import ParallelOptions, default_loss_chunk
 
 __all__ = ["UnsupportedTrainerError", "with_ulysses"]
 
+# the ParallelOptions fields with_ulysses takes, with their defaults (the recipe's one type)
 OPTIONS = {
-    "activation_checkpointing": False,
-    "offload_activations": False,
-    "offload_params": False,
-    "head_chunks": 1,
-    "tiled_loss": False,
-    "loss_chunk_tokens": None,
-    "attention_backend": "auto",
-    "allow_uneven_heads": False,
-    "mixed_precision": "auto",
-}
+    name: getattr(ParallelOptions(), name)
+    for name in ("activation_checkpointing", "offload_activations", "offload_params",
+                 "head_chunks", "tiled_loss", "loss_chunk_tokens", "attention_backend",
+                 "allow_uneven_heads", "mixed_precision")
+}  # fmt: skip
 # trainers whose inputs come from generation, or whose loss is not the token cross entropy
 _GENERATION = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "GKDTrainer",
                "NashMDTrainer", "XPOTrainer", "GOLDTrainer")  # fmt: skip
@@ -210,10 +206,12 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
             ``gradient_checkpointing``), ``offload_activations``, ``offload_params``,
             ``head_chunks``, ``tiled_loss`` (the loss from the final hidden states in chunks of
             ``loss_chunk_tokens``, default ``min(2048, local tokens)``: no ``[B, s, V]``
-            logits; needs a plain output head), ``attention_backend`` (``"auto"``,
-            ``"flash_attn"``, ``"sdpa"``),
+            logits; needs a plain output head), ``attention_backend`` (``"auto"`` or a kernel
+            name),
             ``allow_uneven_heads`` (q heads that sp does not divide), ``mixed_precision`` (an
-            FSDP2 ``MixedPrecisionPolicy``, ``None``, or ``"auto"``: bf16 on CUDA).
+            FSDP2 ``MixedPrecisionPolicy``, ``None``, or ``"auto"``: bf16 on CUDA): the
+            fields of :class:`~dtensor_ulysses.plan.ParallelOptions` that apply to a
+            transformers trainer, checked by its one ``check``.
 
     Returns:
         The subclass; construct it as ``cls``.
@@ -231,12 +229,11 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
         raise ValueError(f"sp={sp!r} is not a positive int; use sp >= 1 (e.g. sp=4)")
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ValueError(f"unknown with_ulysses options {unknown}; known: {sorted(OPTIONS)}")
-    chunk = options.get("loss_chunk_tokens")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"loss_chunk_tokens={chunk!r} is not a positive int; e.g. 2048")
-    if chunk is not None and not options.get("tiled_loss"):
-        raise ValueError(f"loss_chunk_tokens={chunk} needs tiled_loss=True")
+        raise ValueError(
+            f"unknown with_ulysses options {unknown}; the options are {list(OPTIONS)} (fields "
+            f"of dtensor_ulysses.plan.ParallelOptions)"
+        )
+    ParallelOptions(**options).check(hf_model=True)
     names = [c.__name__ for c in cls.__mro__]
     generation = [n for n in names if n in _GENERATION]
     if generation:
@@ -579,8 +576,7 @@ class _UlyssesTrainer:
             return model
         o = self._du_options
         hf = _trainer_state.base_model(model)
-        if o["offload_activations"] and not o["activation_checkpointing"]:
-            raise ValueError("offload_activations needs activation_checkpointing=True")
+        ParallelOptions(**o).check(hf_model=True)  # gradient_checkpointing may have changed it
         if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
             _plain_head(hf).__class__ = _LossHead
         return _parallelize_root(

@@ -50,7 +50,7 @@ from dtensor_ulysses.memory.offload import fsdp_offload_policy
 from dtensor_ulysses.memory.recompute import checkpoint_module, offload_checkpoints
 from dtensor_ulysses.models.llama import Attention, Transformer
 from dtensor_ulysses.parallel.mesh import MESH_AXES, RING_MESH_AXES, ParallelDims, flatten_dp_sp
-from dtensor_ulysses.plan.splits import check_sp_for_heads
+from dtensor_ulysses.plan.recipe import ParallelOptions
 
 __all__ = ["checkpoint_blocks", "default_mixed_precision", "parallelize", "shard_blocks"]
 
@@ -126,16 +126,18 @@ def parallelize(
     shape = model.shape
     dims = ParallelDims.from_mesh(mesh)
     sp, ring = dims.sp, dims.ring
-    check_sp_for_heads(
-        shape.n_heads, sp, what=f"heads of model {shape.name!r}", allow_uneven=allow_uneven_heads
-    )
+    options = ParallelOptions(
+        activation_checkpointing=activation_checkpointing,
+        offload_activations=offload_activations, offload_params=offload_params,
+        head_chunks=head_chunks, overlap_comm=overlap_comm,
+        compile=("inductor" if compile is True else compile) or None,
+        attention_backend=attention_backend, allow_uneven_heads=allow_uneven_heads,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
+    options.check(n_heads=shape.n_heads, sp=sp, ring=ring,
+                  heads_name=f"heads of model {shape.name!r}")  # fmt: skip
     if head_chunks != 1:
         check_head_chunks(shape.n_heads, sp, head_chunks)
-    if offload_activations and not activation_checkpointing:
-        raise ValueError(
-            "offload_activations moves the input a checkpointed block keeps; it needs "
-            "activation_checkpointing=True (--activation-checkpointing)"
-        )
 
     # 1. Ulysses: attention sees head-sharded, full-length q/k/v; with a ring axis the kernel
     #    is ring attention over it (Ulysses x Ring). The kernel is chosen here, once per layer

@@ -24,7 +24,7 @@ from dtensor_ulysses.attention.ulysses import check_head_chunks
 from dtensor_ulysses.parallel.mesh import ParallelDims, default_device_type
 from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
 from dtensor_ulysses.plan.presets import ModelShape, get_shape
-from dtensor_ulysses.plan.splits import check_ring_seq, check_sp_for_heads, nearby_multiples
+from dtensor_ulysses.plan.splits import check_ring_seq, nearby_multiples
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, _warn
 from dtensor_ulysses.train.guard import SINGLE_PROCESS_ENV, check_numbers, check_targets
 from dtensor_ulysses.train.inputs import check_eval_corpus, validate_hf
@@ -77,7 +77,8 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise UsageError("--eval-every needs --eval-data (the held-out files)")
     dims = _resolve_dims(cfg, world_size)
     # the resolved configuration, made once here (the caller's is never edited)
-    cfg = replace(cfg, sp=dims.sp, model=cfg.model if cfg.hf_model else cfg.model or "tiny")
+    cfg = replace(cfg, sp=dims.sp, parallel_dims=dims,
+                  model=cfg.model if cfg.hf_model else cfg.model or "tiny")  # fmt: skip
     if dims.ring > 1:
         if cfg.hf_model is not None:
             raise UsageError("--ring applies to the built-in model, not to --hf-model")
@@ -148,10 +149,9 @@ def _validate_preset(cfg: TrainConfig) -> ModelShape:
     assert cfg.model is not None and cfg.sp is not None
     try:
         shape = get_shape(cfg.model)
-        check_sp_for_heads(
-            shape.n_heads, cfg.sp, what=f"heads of model {cfg.model!r}",
-            allow_uneven=cfg.allow_uneven_heads, uneven_option="--allow-uneven-heads",
-        )  # fmt: skip
+        cfg.options().check(
+            "flag", n_heads=shape.n_heads, sp=cfg.sp, heads_name=f"heads of model {cfg.model!r}"
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     return shape
@@ -214,46 +214,15 @@ def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
 
 
 def _validate_memory_features(cfg: TrainConfig, shape: ModelShape | None) -> None:
-    local = cfg.local_tokens()
-    for flag, on, chunk in (
-        ("loss", cfg.tiled_loss, cfg.loss_chunk_tokens),
-        ("mlp", cfg.tiled_mlp, cfg.mlp_chunk_tokens),
-    ):
-        if chunk is None:
-            continue
-        if not on:
-            raise UsageError(f"--{flag}-chunk-tokens {chunk} needs --tiled-{flag}")
-        if chunk < 1 or chunk > local:
-            raise UsageError(
-                f"--{flag}-chunk-tokens {chunk} must be between 1 and the {local} tokens a rank "
-                f"holds (batch {cfg.batch_size} / dp {cfg.dp} x ceil(seq-len {cfg.seq_len} / "
-                + (f"(ring {cfg.ring} x sp {cfg.sp})" if cfg.ring > 1 else f"sp {cfg.sp}")
-                + f")); a chunk of all of them is --tiled-{flag} off"
-            )
-    if cfg.head_chunks != 1:
-        if cfg.head_chunks < 1:
-            raise UsageError(f"--head-chunks {cfg.head_chunks} must be >= 1 (1: off)")
-        assert cfg.sp is not None
-        try:
-            if shape is not None:  # else the engine checks it when the model is built
-                check_head_chunks(shape.n_heads, cfg.sp, cfg.head_chunks, name="--head-chunks ")
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    if cfg.overlap_comm and cfg.hf_model:
-        raise UsageError("--overlap-comm applies to the built-in model only, not to --hf-model")
-    if cfg.offload_activations and not cfg.activation_checkpointing:
-        raise UsageError(
-            "--offload-activations moves the one input a checkpointed block keeps to the host; "
-            "add --activation-checkpointing"
-        )
-    if cfg.offload_activations and cfg.compile:
-        raise UsageError(
-            "--offload-activations with --compile: torch.compile cannot trace the "
-            "saved-tensor hooks that move checkpoints to the host; drop --compile or "
-            "--offload-activations"
-        )
-    if cfg.offload_optimizer and cfg.offload_params:
-        raise UsageError(
-            "--offload-params already keeps the optimizer states on the host; pass one of "
-            "--offload-params and --offload-optimizer"
-        )
+    """The parallel options' rules (:meth:`~dtensor_ulysses.plan.ParallelOptions.check`, spelled
+    as flags), and the head stages against the model's heads."""
+    assert cfg.sp is not None
+    try:
+        cfg.options().check(
+            "flag", ring=cfg.ring, local_tokens=cfg.local_tokens(),
+            hf_model=cfg.hf_model is not None,
+        )  # fmt: skip
+        if cfg.head_chunks != 1 and shape is not None:  # else the engine checks it at build
+            check_head_chunks(shape.n_heads, cfg.sp, cfg.head_chunks, name="--head-chunks ")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
