@@ -27,7 +27,12 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         KERNELS,
         AttentionBackendError,
         AttnFeatures,
+        Kernel,
+        KernelChoice,
         KernelSpec,
+        choose_kernel,
+        describe_kernels,
+        model_kernels,
         select_backend,
     )
     from dtensor_ulysses.attention.local import (

@@ -45,6 +45,7 @@ from dtensor_ulysses.attention.kernels import (
     KERNELS,
     AttentionBackendError,
     AttnFeatures,
+    KernelChoice,
     force_backend,
     select_backend,
 )
@@ -159,7 +160,7 @@ def local_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
-    backend: str = "auto",
+    backend: str | KernelChoice = "auto",
     position_ids: torch.Tensor | None = None,
     doc_starts: Sequence[Sequence[int]] | None = None,
     doc_tensors: DocTensors | None = None,
@@ -184,7 +185,9 @@ def local_attention(
     Args:
         causal: key ``j`` is visible to query ``i`` only if ``j <= i``.
         softmax_scale: the score scale (default ``H ** -0.5``).
-        backend: ``"auto"`` or a name of :data:`~dtensor_ulysses.attention.BACKENDS`.
+        backend: ``"auto"`` or a name of :data:`~dtensor_ulysses.attention.BACKENDS`, or the
+            :class:`~dtensor_ulysses.attention.KernelChoice` chosen for the layer (looked up
+            for this call's documents, never chosen again).
         window: ``(left, right)``: key ``j`` visible to query ``i`` iff
             ``i - left <= j <= i + right`` (``-1``: that side unlimited); ``None``: no window.
         chunk: ``C``: key ``j`` visible to query ``i`` iff ``j // C == i // C`` (indices of the
@@ -220,6 +223,8 @@ def local_attention(
         check_doc_starts(doc_starts, B, S)
     compiled = torch.compiler.is_compiling()
     docs = doc_starts is not None or doc_tensors is not None
+    if isinstance(backend, KernelChoice):  # chosen once where the recipe was applied
+        backend = backend.name(docs)
     features = AttnFeatures.of(causal=causal, window=window, chunk=chunk, softcap=softcap,
                                sinks=sinks, docs=docs)  # fmt: skip
     chosen = select_backend(features, device_type=q_BSNH.device.type, dtype=q_BSNH.dtype,
@@ -323,6 +328,7 @@ class LocalAttention(nn.Module):
         self.window = None if window is None else _check_window(window)
         _check_scalars(chunk, softcap, None, 1)
         self.chunk, self.softcap = chunk, softcap
+        self.kernel_choice: KernelChoice | None = None  # set where the recipe is applied
         _flash_attn_func()  # look flash-attn up now, eagerly, not inside a compiled forward
 
     takes_doc_tensors = True  # the engine may hand over doc_tensors= (compiled packed docs)
@@ -336,7 +342,8 @@ class LocalAttention(nn.Module):
         kw = dict(window=self.window, chunk=self.chunk, softcap=self.softcap)
         kw.update(features)
         return local_attention(
-            q, k, v, causal=self.causal, backend=self.backend, doc_starts=doc_starts,
+            q, k, v, causal=self.causal, backend=self.kernel_choice or self.backend,
+            doc_starts=doc_starts,
             doc_tensors=doc_tensors, **kw,
         )  # fmt: skip
 
@@ -344,6 +351,9 @@ class LocalAttention(nn.Module):
         """The memory layout this kernel reads without a copy, for ``q``-like inputs: SDPA
         works on ``[B, N, S, H]`` (``(0, 2, 1, 3)`` of ``[B, S, N, H]``), flash-attn on
         ``[B, S, N, H]`` as it is (``None``). The Ulysses engine unpacks into it directly."""
+        if self.kernel_choice is not None:
+            chosen = self.kernel_choice.plain
+            return (0, 2, 1, 3) if chosen in ("sdpa", "flex") else None
         features = AttnFeatures.of(causal=self.causal, window=self.window, chunk=self.chunk,
                                    softcap=self.softcap)  # fmt: skip
         try:

@@ -22,7 +22,7 @@ transformers' packed masks make them), the logit softcap the attention function 
 attention sinks (the module's ``sinks``; the engine gives each rank those of its heads), and
 Llama 4's attention temperature on its layers without RoPE (computed by the model from the
 row index of its slice; the engine rescales q to the row in the whole sequence). The kernel for
-each layer is chosen (:func:`~dtensor_ulysses.attention.select_backend`) in
+each layer kind is chosen once (:func:`~dtensor_ulysses.attention.choose_kernel`) in
 :func:`apply_ulysses`, so a layer no kernel of this device runs exactly is refused before step 1.
 After the all-to-all every rank holds the full sequence of its heads, so a window, a chunk or a
 softcap is a property of the local kernel and never compared with the local slice length.
@@ -51,7 +51,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from dtensor_ulysses.attention import AttnFeatures, select_backend
+from dtensor_ulysses.attention import AttnFeatures, KernelChoice, choose_kernel
 from dtensor_ulysses.attention.doc_tensors import with_doc_tensors
 from dtensor_ulysses.attention.local import BACKENDS, local_attention
 from dtensor_ulysses.attention.ulysses import (
@@ -367,6 +367,7 @@ def apply_ulysses(
     head_chunks: int = 1,
     backend: str = "auto",
     allow_uneven_heads: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Route every attention layer of a transformers causal LM through the Ulysses engine.
 
@@ -381,8 +382,12 @@ def apply_ulysses(
         model: a transformers ``PreTrainedModel`` (or :class:`~dtensor_ulysses.hf.HFCausalLM`).
         mesh: a device mesh with an ``"sp"`` axis (or the sp process group).
         head_chunks: attention in this many stages of heads (see ``UlyssesAttention``).
-        backend: the local kernel: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``.
+        backend: the local kernel: ``"auto"`` or a name of
+            :data:`~dtensor_ulysses.attention.BACKENDS`; chosen here once per layer kind and
+            stored on the layer (``kernel_choice``).
         allow_uneven_heads: accept q heads not divisible by sp.
+        compute_dtype: the dtype attention computes in (autocast's or the mixed-precision
+            policy's; default: the parameters'), for the kernel choice.
 
     Returns:
         ``model``, changed in place.
@@ -404,7 +409,8 @@ def apply_ulysses(
     )
     if head_chunks != 1:
         check_head_chunks(n_heads, sp, head_chunks)
-    _check_backends(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend)
+    _choose_kernels(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend,
+                    compute_dtype)  # fmt: skip
     base = hf.base_model
     old: _State | None = base.__dict__.get(_STATE)
     if old is not None:
@@ -442,32 +448,39 @@ def _attn_features(feats: LayerFeatures, docs: bool) -> AttnFeatures:
                            docs=docs)  # fmt: skip
 
 
-def _check_backends(
-    hf: PreTrainedModel, found: list[tuple[str, nn.Module, LayerFeatures]], mesh: Any, backend: str
+def _choose_kernels(
+    hf: PreTrainedModel,
+    found: list[tuple[str, nn.Module, LayerFeatures]],
+    mesh: Any,
+    backend: str,
+    compute_dtype: torch.dtype | None,
 ) -> None:
-    """Every layer's features on a kernel of this device and dtype, before step 1 (the kernel
-    layer's :func:`~dtensor_ulysses.attention.select_backend`, once per distinct layer kind)."""
+    """Choose the kernel once per distinct layer kind (its features and head dim) on this
+    device and compute dtype (:func:`~dtensor_ulysses.attention.choose_kernel`), refuse a layer
+    no kernel runs before step 1, and store the choice on each layer (``kernel_choice``: the
+    call path looks it up for its documents, the start line prints it)."""
     device_type = getattr(mesh, "device_type", None)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     param = next(iter(hf.parameters()), None)
-    dtype = param.dtype if param is not None else torch.float32
+    dtype = compute_dtype or (param.dtype if param is not None else torch.float32)
     cfg = hf.config.get_text_config()
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple, KernelChoice] = {}
     for name, m, feats in found:
         head_dim = int(getattr(m, "head_dim", 0) or getattr(cfg, "head_dim", 0) or
                        cfg.hidden_size // cfg.num_attention_heads)  # fmt: skip
         key = (feats, head_dim)
-        if key in seen:
-            continue
-        try:
-            seen[key] = select_backend(_attn_features(feats, docs=False), device_type=device_type,
-                                       dtype=dtype, head_dim=head_dim, backend=backend)  # fmt: skip
-        except ValueError as e:
-            raise UnsupportedModelError(
-                f"{name} ({type(m).__name__}, {feats.describe()}): no attention kernel runs it "
-                f"exactly on {device_type} in {dtype}: {e}"
-            ) from None
+        if key not in seen:
+            try:
+                seen[key] = choose_kernel(_attn_features(feats, docs=False),
+                                          device_type=device_type, dtype=dtype,
+                                          head_dim=head_dim, requested=backend)  # fmt: skip
+            except ValueError as e:
+                raise UnsupportedModelError(
+                    f"{name} ({type(m).__name__}, {feats.describe()}): no attention kernel runs "
+                    f"it exactly on {device_type} in {dtype}: {e}"
+                ) from None
+        m.__dict__["kernel_choice"] = seen[key]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -640,8 +653,9 @@ def _ulysses_attention(
         extra["softcap"] = float(cap)
     if feats.sinks:  # the eager function reads the module's own parameter
         extra["sinks"] = module.sinks
+    kernel = module.__dict__.get("kernel_choice") or state.backend  # chosen once, looked up
     o = state.engine(
-        q, k, v, layout=layout, causal=True, softmax_scale=scaling, backend=state.backend, **extra
+        q, k, v, layout=layout, causal=True, softmax_scale=scaling, backend=kernel, **extra
     )
     state.record(module)
     return o, None

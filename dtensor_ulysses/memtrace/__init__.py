@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         rank0_batch,
         trace_config,
     )
-    from dtensor_ulysses.memtrace.attention import AttentionTrace, trace_attention
+    from dtensor_ulysses.memtrace.kernel import AttentionTrace, trace_attention
     from dtensor_ulysses.memtrace.trace import (
         PHASES,
         TRACE_DEVICES,

@@ -1,5 +1,6 @@
-"""Torch-free planning: token and head splits, the GQA kv plan, the step's sequence layout,
-closed-form bytes, model presets, the GPU table and the memory preflight.
+"""Torch-free planning: the parallel recipe's options (ParallelOptions), token and head splits,
+the GQA kv plan, the step's sequence layout, closed-form bytes, model presets, the GPU table and
+the memory preflight.
 
 Nothing here imports torch at import time: the simulator (``simulations/``) imports only this
 subpackage of the library.
@@ -44,6 +45,11 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         ModelShape,
         get_shape,
         training_flops_per_token,
+    )
+    from dtensor_ulysses.plan.recipe import (
+        ATTENTION_BACKENDS,
+        MEMORY_OPTIONS,
+        ParallelOptions,
     )
     from dtensor_ulysses.plan.splits import (
         DEFAULT_LOSS_CHUNK_TOKENS,

@@ -336,6 +336,26 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("N,K", [(4, 1), (4, 2), (4, 4)])
+def test_blockwise_custom_ops_pass_opcheck(N, K):
+    """torch.library.opcheck of both blockwise ops (schema, fake kernels, autograd
+    registration): the fake outputs have the real shapes and strides (with one kv head the
+    log-sum-exp came out strided, and inductor's compiled step asserted in step 1)."""
+    g = torch.Generator().manual_seed(N * 10 + K)
+    q = torch.randn(2, 16, N, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 16, K, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 16])
+    sinks = torch.randn(N, generator=g, dtype=torch.float64)
+    ranges = _blockwise.key_ranges(16, 8, causal=True, window=(4, 0), chunk=0)
+    args = (0.3, True, [4, 0], 0, 2.0, ranges, 8)
+    torch.library.opcheck(_blockwise._attn_op, (q, k, v, doc_ids, sinks, *args))
+    o, lse = _blockwise._attn_op(q, k, v, doc_ids, sinks, *args)
+    do = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    torch.library.opcheck(
+        _blockwise._attn_backward_op, (do, q, k, v, o, lse, doc_ids, sinks, *args)
+    )
+
+
 def test_blockwise_never_holds_an_s_by_s_tensor():
     """S = 4096, packed documents and a window: every tensor the kernel's forward and backward
     make has fewer than S*S elements (the largest: a block's scores, B*N*512*512, or a
