@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -222,6 +223,50 @@ def _kill_all(pid: int) -> None:
             os.kill(target, signal.SIGKILL)
 
 
+PREEMPTED = 75  # the trainer's status after a stop signal (EX_TEMPFAIL), checkpointed
+
+
+class _StderrRelay:
+    """Copies torchrun's stderr (its workers' too: they inherit it) to ours, line by line, as
+    it comes; but a traceback that starts once every worker has recorded its exit status is
+    torchrun's own report of the end (its ``ChildFailedError``). That one is held back, and
+    after a clean pre-emption (every worker 75) replaced by one line; otherwise printed."""
+
+    def __init__(self, stream, exit_dir: str) -> None:
+        self.stream, self.exit_dir = stream, exit_dir
+        self.held: list[bytes] = []
+        self.thread = threading.Thread(target=self._run, name="du-stderr-relay", daemon=True)
+        self.thread.start()
+
+    def _workers_done(self) -> bool:
+        return any(name.startswith("rank") for name in os.listdir(self.exit_dir))
+
+    def _run(self) -> None:
+        out = sys.stderr.buffer
+        for line in iter(self.stream.readline, b""):
+            starts = line.startswith(b"Traceback (most recent call last):")
+            if self.held or (starts and self._workers_done()):
+                self.held.append(line)
+                continue
+            out.write(line)
+            out.flush()
+
+    def join(self) -> None:
+        self.thread.join(timeout=30)
+
+    def finish(self, *, preempted: bool) -> None:
+        if preempted and self.held:
+            print(
+                "launch: every worker stopped pre-empted (status 75, checkpointed); torchrun's "
+                f"own report of that stop ({len(self.held)} lines) is omitted",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif self.held:
+            sys.stderr.buffer.write(b"".join(self.held))
+            sys.stderr.buffer.flush()
+
+
 def _workers_status(exit_dir: str) -> int | None:
     codes = set()
     for name in os.listdir(exit_dir):
@@ -245,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             env=_torchrun_env(exit_dir),
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            stderr=subprocess.PIPE,
         )
+        relay = _StderrRelay(proc.stderr, exit_dir)  # type: ignore[arg-type]
         forwarded: dict[int, float] = {}
 
         def forward(signum, frame) -> None:
@@ -260,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in FORWARDED_SIGNALS:
             signal.signal(getattr(signal, name), forward)
         code = proc.wait()
+        relay.join()
         if code != 0:
             code = _workers_status(exit_dir) or code
+        relay.finish(preempted=code == PREEMPTED)
         return code if code >= 0 else 128 - code
 
 

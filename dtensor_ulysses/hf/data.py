@@ -112,6 +112,12 @@ class TokenCorpus:
         offsets = torch.tensor([0] + [len(d) for d, _ in docs[:-1]]).cumsum(0)
         self.starts[offsets] = True
         self.target &= ~self.starts  # never a target across a document boundary
+        if not bool(self.target.any()):
+            raise ValueError(
+                f"the data ({len(docs)} documents) has no token to learn: chat records are "
+                f"trained on their assistant turns only, and none has one; add assistant "
+                f'turns ({{"role": "assistant", ...}}) or train on text ({{"text": ...}}) lines'
+            )
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len={seq_len!r} must be a positive int")
         if len(self.ids) < seq_len + 1:

@@ -62,6 +62,7 @@ __all__ = [
     "Preempted",
     "RunGuard",
     "catch_stop_signals",
+    "check_compile_backend",
     "check_numbers",
     "check_targets",
     "clear_rank_note",
@@ -109,11 +110,30 @@ def check_numbers(cfg: TrainConfig) -> None:
     for flag, value, ok, rule in checks:
         if not (math.isfinite(value) and ok):
             raise UsageError(f"{flag} {value} {rule}")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise UsageError(
+            f"--checkpoint-every {cfg.checkpoint_every} writes nothing without "
+            f"--checkpoint-dir; add --checkpoint-dir DIR (or drop --checkpoint-every)"
+        )
+    if cfg.compile is not None:
+        check_compile_backend(cfg.compile)
     if cfg.warmup_steps > cfg.decay_steps:
         raise UsageError(
             f"--warmup-steps {cfg.warmup_steps} is longer than --decay-steps "
             f"{cfg.decay_steps} (the cosine's end); raise --decay-steps to at least "
             f"{cfg.warmup_steps} or shorten the warmup"
+        )
+
+
+def check_compile_backend(backend: str) -> None:
+    """Refuse a ``--compile`` backend that torch does not know (before anything is built)."""
+    import torch
+
+    known = sorted(torch.compiler.list_backends(exclude_tags=()))
+    if backend not in known:
+        raise UsageError(
+            f"--compile {backend}: torch.compile has no backend of that name; use one of "
+            f"{', '.join(known)} (inductor when --compile is given alone)"
         )
 
 

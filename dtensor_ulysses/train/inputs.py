@@ -5,6 +5,7 @@ memory preflight reads; and the check that ``--eval-data`` holds a global batch.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from dtensor_ulysses.plan import ModelShape, check_sp_for_heads
-from dtensor_ulysses.train.cli import TrainConfig, UsageError
+from dtensor_ulysses.train.cli import TrainConfig, UsageError, _warn
 
 __all__ = ["check_eval_corpus", "hf_dir", "hf_shape", "run_tokenizer", "validate_hf"]
 
@@ -118,7 +119,24 @@ def _load_and_check(cfg: TrainConfig) -> Any:
 
     assert cfg.hf_model is not None and cfg.sp is not None
     path = check_model_dir(cfg.hf_model)
+    try:
+        json.loads((path / "config.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if hasattr(e, "lineno") else ""
+        raise ValueError(
+            f"--hf-model {str(path)!r}: its config.json is not valid JSON{where}; repair it or "
+            f"copy the model's original config.json"
+        ) from None
     config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
+    if isinstance(limit, int) and cfg.seq_len > limit:
+        _warn(
+            f"--seq-len {cfg.seq_len} is longer than the {limit} positions {path.name} was "
+            f"configured for (max_position_embeddings in its config.json): its position "
+            f"encoding was not trained that far (use --seq-len <= {limit}, or a model or "
+            f"rope scaling made for the length)"
+        )
     with torch.device("meta"):
         check_supported(AutoModelForCausalLM.from_config(config))
     check_sp_for_heads(
@@ -127,4 +145,38 @@ def _load_and_check(cfg: TrainConfig) -> Any:
     )  # fmt: skip
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.hf_model)
     check_tokenizer(tokenizer, config)
+    _warn_other_tokenizer(cfg, tokenizer, text.vocab_size)
     return tokenizer
+
+
+def _warn_other_tokenizer(cfg: TrainConfig, tokenizer: Any, rows: int) -> None:
+    """``--tokenizer`` from elsewhere than the model: warn when its ids differ from those of the
+    model's own tokenizer (or, without one, when its size differs from the embedding's)."""
+    assert cfg.hf_model is not None
+    if not cfg.tokenizer or Path(cfg.tokenizer).resolve() == Path(cfg.hf_model).resolve():
+        return
+    from dtensor_ulysses.hf import load_tokenizer
+
+    own_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if any((Path(cfg.hf_model) / f).is_file() for f in own_files):
+        try:
+            own = load_tokenizer(cfg.hf_model).get_vocab()
+        except (OSError, ValueError):
+            own = None
+        if own is not None:
+            theirs = tokenizer.get_vocab()
+            moved = sum(1 for tok, i in theirs.items() if own.get(tok) != i)
+            if moved:
+                _warn(
+                    f"--tokenizer {cfg.tokenizer!r} gives {moved} of its {len(theirs)} tokens "
+                    f"other ids than the model's own tokenizer in {cfg.hf_model!r}: the model "
+                    f"would read other tokens than it was trained on; drop --tokenizer to use "
+                    f"the model's own"
+                )
+            return
+    if len(tokenizer) != rows:
+        _warn(
+            f"--tokenizer {cfg.tokenizer!r} has {len(tokenizer)} tokens and the model's "
+            f"embedding {rows} rows: if it is not the tokenizer the model was trained with, "
+            f"its ids mean other tokens to the model"
+        )

@@ -125,6 +125,10 @@ def test_what_a_new_user_gets_wrong_is_refused_with_the_fix(tmp_path, monkeypatc
     base = dict(seq_len=64, batch_size=2, steps=3, device="cpu")
     cases = [
         (dict(checkpoint_every=-1), r"^--checkpoint-every -1 must be >= 0 steps \(0: checkpoint"),
+        (dict(checkpoint_every=5), r"^--checkpoint-every 5 writes nothing without "
+                                   r"--checkpoint-dir; add --checkpoint-dir DIR"),
+        (dict(compile="nosuchbackend"), r"^--compile nosuchbackend: torch\.compile has no "
+                                        r"backend of that name; use one of .*inductor"),
         (dict(eval_data=[str(small)]), r"^--eval-data '.*held\.txt' has \d+ tokens but one wi"),
         (dict(data=[str(chat)]), r"chat template: train a transformers model on them with "
                                  r"--hf-model DIR"),
@@ -338,6 +342,8 @@ def test_preempt_then_resume_equals_straight_run(tmp_path):
         assert not left, f"workers {left} still running; {label}"
         if launcher == "launch":
             assert procs[how].returncode == EXIT_PREEMPTED, label
+            assert "Traceback" not in stderr, label  # torchrun's report: one line instead
+            assert "launch: every worker stopped pre-empted (status 75" in stderr, label
         else:  # torchrun's own status is 1; its summary names the workers' status and the stop
             assert re.search(rf"exitcode\s*: {EXIT_PREEMPTED}\b", stderr), label
             assert "stopped after step" in stderr.split("Root Cause")[-1], label

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -187,6 +188,9 @@ def bad_dirs(assets):
     small = tf.LlamaForCausalLM(tf.LlamaConfig(**dict(W.SMALL, vocab_size=64)))
     small.save_pretrained(root / "small_vocab")  # 64 rows < the tokenizer's 90 tokens
     W.save_model("gemma3_bidirectional", root / "gemma3_bidirectional")
+    broken = root / "broken_json"  # a config.json cut short (an interrupted copy)
+    shutil.copytree(assets["model"], broken)
+    (broken / "config.json").write_text((broken / "config.json").read_text()[:40])
     return root
 
 
@@ -213,6 +217,10 @@ BAD = [
     (["--sp", "3"], "{model}", 3,
      r"4 q heads of llama are not divisible by sp=3; .*--allow-uneven-heads"),
     (["--tiled-mlp"], "{model}", 1, r"--tiled-mlp applies to the built-in model only"),
+    ([], "{bad}/broken_json", 1,
+     r"--hf-model '.*broken_json': its config\.json is not valid JSON \(line \d+, column \d+"),
+    (["--compile", "nosuchbackend"], "{model}", 1,
+     r"--compile nosuchbackend: torch\.compile has no backend of that name; use one of"),
     (["--eval-data", "{root}/none.txt"], "{model}", 1, r"--eval-data: .*none\.txt"),
 ]  # fmt: skip
 
@@ -238,6 +246,43 @@ def test_bad_input_one_error_line_nothing_written(
     assert code == 2 and len(errors) == 1, err
     assert re.search(pattern, errors[0]), errors[0]
     assert not out.exists(), "a refused run wrote to its output directory"
+
+
+@pytest.mark.timeout(120)
+def test_what_a_new_user_gets_wrong_with_hf_model(assets, tmp_path, capsys, monkeypatch):
+    """Chat JSONL without an assistant turn: one error naming the fix (it used to fail inside
+    step 1). Another model's tokenizer (ids that differ from the model's own) and a --seq-len
+    past max_position_embeddings: one warning line each, before anything is built."""
+    from dtensor_ulysses.train import validate
+    from dtensor_ulysses.train.cli import TrainConfig, UsageError
+
+    monkeypatch.setenv("RANK", "0")
+    base = dict(hf_model=assets["model"], data=assets["data"], seq_len=S, batch_size=G, steps=1,
+                device="cpu", sp=1)  # fmt: skip
+    chat = tmp_path / "no_assistant.jsonl"
+    turns = [[{"role": "user", "content": TEXT[i : i + 80]}] for i in range(0, 2000, 80)]
+    chat.write_text("".join(json.dumps({"messages": m}) + "\n" for m in turns))
+    no_target = r"has no token to learn: chat records are trained on their assistant turns only"
+    with pytest.raises(UsageError, match=no_target):
+        validate(TrainConfig(**{**base, "data": [str(chat)]}), 1)
+    capsys.readouterr()
+    short = tmp_path / "short_ctx"  # the same model, configured for 16 positions
+    shutil.copytree(assets["model"], short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=16)))
+    other = W.make_tokenizer(tmp_path / "other_tok", TEXT[::-1], vocab_size=80)
+    assert len(other) <= config["vocab_size"]  # fits the embedding: not refused, but wrong
+    validate(
+        TrainConfig(**{**base, "hf_model": str(short), "tokenizer": str(tmp_path / "other_tok")}), 1
+    )
+    warnings = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: ")]
+    assert any(re.search(rf"--seq-len {S} is longer than the 16 positions short_ctx was "
+                         r"configured for", w) for w in warnings), warnings  # fmt: skip
+    assert any(re.search(r"--tokenizer '.*other_tok' gives \d+ of its \d+ tokens other ids than "
+                         r"the model's own tokenizer", w) for w in warnings), warnings  # fmt: skip
+    assert len(warnings) == 2, warnings
+    validate(TrainConfig(**base), 1)  # the model's own tokenizer, within its positions: silent
+    assert "warning:" not in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)
