@@ -69,6 +69,7 @@ __all__ = [
     "UnroutedAttentionError",
     "UnsupportedModelError",
     "apply_ulysses",
+    "attention_dropout",
     "attention_modules",
     "check_supported",
     "decoder_layers",
@@ -286,6 +287,32 @@ def layer_features(module: nn.Module, cfg: Any, layer_type: str | None) -> Layer
     return LayerFeatures(window, chunk, float(cap) if cap else None, sinks, nope_t)  # type: ignore[arg-type]
 
 
+# the config keys that turn attention dropout on across families, and a module's own attributes
+_DROPOUT_CONFIG = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+_DROPOUT_MODULE = ("attention_dropout", "attn_dropout", "dropout")
+
+
+def attention_dropout(
+    config: Any, module: nn.Module | None = None, overrides: dict | None = None
+) -> dict[str, float]:
+    """The one detector of attention dropout (``apply_ulysses``, ``--hf-model``,
+    ``with_ulysses``): the positive probabilities, by where they were found, of a text config's
+    keys (``overrides``, e.g. ``model_init_kwargs``, win) and of an attention module's own
+    attributes (a float or an ``nn.Dropout``). Empty: no attention dropout."""
+    found: dict[str, float] = {}
+    for key in _DROPOUT_CONFIG:
+        value = (overrides or {}).get(key, getattr(config, key, None))
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found[key] = float(value)
+    if module is not None:
+        for key in _DROPOUT_MODULE:
+            value = getattr(module, key, None)
+            value = value.p if isinstance(value, nn.Dropout) else value
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                found[f"module.{key}"] = float(value)
+    return found
+
+
 def _problems(module: nn.Module, cfg: Any) -> list[str]:
     """What ``module`` does that the engine cannot do exactly."""
     out = []
@@ -293,8 +320,9 @@ def _problems(module: nn.Module, cfg: Any) -> list[str]:
         out.append(_refused("non_causal"))
     if getattr(cfg, "use_bidirectional_attention", False):
         out.append(_refused("non_causal", "use_bidirectional_attention=True"))
-    if float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
-        out.append(_refused("dropout", f"attention_dropout={cfg.attention_dropout}"))
+    dropout = attention_dropout(cfg, module)
+    if dropout:
+        out.append(_refused("dropout", ", ".join(f"{k}={v}" for k, v in dropout.items())))
     return out
 
 

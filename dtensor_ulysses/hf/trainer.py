@@ -59,7 +59,7 @@ whose behaviour with an sp axis is not defined. Applied directly, the Trainer se
 non-FSDP multi-process run, and only four accelerator methods change (see
 :mod:`~dtensor_ulysses.hf._trainer_accel`): data by dp rank, no DDP wrap, the DTensor norm,
 metrics gathered over dp. At interpreter exit, every rank leaves the process group together
-(:func:`_install_teardown`), so a finished run exits 0.
+(:func:`~dtensor_ulysses._exit.leave_together_at_exit`), so a finished run exits 0.
 Every other piece of the Trainer's loop (schedules, logging, callbacks, checkpoint cadence,
 RNG files) is the stock one.
 
@@ -73,9 +73,7 @@ FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 
 from __future__ import annotations
 
-import atexit
 import functools
-import gc
 import linecache
 import os
 import sys
@@ -87,7 +85,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from dtensor_ulysses._exit import exit_process, leave_together, write_rank_note
+from dtensor_ulysses._exit import (
+    exit_process,
+    leave_together,
+    leave_together_at_exit,
+    write_rank_note,
+)
 from dtensor_ulysses.data import IGNORE_INDEX
 from dtensor_ulysses.hf import _trainer_accel, _trainer_state
 from dtensor_ulysses.hf.batch import shard_batch
@@ -95,6 +98,7 @@ from dtensor_ulysses.hf.model import _parallelize_root, _plain_head
 from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
 from dtensor_ulysses.hf.routing import (
     UnsupportedModelError,
+    attention_dropout,
     attention_modules,
     check_supported,
 )
@@ -298,41 +302,6 @@ def _refuse_args(args: Any, sp: int) -> None:
         )
 
 
-_TEARDOWN = {"installed": False, "failed": False}
-
-
-def _install_teardown() -> None:
-    """Leave the process group together at interpreter exit (once per process).
-
-    A with_ulysses run trains on the process group that torchrun / accelerate created, and on
-    the dp, sp and dp x sp groups of its mesh. Left to interpreter shutdown, gloo's worker
-    threads can be destroyed while they still hold work, and a rank aborts after training has
-    finished ("terminate called without an active exception", SIGABRT: the job fails). Here,
-    at exit (after the script's own code, which may still evaluate or save after ``train()``),
-    every rank passes one barrier and destroys all groups while the interpreter is intact
-    (:func:`~dtensor_ulysses._exit.leave_together`). After an uncaught exception there is no
-    barrier (a peer may never reach it), only the teardown. The exit status is the script's.
-    """
-    if _TEARDOWN["installed"]:
-        return
-    _TEARDOWN["installed"] = True
-    previous = sys.excepthook
-
-    def note_failure(*exc: Any) -> None:
-        _TEARDOWN["failed"] = True
-        previous(*exc)
-
-    sys.excepthook = note_failure
-    atexit.register(_leave_at_exit)
-
-
-def _leave_at_exit() -> None:
-    if not dist.is_initialized():
-        return
-    leave_together(1 if _TEARDOWN["failed"] else 0, dist.get_rank())
-    gc.collect()  # work objects and groups that only a reference cycle still held
-
-
 def _router_rule(trainer: Any, model: Any) -> tuple[float, bool] | None:
     """The router (load-balancing) loss the stock trainer adds: ``(coef, divided by the
     accumulation steps)``, or ``None``. ``transformers.Trainer``: the model's own, when its
@@ -369,13 +338,11 @@ def _targets(batch: dict) -> int:
     return int(valid.sum())
 
 
-_DROPOUT_CONFIG = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
-
-
 def _refuse_attention_dropout(model: Any, args: Any) -> None:
     """Refuse attention dropout at construction, before the model is loaded when TRL loads it
     from a name (its config, with ``model_init_kwargs``), and on the modules of a loaded model
-    (the probability each attention layer would pass to the kernel in training)."""
+    (the probability each attention layer would pass to the kernel in training): the one
+    detector, :func:`~dtensor_ulysses.hf.routing.attention_dropout`."""
     found: dict[str, float] = {}
     if isinstance(model, str):
         try:
@@ -385,24 +352,15 @@ def _refuse_attention_dropout(model: Any, args: Any) -> None:
         except Exception:  # not readable here: the loaded model is checked after loading
             return
         overrides = getattr(args, "model_init_kwargs", None) or {}
-        for key in _DROPOUT_CONFIG:
-            value = overrides.get(key, getattr(cfg, key, None))
-            if isinstance(value, (int, float)) and value > 0:
-                found[key] = float(value)
+        found = attention_dropout(cfg, overrides=overrides)
         what = repr(model)
     elif isinstance(model, nn.Module):
         hf: Any = _trainer_state.base_model(model)
         cfg = hf.config.get_text_config()
-        for key in _DROPOUT_CONFIG:
-            value = getattr(cfg, key, None)
-            if isinstance(value, (int, float)) and value > 0:
-                found[f"config.{key}"] = float(value)
+        found = {f"config.{k}": v for k, v in attention_dropout(cfg).items()}
         for name, m in attention_modules(hf):
-            for key in ("attention_dropout", "attn_dropout", "dropout"):
-                value = getattr(m, key, None)
-                value = value.p if isinstance(value, nn.Dropout) else value
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-                    found[f"{name}.{key}"] = float(value)
+            for key, v in attention_dropout(None, m).items():
+                found[f"{name}.{key.removeprefix('module.')}"] = v
         what = type(hf).__name__
     else:
         return
@@ -563,7 +521,7 @@ class _UlyssesTrainer:
             )
         self._du_dims = ParallelDims.resolve(world, dp=None, sp=self._du_sp)  # the checks
         self._du_mesh = self._du_dims.build_mesh(self.args.device.type)
-        _install_teardown()
+        leave_together_at_exit()
         _trainer_accel.install(self.accelerator, self._du_mesh)
         self.gather_function = self.accelerator.gather_for_metrics
 
