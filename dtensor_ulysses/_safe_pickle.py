@@ -41,11 +41,14 @@ class UnsafePickle(pickle.UnpicklingError):
     """The pickle asks for something outside the admitted set (code could run)."""
 
 
+# the pure-Python unpickler (its opcodes are methods in a dispatch table); typed as Any because
+# typeshed does not describe it
+_PyUnpickler: Any = pickle._Unpickler
 _CONTAINERS_LIST = (list,)
 _CONTAINERS_DICT = (dict, collections.OrderedDict)
 
 
-class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+class SafeUnpickler(_PyUnpickler):
     """Unpickle admitting only the given classes/functions and constants.
 
     Args:
@@ -58,7 +61,7 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
             assign attributes).
     """
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch = dict(_PyUnpickler.dispatch)
 
     def __init__(
         self,

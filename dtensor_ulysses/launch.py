@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             stderr=subprocess.PIPE,
         )
-        relay = _StderrRelay(proc.stderr, exit_dir)  # type: ignore[arg-type]
+        relay = _StderrRelay(proc.stderr, exit_dir)
         forwarded: dict[int, float] = {}
 
         def forward(signum, frame) -> None:

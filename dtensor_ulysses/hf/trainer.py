@@ -479,7 +479,14 @@ class _UlyssesTrainer:
                 "entropy computed by with_ulysses; a custom loss cannot be made exact"
             )
         for key in ("train_dataset", "eval_dataset"):
-            if isinstance(kwargs.get(key), torch.utils.data.IterableDataset):
+            data = kwargs.get(key)
+            if data is not None and hasattr(data, "__len__") and len(data) == 0:
+                raise ValueError(
+                    f"{key} is empty (0 rows): there is nothing to "
+                    f"{'train on' if key == 'train_dataset' else 'evaluate'}; check how the "
+                    f"dataset was loaded, split or filtered"
+                )
+            if isinstance(data, torch.utils.data.IterableDataset):
                 raise UnsupportedTrainerError(
                     f"{key} is an IterableDataset: accelerate dispatches its batches over all "
                     f"ranks, not per dp group; pass a map-style dataset (datasets.Dataset)"

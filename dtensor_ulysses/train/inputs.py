@@ -122,7 +122,9 @@ def _load_and_check(cfg: TrainConfig) -> Any:
     try:
         json.loads((path / "config.json").read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if hasattr(e, "lineno") else ""
+        where = ""
+        if isinstance(e, json.JSONDecodeError):
+            where = f" (line {e.lineno}, column {e.colno}: {e.msg})"
         raise ValueError(
             f"--hf-model {str(path)!r}: its config.json is not valid JSON{where}; repair it or "
             f"copy the model's original config.json"

@@ -36,7 +36,8 @@ def files_of(directory: str | os.PathLike) -> list[str]:
 
 
 def _crcs(path: Path) -> tuple[int, list[int]]:
-    crcs, size = [], 0
+    crcs: list[int] = []
+    size = 0
     with path.open("rb") as f:
         while True:
             crc, n = 0, 0

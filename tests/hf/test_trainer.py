@@ -394,6 +394,20 @@ def test_loss_and_optimizer_overrides_refused(assets, tmp_path):
         cls(model=m, args=a, train_dataset=data, optimizers=(opt, None))
 
 
+def test_an_empty_dataset_is_refused_before_anything_is_built(assets, tmp_path):
+    import transformers as tf
+
+    from dtensor_ulysses.hf import with_ulysses
+
+    m, a, data = _stock(assets, tmp_path)
+    cls = with_ulysses(tf.Trainer, sp=2)
+    empty = r"^train_dataset is empty \(0 rows\): there is nothing to train on; check how"
+    with pytest.raises(ValueError, match=empty):
+        cls(model=m, args=a, train_dataset=data.select([]))
+    with pytest.raises(ValueError, match=r"^eval_dataset is empty \(0 rows\)"):
+        cls(model=m, args=a, train_dataset=data, eval_dataset=data.select([]))
+
+
 def test_tiled_loss_needs_a_plain_head(assets, tmp_path):
     """A head that does more than ``h @ W.T`` (here logit softcapping) is refused."""
     import transformers as tf

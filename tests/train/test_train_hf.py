@@ -307,6 +307,8 @@ def test_bad_input_under_torchrun_rank0_speaks_once(assets, bad_dirs, tmp_path):
     assert res.returncode != 0 and len(errors) == 1, res.stderr[-3000:]
     assert "embedding has 64 rows" in errors[0]
     assert "dtensor_ulysses/" not in res.stderr, "a worker traceback leaked"
+    # every rank leaves promptly: none ignores torchrun's SIGTERM until its SIGKILL
+    assert "via 9" not in res.stderr and not re.search(r"exitcode\s*: -9", res.stderr)
     assert not out.exists()
 
 
