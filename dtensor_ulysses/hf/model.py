@@ -8,7 +8,7 @@
   :func:`dtensor_ulysses.parallelize`.
 * :func:`load_pretrained` builds the model on ``meta``, parallelizes it, materializes only the
   shards and fills them from the safetensors files one tensor at a time
-  (:func:`~dtensor_ulysses.models.copy_full_`): no rank ever holds the whole model.
+  (:func:`~dtensor_ulysses.models.weights.copy_full_`): no rank ever holds the whole model.
 * :func:`save_pretrained` gathers one full tensor at a time; rank 0 writes ``config.json`` and
   safetensors shards that ``AutoModelForCausalLM.from_pretrained`` loads.
 """
