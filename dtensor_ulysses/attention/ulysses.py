@@ -46,7 +46,6 @@ from dtensor_ulysses.attention.local import DeferredQ, starts_from_positions
 from dtensor_ulysses.comm.alltoall import AllToAllInFlight, all_to_all
 from dtensor_ulysses.plan import (
     HEAD_DIM,
-    SEQ_DIM,
     SP_AXIS,
     SeqLayout,
     divisors,
@@ -54,6 +53,7 @@ from dtensor_ulysses.plan import (
     head_split,
     seq_split,
 )
+from dtensor_ulysses.plan.splits import SEQ_DIM
 
 __all__ = [
     "SP_AXIS",

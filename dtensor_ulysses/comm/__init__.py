@@ -10,16 +10,9 @@ from dtensor_ulysses._public import lazy_exports
 
 if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.comm.alltoall import (
-        AllToAllInFlight,
-        PendingExchange,
         all_to_all,
         dim_order,
-        even_sizes,
         start_exchange,
-    )
-    from dtensor_ulysses.comm.p2p import (
-        RingShift,
-        ring_shift,
     )
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -8,18 +8,20 @@
   :func:`dtensor_ulysses.parallelize`.
 * :func:`load_pretrained` builds the model on ``meta``, parallelizes it, materializes only the
   shards and fills them from the safetensors files one tensor at a time
-  (:func:`~dtensor_ulysses.models.copy_full_`): no rank ever holds the whole model.
+  (:func:`~dtensor_ulysses.models.weights.copy_full_`): no rank ever holds the whole model.
 * :func:`save_pretrained` gathers one full tensor at a time; rank 0 writes ``config.json`` and
   safetensors shards that ``AutoModelForCausalLM.from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -286,27 +288,19 @@ def load_weights(model: nn.Module, directory: str | os.PathLike) -> None:
     for name, b in model.named_buffers():
         if bare_name(name) in persistent:
             targets[bare_name(name)] = b
-    ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
-    seen, unexpected = set(), []
-    for file in _weight_files(Path(directory)):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key not in targets:
-                    if not any(re.search(p, key) for p in ignore):
-                        unexpected.append(key)
-                    continue
-                full = f.get_tensor(key)
-                param = targets[key]
-                if tuple(full.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"weights do not match the config: {key} has shape {tuple(full.shape)} "
-                        f"in {file.name}, the model built from config.json expects "
-                        f"{tuple(param.shape)}"
-                    )
-                copy_full_(param, full.to(param.dtype))
-                seen.add(key)
-    tied = _tied_names(hf)
-    missing = sorted(k for k in targets if k not in seen and k not in tied)
+
+    def copy(file: Path, key: str, reader: Any) -> None:
+        full = reader.get_tensor(key)
+        param = targets[key]
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(
+                f"weights do not match the config: {key} has shape {tuple(full.shape)} "
+                f"in {file.name}, the model built from config.json expects "
+                f"{tuple(param.shape)}"
+            )
+        copy_full_(param, full.to(param.dtype))
+
+    missing, unexpected = _walk_weights(Path(directory), hf, targets, copy)
     if missing or unexpected:
         raise ValueError(
             f"weights do not match the config of {type(hf).__name__}: "
@@ -320,6 +314,52 @@ def load_weights(model: nn.Module, directory: str | os.PathLike) -> None:
                 else ""
             )
         )
+
+
+@contextlib.contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """A weights file that cannot be read is a ``ValueError`` naming it (safetensors raises its
+    own error types too); anything else keeps its traceback."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
+
+
+def _walk_weights(
+    directory: Path,
+    hf: PreTrainedModel,
+    expected: Collection[str],
+    visit: Callable[[Path, str, Any], None],
+) -> tuple[list[str], list[str]]:
+    """The one walk over a model directory's safetensors keys (``load_weights`` copies,
+    ``check_weights`` compares shapes): ``visit(file, key, reader)`` for each tensor the model
+    expects, in file order, one at a time. Returns ``(missing, unexpected)``: expected names
+    no file holds (tied parameters excepted), and names the model does not have (those it
+    ignores on load excepted)."""
+    ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
+    seen, unexpected = set(), []
+    for file in _weight_files(directory):
+        if not file.is_file():
+            raise ValueError(f"weights file {str(file)!r} (named by the index) does not exist")
+        with contextlib.ExitStack() as stack:
+            with _reading(file):
+                reader = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                keys = list(reader.keys())
+            for key in keys:
+                if key not in expected:
+                    if not any(re.search(p, key) for p in ignore):
+                        unexpected.append(key)
+                    continue
+                visit(file, key, reader)
+                seen.add(key)
+    tied = _tied_names(hf)
+    missing = sorted(k for k in expected if k not in seen and k not in tied)
+    return missing, unexpected
 
 
 def _tied_names(hf: PreTrainedModel) -> set[str]:
@@ -502,30 +542,15 @@ def check_weights(directory: str | os.PathLike) -> None:
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
     want = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
-    seen, wrong, unexpected = set(), [], []
-    for file in _weight_files(directory):
-        if not file.is_file():
-            raise ValueError(f"weights file {str(file)!r} (named by the index) does not exist")
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if key not in want:
-                        if not any(re.search(p, key) for p in ignore):
-                            unexpected.append(key)
-                        continue
-                    got = tuple(f.get_slice(key).get_shape())
-                    if got != want[key]:
-                        wrong.append(f"{key} {got} (config: {want[key]})")
-                    seen.add(key)
-        except (OSError, RuntimeError) as e:  # safetensors raises its own error types too
-            raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
-        except Exception as e:
-            if type(e).__name__ != "SafetensorError":
-                raise
-            raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
-    tied = _tied_names(hf)
-    missing = sorted(k for k in want if k not in seen and k not in tied)
+    wrong: list[str] = []
+
+    def compare(file: Path, key: str, reader: Any) -> None:
+        with _reading(file):
+            got = tuple(reader.get_slice(key).get_shape())
+        if got != want[key]:
+            wrong.append(f"{key} {got} (config: {want[key]})")
+
+    missing, unexpected = _walk_weights(directory, hf, want, compare)
     if wrong or missing or unexpected:
         parts = [
             f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"

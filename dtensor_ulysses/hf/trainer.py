@@ -105,7 +105,8 @@ from dtensor_ulysses.hf.routing import (
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.parallel import flatten_dp_sp
 from dtensor_ulysses.parallel.mesh import ParallelDims
-from dtensor_ulysses.plan import ParallelOptions, default_loss_chunk
+from dtensor_ulysses.plan import ParallelOptions
+from dtensor_ulysses.plan.splits import default_loss_chunk
 
 __all__ = ["UnsupportedTrainerError", "with_ulysses"]
 

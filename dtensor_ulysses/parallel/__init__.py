@@ -10,10 +10,8 @@ from dtensor_ulysses._public import lazy_exports
 
 if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.parallel.apply import (
-        checkpoint_blocks,
         default_mixed_precision,
         parallelize,
-        shard_blocks,
     )
     from dtensor_ulysses.parallel.global_loss import (
         evaluate,
@@ -21,7 +19,6 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
     )
     from dtensor_ulysses.parallel.mesh import (
         ParallelDims,
-        default_device_type,
         flatten_dp_sp,
         init_mesh,
         mesh_ring,

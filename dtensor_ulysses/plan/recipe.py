@@ -52,7 +52,7 @@ class ParallelOptions:
     tiled_loss: bool = False
     """The loss from the final hidden states in chunks of rows (no ``[B, s, V]`` logits)."""
     loss_chunk_tokens: int | None = None
-    """Rows per loss chunk with ``tiled_loss`` (``None``: ``plan.default_loss_chunk``)."""
+    """Rows per loss chunk with ``tiled_loss`` (``None``: ``plan.splits.default_loss_chunk``)."""
     tiled_mlp: bool = False
     """Each MLP in chunks of rows, recomputed per chunk in backward (ALST's tiled MLP)."""
     mlp_chunk_tokens: int | None = None

@@ -56,7 +56,7 @@ class TrainConfig:
     strict_seq_len: bool = False
     allow_uneven_heads: bool = False
     tiled_loss: bool = False
-    loss_chunk_tokens: int | None = None  # None: plan.default_loss_chunk(local tokens)
+    loss_chunk_tokens: int | None = None  # None: plan.splits.default_loss_chunk(local tokens)
     tiled_mlp: bool = False
     mlp_chunk_tokens: int | None = None  # None: the model dim (ALST's choice), capped
     head_chunks: int = 1

@@ -67,7 +67,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtensor_ulysses._exit import leave_together
 from dtensor_ulysses.attention.kernels import describe_kernels, model_kernels
 from dtensor_ulysses.data import Batch
-from dtensor_ulysses.parallel import default_device_type, flatten_dp_sp, global_valid_tokens
+from dtensor_ulysses.parallel import flatten_dp_sp, global_valid_tokens
+from dtensor_ulysses.parallel.mesh import default_device_type
 from dtensor_ulysses.train import checkpoint as ckpt
 from dtensor_ulysses.train.checks import validate
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, parse_args

@@ -23,7 +23,8 @@ from dtensor_ulysses.data import PackedCorpus, get_batch
 from dtensor_ulysses.memory import HostOffloadAdamW
 from dtensor_ulysses.models import build_model, init_weights, model_flops_per_token, set_tiling
 from dtensor_ulysses.parallel import parallelize
-from dtensor_ulysses.plan import default_loss_chunk, get_shape, training_flops_per_token
+from dtensor_ulysses.plan import get_shape, training_flops_per_token
+from dtensor_ulysses.plan.splits import default_loss_chunk
 from dtensor_ulysses.train.cli import TrainConfig
 from dtensor_ulysses.train.inputs import hf_dir, run_tokenizer
 
