@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -61,6 +62,22 @@ GROUPS = {
     "ablation": [n for n in ROWS if "_without_" in n],
     "host": ["h100x8_host128"],
 }
+
+
+# One cheap trace of the 8x H100 recipe (its tiled loss and MLP run a chunk at a time, so a trace
+# costs in proportion to the sequence: this one takes seconds, a row's probes minutes): recorded
+# with the rows, traced again by tests/docs/test_figures.py to tell whether the file is current.
+FINGERPRINT = ["python", "-m", "simulations", "trace", "--model", "llama3-8b", *EIGHT, "--layers",
+               "5", "--seq-len", "131072", "--json"]  # fmt: skip
+
+
+def fingerprint() -> dict[str, Any]:
+    """The device peak and host bytes of :data:`FINGERPRINT`, with its command."""
+    out = subprocess.run([sys.executable, *FINGERPRINT[1:]], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    res = json.loads(out)
+    return dict(command=" ".join(FINGERPRINT), device_peak_bytes=res["device_peak_bytes"],
+                host_bytes=res["host_bytes"])  # fmt: skip
 
 
 def command(args: list[str]) -> list[str]:
@@ -122,13 +139,16 @@ def main(argv: list[str] | None = None) -> None:
         torch=torch.__version__, python=platform.python_version(),
         machine=f"{platform.machine()}, {torch.get_num_threads()} CPU threads",
     )  # fmt: skip
+    meta["fingerprint"] = fingerprint()  # the library that traces the rows below
     print(f"{'row':<42} {'longest S':>11} {'10% headroom':>13} {'device peak':>12} "
           f"{'host/rank':>10}")  # fmt: skip
     for name in names:
         hardware, args, target = ROWS[name]
+        load = round(os.getloadavg()[0], 1)  # wall_s is this machine's share, not the work
         res, wall = run(args)
         kept[name] = dict(name=name, hardware=hardware, command=" ".join(command(args)),
-                          target_seq_len=target, wall_s=round(wall, 1), result=res)  # fmt: skip
+                          target_seq_len=target, wall_s=round(wall, 1),
+                          load_average_at_start=load, result=res)  # fmt: skip
         runs = [kept[n] for n in ROWS if n in kept]
         out.write_text(json.dumps(dict(**meta, figures=figures(runs), runs=runs), indent=1) + "\n")
         within = res.get("max_seq_len_with_headroom", 0)
