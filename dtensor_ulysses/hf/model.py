@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from dtensor_ulysses._file_modes import apply_umask
+from dtensor_ulysses.hf._expert_weights import CheckpointNames, checkpoint_format
 from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
 from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
 from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
@@ -246,39 +247,46 @@ def load_weights(model: nn.Module, directory: str | os.PathLike) -> None:
         if bare_name(name) in persistent:
             targets[bare_name(name)] = b
     ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
+    files = _weight_files(Path(directory))
+    # checkpoint keys -> model names (per-expert pieces -> fused experts), transformers' mapping
+    names = CheckpointNames.of(hf, _checkpoint_keys(files), targets)
     seen, unexpected = set(), []
-    for file in _weight_files(Path(directory)):
+    for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key not in targets:
+                if names.target[key] not in targets:
                     if not any(re.search(p, key) for p in ignore):
                         unexpected.append(key)
                     continue
-                full = f.get_tensor(key)
-                param = targets[key]
-                if tuple(full.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"weights do not match the config: {key} has shape {tuple(full.shape)} "
-                        f"in {file.name}, the model built from config.json expects "
-                        f"{tuple(param.shape)}"
-                    )
-                copy_full_(param, full.to(param.dtype))
-                seen.add(key)
+                for name, full in names.add(key, f.get_tensor(key)).items():
+                    param = targets[name]
+                    if tuple(full.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"weights do not match the config: {name} has shape "
+                            f"{tuple(full.shape)} in {file.name}, the model built from "
+                            f"config.json expects {tuple(param.shape)}"
+                        )
+                    copy_full_(param, full.to(param.dtype))
+                    seen.add(name)
     tied = _tied_names(hf)
     missing = sorted(k for k in targets if k not in seen and k not in tied)
+    partial = sorted(t for t, left in names.pieces.items() if left)
     if missing or unexpected:
         raise ValueError(
             f"weights do not match the config of {type(hf).__name__}: "
             + (f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} " if missing else "")
             + (f"unexpected {unexpected[:5]}" if unexpected else "")
-            + (
-                "; these are per-expert weights in the format transformers converts on load "
-                "(fused experts in memory), which load_pretrained / --hf-model does not "
-                "convert yet: use with_ulysses (the model is loaded by transformers)"
-                if any(".experts." in k for k in unexpected)
-                else ""
-            )
+            + (f"; fused from incomplete pieces: {partial[:3]}" if partial else "")
         )
+
+
+def _checkpoint_keys(files: list[Path]) -> list[str]:
+    """Every tensor name of the checkpoint (read from the file headers)."""
+    keys: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            keys += list(f.keys())
+    return keys
 
 
 def _tied_names(hf: PreTrainedModel) -> set[str]:
@@ -389,6 +397,7 @@ def save_pretrained(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent)) if rank == 0 else None
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
+    as_saved = checkpoint_format(hf)  # fused experts -> per-expert tensors, as transformers saves
     for name, t in tensors:
         full = t.full_tensor() if isinstance(t, DTensor) else t
         if rank != 0:
@@ -398,7 +407,8 @@ def save_pretrained(
         if size and size + n > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = full.contiguous()
+        for key, piece in as_saved(name, full).items():
+            shards[-1][key] = piece.contiguous()
         size += n
     if rank == 0:
         assert tmp is not None
@@ -463,20 +473,31 @@ def check_weights(directory: str | os.PathLike) -> None:
     want = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
     ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
     seen, wrong, unexpected = set(), [], []
-    for file in _weight_files(directory):
+    files = _weight_files(directory)
+    for file in files:
         if not file.is_file():
             raise ValueError(f"weights file {str(file)!r} (named by the index) does not exist")
+    try:
+        names = CheckpointNames.of(hf, _checkpoint_keys(files), want)
+    except Exception as e:  # safetensors raises its own error types too
+        if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"cannot read the weights in {str(directory)!r}: {e}") from None
+    for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if key not in want:
+                    name = names.target[key]
+                    if name not in want:
                         if not any(re.search(p, key) for p in ignore):
                             unexpected.append(key)
                         continue
+                    seen.add(name)
+                    if names.pattern[key] is not None:  # a piece: checked once fused, on load
+                        continue
                     got = tuple(f.get_slice(key).get_shape())
-                    if got != want[key]:
-                        wrong.append(f"{key} {got} (config: {want[key]})")
-                    seen.add(key)
+                    if got != want[name]:
+                        wrong.append(f"{key} {got} (config: {want[name]})")
         except (OSError, RuntimeError) as e:  # safetensors raises its own error types too
             raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
         except Exception as e:
