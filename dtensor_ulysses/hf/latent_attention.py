@@ -16,15 +16,16 @@ head dims natively; the other kernels get the shorter side zero-padded, exactly)
 Two ways to run it under Ulysses, chosen per layer by the bytes they move:
 
 * **heads** (the plain exchange): expand on the slice, then the engine's fused all-to-all of q,
-  k, v and the output's all-to-all back: per rank and layer ``B*s*N*(2*dqk + 2*dv)*e`` passed in
-  forward (q, k, v; o), ``(P-1)/P`` of it on the wire; backward the same.
+  k, v (``B*s*N*(2*dqk + dv)*e`` passed in per rank) and the output's all-to-all back
+  (``B*S*n*dv*e``), ``(P-1)/P`` of each on the wire; backward the same two reversed.
 * **latent**: q goes to heads alone; the latent ``c[B, s, L]`` is all-gathered
   (:func:`~dtensor_ulysses.comm.all_gather_seq`) and each rank expands it to its own ``n``
   heads over the whole sequence with its rows of ``kv_b_proj`` (the same flops as the plain
   path: ``S * n = s * N`` token-heads), attends, and o comes back. Per rank and layer forward
-  ``B*s*N*(dqk + dv)*e`` by all-to-all and ``B*m*L*e`` gathered (``m = ceil(S/P)``, ``(P-1)``
-  times that received); backward the all-to-alls again and one reduce-scatter of the latent's
-  gradient (``P*B*m*L*e`` passed in, ``(P-1)/P`` of it on the wire).
+  ``B*m*L*e`` gathered (``m = ceil(S/P)``; ``(P-1)`` times that received), ``B*s*N*dqk*e`` (q)
+  and ``B*S*n*dv*e`` (o) by all-to-all; backward the two all-to-alls reversed and one
+  reduce-scatter of the latent's gradient (``P*B*m*L*e`` passed in, ``(P-1)/P`` of it on the
+  wire).
 
 Wire bytes per token: the heads path pays ``(P-1)/P * N*(dqk + dv)`` for k and v, the latent
 path ``(P-1) * L`` for the gathered latent (q and o cost both the same), so the latent wins
@@ -122,16 +123,19 @@ def latent_bytes(
     N, dqk, dv, e = shape.heads, shape.nope + shape.rope, shape.v, elem_bytes
     n = head_split(N, P)[rank]
     S = sum(seq_sizes)
-    q, o = B * s * N * dqk * e, B * s * N * dv * e
+    # forward: a slice of all heads goes out, the full length of this rank's heads comes
+    # back; backward: the adjoints the other way round
+    o_fwd, o_bwd = B * S * n * dv * e, B * s * N * dv * e
     if how == "heads":
-        return {"forward": [("all_to_all", q + B * s * N * (dqk + dv) * e), ("all_to_all", o)],
-                "backward": [("all_to_all", B * S * n * dv * e),
+        return {"forward": [("all_to_all", B * s * N * (2 * dqk + dv) * e), ("all_to_all", o_fwd)],
+                "backward": [("all_to_all", o_bwd),
                              ("all_to_all", B * S * n * (2 * dqk + dv) * e)]}  # fmt: skip
     if how != "latent":
         raise ValueError(f"how={how!r}: 'heads' or 'latent'")
     gather, scatter = all_gather_seq_bytes(B, seq_sizes, shape.latent, e)
-    return {"forward": [("all_gather", gather), ("all_to_all", q), ("all_to_all", o)],
-            "backward": [("all_to_all", B * S * n * dv * e), ("all_to_all", B * S * n * dqk * e),
+    return {"forward": [("all_gather", gather), ("all_to_all", B * s * N * dqk * e),
+                        ("all_to_all", o_fwd)],
+            "backward": [("all_to_all", o_bwd), ("all_to_all", B * S * n * dqk * e),
                          ("reduce_scatter", scatter)]}  # fmt: skip
 
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,6 +47,7 @@ from dtensor_ulysses.parallel.tokens import global_valid_tokens
 __all__ = [
     "HFCausalLM",
     "check_tokenizer",
+    "config_head_dim",
     "check_weights",
     "load_pretrained",
     "load_tokenizer",
@@ -56,6 +58,20 @@ __all__ = [
 
 # config attributes that change the logits beyond ``h @ lm_head.weight.T``
 _HEAD_EXTRAS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier")
+
+
+def config_head_dim(cfg: Any) -> int:
+    """The largest attention head dim of a text config: its ``head_dim``, or per layer where
+    transformers keeps per-layer values (Gemma 4's global layers: ``per_layer_config[i]``,
+    whose global ``head_dim`` raises on access), else ``hidden_size / heads``."""
+    dims = []
+    with contextlib.suppress(RuntimeError):  # a per-layer attribute: read per layer below
+        dims.append(int(getattr(cfg, "head_dim", 0) or 0))
+    per_layer = getattr(cfg, "per_layer_config", None)
+    if per_layer is not None:
+        for i in range(int(cfg.num_hidden_layers)):
+            dims.append(int(getattr(per_layer[i], "head_dim", 0) or 0))
+    return max(dims, default=0) or int(cfg.hidden_size) // int(cfg.num_attention_heads)
 
 
 def _plain_head(model: Any) -> nn.Linear:

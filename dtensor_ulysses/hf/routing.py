@@ -303,6 +303,11 @@ def _problems(module: nn.Module, cfg: Any) -> list[str]:
         out.append(_refused("non_causal", "use_bidirectional_attention=True"))
     if float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
         out.append(_refused("dropout", f"attention_dropout={cfg.attention_dropout}"))
+    if isinstance(getattr(module, "indexer", None), nn.Module):  # DeepSeek-V3.2, GLM-5
+        out.append(
+            "sparse attention (a top-k indexer picks each query's keys: the engine runs dense "
+            "attention)"
+        )
     return out
 
 
@@ -411,6 +416,13 @@ def apply_ulysses(
         n_heads, sp, what=f"q heads of {type(hf).__name__}", allow_uneven=allow_uneven_heads
     )
     if head_chunks != 1:
+        latent = [(n, m) for n, m, f in found if f is not None and is_latent_attention(m)]
+        if latent:
+            raise UnsupportedModelError(
+                f"{latent[0][0]} ({type(latent[0][1]).__name__}): head_chunks={head_chunks} "
+                f"with multi-head latent attention (its value head dim differs from q/k's; the "
+                f"head stages need one head dim): use head_chunks=1"
+            )
         check_head_chunks(n_heads, sp, head_chunks)
     _check_backends(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend)
     base = hf.base_model

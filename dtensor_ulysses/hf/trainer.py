@@ -90,7 +90,7 @@ from dtensor_ulysses._exit import exit_process, leave_together, write_rank_note
 from dtensor_ulysses.data import IGNORE_INDEX
 from dtensor_ulysses.hf import _trainer_accel, _trainer_state
 from dtensor_ulysses.hf.batch import shard_batch
-from dtensor_ulysses.hf.model import _plain_head
+from dtensor_ulysses.hf.model import _plain_head, config_head_dim
 from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
 from dtensor_ulysses.hf.routing import (
     UnsupportedModelError,
@@ -435,7 +435,7 @@ def _describe(trainer: Any) -> str:
     dtype = torch.bfloat16 if policy == "bf16" else getattr(policy, "param_dtype", None)
     hf: Any = _trainer_state.base_model(trainer.model)
     cfg = hf.config.get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = config_head_dim(cfg)
     probe = torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype or hf.dtype)
     try:
         kernel = resolve_backend(o["attention_backend"], probe)
