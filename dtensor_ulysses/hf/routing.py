@@ -30,8 +30,15 @@ softcap is a property of the local kernel and never compared with the local slic
 Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) go through the same exchange, routed
 by :mod:`~dtensor_ulysses.hf.linear_attention` (their key heads split over sp, as q heads are).
 
+Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Kimi) runs through the engine with
+v's own head dim; each such layer either exchanges its expanded heads or gathers its kv latent,
+whichever moves fewer bytes (:mod:`~dtensor_ulysses.hf.latent_attention`). A layer that attends
+with an earlier layer's keys and values (Gemma 4's KV sharing) reuses that layer's exchanged
+k, v: only q and o move.
+
 Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
-other layers without attention (Mamba, other linear attention), attention dropout,
+other layers without attention (Mamba, other linear attention), sparse attention (a top-k
+indexer: DeepSeek-V3.2), head chunks with latent attention, attention dropout,
 bidirectional attention, models whose attention does not go through the ``AttentionInterface``,
 a KV cache, padding masks on the model call (use :func:`~dtensor_ulysses.hf.shard_batch`). On the
 first forward after :func:`apply_ulysses`, a guard checks that every attention layer went
