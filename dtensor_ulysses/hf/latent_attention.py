@@ -161,7 +161,7 @@ def route_latent_attention(
         m.__dict__.pop(_ROUTE, None)
         shape = LatentShape.of(m)
         how = latent_exchange(shape, P)
-        if type(m.kv_b_proj) is not nn.Linear:  # type: ignore[comparison-overlap]
+        if type(m.kv_b_proj) is not nn.Linear:
             how = "heads"  # a wrapped expansion (PEFT) must run as the module itself
         chosen[name] = how
         if how == "latent":
