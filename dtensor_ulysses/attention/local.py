@@ -1,7 +1,8 @@
 """The local attention kernel: one function, many backends, one place that decides which runs.
 
 Legend: ``B`` batch, ``S`` sequence, ``N`` q heads, ``K`` kv heads (``N % K == 0``; q head ``i``
-uses kv head ``i // (N // K)``), ``H`` head dim. All tensors are ``[B, S, heads, H]``.
+uses kv head ``i // (N // K)``), ``H`` head dim (``Hv`` v's, when it differs: multi-head latent
+attention). All tensors are ``[B, S, heads, H]``.
 
 :func:`local_attention` computes attention on full-length tensors with any combination of:
 causal masking, packed documents (nothing crosses a document boundary), a sliding window
@@ -230,6 +231,11 @@ def local_attention(
     chosen = select_backend(features, device_type=q_BSNH.device.type, dtype=q_BSNH.dtype,
                             head_dim=H, backend=backend, compiled=compiled,
                             device_index=q_BSNH.device.index)  # fmt: skip
+    if v_BSKH.shape[3] != H and chosen != "sdpa":  # SDPA alone takes v's own head dim
+        return _padded_heads(q_BSNH, k_BSKH, v_BSKH, causal=causal,
+                             softmax_scale=H**-0.5 if softmax_scale is None else softmax_scale,
+                             backend=chosen, doc_starts=doc_starts, doc_tensors=doc_tensors,
+                             window=window, chunk=chunk, softcap=softcap, sinks=sinks)  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q_BSNH, k_BSKH, v_BSKH, sinks)
     )
@@ -291,6 +297,21 @@ def local_attention(
 
 # the engine may hand over a layout's doc_tensors= (built once per step, not per layer)
 local_attention.takes_doc_tensors = True  # type: ignore[attr-defined]
+
+
+def _padded_heads(q_BSNH, k_BSKH, v_BSKH, *, softmax_scale: float, **kw) -> torch.Tensor:
+    """Attention whose value head dim ``Hv`` differs from q's and k's ``H`` (multi-head latent
+    attention), on a kernel that wants one head dim: the shorter side padded with zeros to
+    ``max(H, Hv)`` (zero columns of q and k add nothing to a score, zero columns of v give zero
+    output columns, dropped), with the scale of the unpadded ``H``. Exact, values and
+    gradients."""
+    H, Hv = q_BSNH.shape[3], v_BSKH.shape[3]
+    if Hv < H:
+        o = local_attention(q_BSNH, k_BSKH, F.pad(v_BSKH, (0, H - Hv)),
+                            softmax_scale=softmax_scale, **kw)  # fmt: skip
+        return o[..., :Hv]
+    return local_attention(F.pad(q_BSNH, (0, Hv - H)), F.pad(k_BSKH, (0, Hv - H)), v_BSKH,
+                           softmax_scale=softmax_scale, **kw)  # fmt: skip
 
 
 class LocalAttention(nn.Module):

@@ -1,5 +1,6 @@
 """Communication only: the differentiable all-to-all (uneven pieces, several tensors in one
-collective, started and waited) and the ring's point-to-point k/v passing.
+collective, started and waited), the differentiable all-gather of sequence slices, and the
+ring's point-to-point k/v passing.
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from typing import TYPE_CHECKING
 from dtensor_ulysses._public import lazy_exports
 
 if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
+    from dtensor_ulysses.comm.allgather import (
+        all_gather_seq,
+        all_gather_seq_bytes,
+    )
     from dtensor_ulysses.comm.alltoall import (
         all_to_all,
         dim_order,

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from dtensor_ulysses._file_modes import apply_umask
+from dtensor_ulysses.hf._expert_weights import CheckpointNames, checkpoint_format
 from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
 from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
 from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
@@ -52,6 +53,7 @@ from dtensor_ulysses.plan.recipe import ParallelOptions
 __all__ = [
     "HFCausalLM",
     "check_tokenizer",
+    "config_head_dim",
     "check_weights",
     "load_pretrained",
     "load_tokenizer",
@@ -62,6 +64,20 @@ __all__ = [
 
 # config attributes that change the logits beyond ``h @ lm_head.weight.T``
 _HEAD_EXTRAS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier")
+
+
+def config_head_dim(cfg: Any) -> int:
+    """The largest attention head dim of a text config: its ``head_dim``, or per layer where
+    transformers keeps per-layer values (Gemma 4's global layers: ``per_layer_config[i]``,
+    whose global ``head_dim`` raises on access), else ``hidden_size / heads``."""
+    dims = []
+    with contextlib.suppress(RuntimeError):  # a per-layer attribute: read per layer below
+        dims.append(int(getattr(cfg, "head_dim", 0) or 0))
+    per_layer = getattr(cfg, "per_layer_config", None)
+    if per_layer is not None:
+        for i in range(int(cfg.num_hidden_layers)):
+            dims.append(int(getattr(per_layer[i], "head_dim", 0) or 0))
+    return max(dims, default=0) or int(cfg.hidden_size) // int(cfg.num_attention_heads)
 
 
 def _plain_head(model: Any) -> nn.Linear:
@@ -289,30 +305,27 @@ def load_weights(model: nn.Module, directory: str | os.PathLike) -> None:
         if bare_name(name) in persistent:
             targets[bare_name(name)] = b
 
-    def copy(file: Path, key: str, reader: Any) -> None:
-        full = reader.get_tensor(key)
-        param = targets[key]
-        if tuple(full.shape) != tuple(param.shape):
-            raise ValueError(
-                f"weights do not match the config: {key} has shape {tuple(full.shape)} "
-                f"in {file.name}, the model built from config.json expects "
-                f"{tuple(param.shape)}"
-            )
-        copy_full_(param, full.to(param.dtype))
+    def copy(file: Path, key: str, names: CheckpointNames, reader: Any) -> list[str]:
+        filled = names.add(key, reader.get_tensor(key))  # per-expert pieces fill a fused tensor
+        for name, full in filled.items():
+            param = targets[name]
+            if tuple(full.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"weights do not match the config: {name} has shape {tuple(full.shape)} "
+                    f"in {file.name}, the model built from config.json expects "
+                    f"{tuple(param.shape)}"
+                )
+            copy_full_(param, full.to(param.dtype))
+        return list(filled)
 
-    missing, unexpected = _walk_weights(Path(directory), hf, targets, copy)
+    missing, unexpected, names = _walk_weights(Path(directory), hf, targets, copy)
+    partial = sorted(t for t, left in names.pieces.items() if left)
     if missing or unexpected:
         raise ValueError(
             f"weights do not match the config of {type(hf).__name__}: "
             + (f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} " if missing else "")
             + (f"unexpected {unexpected[:5]}" if unexpected else "")
-            + (
-                "; these are per-expert weights in the format transformers converts on load "
-                "(fused experts in memory), which load_pretrained / --hf-model does not "
-                "convert yet: use with_ulysses (the model is loaded by transformers)"
-                if any(".experts." in k for k in unexpected)
-                else ""
-            )
+            + (f"; fused from incomplete pieces: {partial[:3]}" if partial else "")
         )
 
 
@@ -334,32 +347,44 @@ def _walk_weights(
     directory: Path,
     hf: PreTrainedModel,
     expected: Collection[str],
-    visit: Callable[[Path, str, Any], None],
-) -> tuple[list[str], list[str]]:
+    visit: Callable[[Path, str, CheckpointNames, Any], list[str]],
+) -> tuple[list[str], list[str], CheckpointNames]:
     """The one walk over a model directory's safetensors keys (``load_weights`` copies,
-    ``check_weights`` compares shapes): ``visit(file, key, reader)`` for each tensor the model
-    expects, in file order, one at a time. Returns ``(missing, unexpected)``: expected names
-    no file holds (tied parameters excepted), and names the model does not have (those it
-    ignores on load excepted)."""
+    ``check_weights`` compares shapes). Checkpoint keys are mapped to the model's names first
+    (``CheckpointNames``: per-expert pieces name the fused parameter they fill, transformers'
+    own mapping); then ``visit(file, key, names, reader)`` runs for each tensor the model
+    expects, in file order, one at a time, and returns the model names it filled.
+
+    Returns:
+        ``(missing, unexpected, names)``: expected names nothing filled (tied parameters
+        excepted), checkpoint keys the model does not have (those it ignores on load
+        excepted), and the key mapping.
+    """
     ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
-    seen, unexpected = set(), []
-    for file in _weight_files(directory):
+    files = _weight_files(directory)
+    keys: list[str] = []
+    for file in files:
         if not file.is_file():
             raise ValueError(f"weights file {str(file)!r} (named by the index) does not exist")
+        with _reading(file), safe_open(str(file), framework="pt", device="cpu") as f:
+            keys += list(f.keys())
+    names = CheckpointNames.of(hf, keys, expected)
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
         with contextlib.ExitStack() as stack:
             with _reading(file):
                 reader = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-                keys = list(reader.keys())
-            for key in keys:
-                if key not in expected:
+                file_keys = list(reader.keys())
+            for key in file_keys:
+                if names.target[key] not in expected:
                     if not any(re.search(p, key) for p in ignore):
                         unexpected.append(key)
                     continue
-                visit(file, key, reader)
-                seen.add(key)
+                seen.update(visit(file, key, names, reader))
     tied = _tied_names(hf)
     missing = sorted(k for k in expected if k not in seen and k not in tied)
-    return missing, unexpected
+    return missing, unexpected, names
 
 
 def _tied_names(hf: PreTrainedModel) -> set[str]:
@@ -470,6 +495,7 @@ def save_pretrained(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent)) if rank == 0 else None
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
+    as_saved = checkpoint_format(hf)  # fused experts -> per-expert tensors, as transformers saves
     for name, t in tensors:
         full = t.full_tensor() if isinstance(t, DTensor) else t
         if rank != 0:
@@ -479,7 +505,8 @@ def save_pretrained(
         if size and size + n > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = full.contiguous()
+        for key, piece in as_saved(name, full).items():
+            shards[-1][key] = piece.contiguous()
         size += n
     if rank == 0:
         assert tmp is not None
@@ -544,13 +571,17 @@ def check_weights(directory: str | os.PathLike) -> None:
     want = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
     wrong: list[str] = []
 
-    def compare(file: Path, key: str, reader: Any) -> None:
+    def compare(file: Path, key: str, names: CheckpointNames, reader: Any) -> list[str]:
+        name = names.target[key]
+        if names.pattern[key] is not None:  # a per-expert piece: checked once fused, on load
+            return [name]
         with _reading(file):
             got = tuple(reader.get_slice(key).get_shape())
-        if got != want[key]:
-            wrong.append(f"{key} {got} (config: {want[key]})")
+        if got != want[name]:
+            wrong.append(f"{key} {got} (config: {want[name]})")
+        return [name]
 
-    missing, unexpected = _walk_weights(directory, hf, want, compare)
+    missing, unexpected, _ = _walk_weights(directory, hf, want, compare)
     if wrong or missing or unexpected:
         parts = [
             f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"

@@ -30,8 +30,15 @@ softcap is a property of the local kernel and never compared with the local slic
 Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) go through the same exchange, routed
 by :mod:`~dtensor_ulysses.hf.linear_attention` (their key heads split over sp, as q heads are).
 
+Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Kimi) runs through the engine with
+v's own head dim; each such layer either exchanges its expanded heads or gathers its kv latent,
+whichever moves fewer bytes (:mod:`~dtensor_ulysses.hf.latent_attention`). A layer that attends
+with an earlier layer's keys and values (Gemma 4's KV sharing) reuses that layer's exchanged
+k, v: only q and o move.
+
 Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
-other layers without attention (Mamba, other linear attention), attention dropout,
+other layers without attention (Mamba, other linear attention), sparse attention (a top-k
+indexer: DeepSeek-V3.2), head chunks with latent attention, attention dropout,
 bidirectional attention, models whose attention does not go through the ``AttentionInterface``,
 a KV cache, padding masks on the model call (use :func:`~dtensor_ulysses.hf.shard_batch`). On the
 first forward after :func:`apply_ulysses`, a guard checks that every attention layer went
@@ -59,6 +66,11 @@ from dtensor_ulysses.attention.ulysses import (
     check_head_chunks,
     gather_doc_starts,
     sp_group,
+)
+from dtensor_ulysses.hf.latent_attention import (
+    is_latent_attention,
+    route_latent_attention,
+    take_exchanged_kv,
 )
 from dtensor_ulysses.hf.linear_attention import is_gated_deltanet, route_gated_deltanet
 from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
@@ -110,6 +122,9 @@ class _State:
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # id(module) -> features
     calls: dict[int, int] = field(default_factory=dict)
     chunked: dict[int, tuple[SeqLayout, SeqLayout]] = field(default_factory=dict)
+    latent: dict[str, str] = field(default_factory=dict)  # MLA layer -> "latent" / "heads"
+    shares_kv: bool = False  # some layer attends with an earlier layer's k, v (Gemma 4)
+    kv_shared: dict[int, tuple] = field(default_factory=dict)  # id(k) -> (k, v, k_ex, v_ex)
     checked: bool = False
     hooks: list = field(default_factory=list)
 
@@ -323,6 +338,11 @@ def _problems(module: nn.Module, cfg: Any) -> list[str]:
     dropout = attention_dropout(cfg, module)
     if dropout:
         out.append(_refused("dropout", ", ".join(f"{k}={v}" for k, v in dropout.items())))
+    if isinstance(getattr(module, "indexer", None), nn.Module):  # DeepSeek-V3.2, GLM-5
+        out.append(
+            "sparse attention (a top-k indexer picks each query's keys: the engine runs dense "
+            "attention)"
+        )
     return out
 
 
@@ -436,6 +456,13 @@ def apply_ulysses(
         n_heads, sp, what=f"q heads of {type(hf).__name__}", allow_uneven=allow_uneven_heads
     )
     if head_chunks != 1:
+        latent = [(n, m) for n, m, f in found if f is not None and is_latent_attention(m)]
+        if latent:
+            raise UnsupportedModelError(
+                f"{latent[0][0]} ({type(latent[0][1]).__name__}): head_chunks={head_chunks} "
+                f"with multi-head latent attention (its value head dim differs from q/k's; the "
+                f"head stages need one head dim): use head_chunks=1"
+            )
         check_head_chunks(n_heads, sp, head_chunks)
     _choose_kernels(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend,
                     compute_dtype)  # fmt: skip
@@ -454,6 +481,11 @@ def apply_ulysses(
         [(n, m) for n, m, f in found if f is None], group, state.record,
         allow_uneven_heads=allow_uneven_heads,
     )  # fmt: skip
+    # multi-head latent attention: the latent gathered where that moves fewer bytes
+    state.latent = route_latent_attention(
+        [(n, m) for n, m, f in found if f is not None and is_latent_attention(m)], group
+    )
+    state.shares_kv = any(getattr(m, "is_kv_shared_layer", False) for _, m, _ in found)
     base.__dict__[_STATE] = state
     for _, m, _ in found:
         m.__dict__[_STATE] = state
@@ -495,7 +527,8 @@ def _choose_kernels(
     cfg = hf.config.get_text_config()
     seen: dict[tuple, KernelChoice] = {}
     for name, m, feats in found:
-        head_dim = int(getattr(m, "head_dim", 0) or getattr(cfg, "head_dim", 0) or
+        head_dim = int(getattr(m, "qk_head_dim", 0) or getattr(m, "head_dim", 0) or
+                       getattr(cfg, "head_dim", 0) or
                        cfg.hidden_size // cfg.num_attention_heads)  # fmt: skip
         key = (feats, head_dim)
         if key not in seen:
@@ -552,6 +585,7 @@ def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     if not state.checked:
         state.calls = {}
     state.chunked = {}
+    state.kv_shared = {}
     return (), kwargs
 
 
@@ -655,7 +689,11 @@ def _ulysses_attention(
             "flash-attention packing kwargs (cu_seq_lens_*) of the local slice (pass packed "
             "documents as position ids restarting at 0, or as ulysses_layout)"
         )
-    if query.shape[2] != key.shape[2]:
+    # k, v already this rank's full-length heads: the latent gathered and expanded by the
+    # layer (hf/latent_attention.py), or an earlier layer's exchanged k, v (KV sharing)
+    exchanged = _exchanged_kv(state, module, key, value)
+    key0, value0 = key, value  # as the model passed them (the key of the KV-sharing cache)
+    if exchanged is None and query.shape[2] != key.shape[2]:
         problems.append(f"{query.shape[2]} queries for {key.shape[2]} keys (a KV cache)")
     if problems:
         raise UnsupportedModelError(f"{name}: " + "; ".join(problems))
@@ -681,12 +719,31 @@ def _ulysses_attention(
         extra["softcap"] = float(cap)
     if feats.sinks:  # the eager function reads the module's own parameter
         extra["sinks"] = module.sinks
+    if exchanged is not None:
+        k, v = (t.to(q.dtype) for t in exchanged[:2])
+        extra["kv_exchanged"] = exchanged[2]
+    elif layout is not None and getattr(module, "store_full_length_kv", False) and state.shares_kv:
+        k, v = state.engine.exchange_kv(k, v, q.shape[2], layout=layout)
+        state.kv_shared[id(key0)] = (key0, value0, k, v)  # later layers attend with these
+        extra["kv_exchanged"] = key.shape[1]
     kernel = module.__dict__.get("kernel_choice") or state.backend  # chosen once, looked up
     o = state.engine(
         q, k, v, layout=layout, causal=True, softmax_scale=scaling, backend=kernel, **extra
     )
     state.record(module)
     return o, None
+
+
+def _exchanged_kv(state: _State, module: nn.Module, key: torch.Tensor, value: torch.Tensor):
+    """``(k, v, K)`` (``[B, S, m, .]`` each, ``K`` the layer's kv heads) when the call's key and
+    value are already exchanged: expanded from the gathered latent by the layer (``K = N``), or
+    an earlier layer's (KV sharing: the same tensors that layer attended with); else ``None``."""
+    if take_exchanged_kv(module, key, value):
+        return key.transpose(1, 2), value.transpose(1, 2), int(module.num_heads)  # type: ignore[arg-type]
+    shared = state.kv_shared.get(id(key))
+    if shared is not None and shared[0] is key and shared[1] is value:
+        return shared[2], shared[3], key.shape[1]
+    return None
 
 
 def _nope_scale(rows: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -71,6 +71,8 @@ def hf_shape(directory: str) -> ModelShape | None:
     when the config lacks a Llama-style field."""
     from transformers import AutoConfig
 
+    from dtensor_ulysses.hf.model import config_head_dim
+
     c = AutoConfig.from_pretrained(directory).get_text_config()
     try:
         n_heads = int(c.num_attention_heads)
@@ -81,7 +83,7 @@ def hf_shape(directory: str) -> ModelShape | None:
             dim=dim,
             n_heads=n_heads,
             n_kv_heads=int(getattr(c, "num_key_value_heads", None) or n_heads),
-            head_dim=int(getattr(c, "head_dim", None) or dim // n_heads),
+            head_dim=config_head_dim(c),
             ffn_dim=int(c.intermediate_size),
             vocab_size=int(c.vocab_size),
             tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),

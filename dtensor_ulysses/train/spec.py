@@ -164,9 +164,11 @@ def _describe_hf(cfg: TrainConfig, model: torch.nn.Module) -> tuple[str, int, fl
     n_matmul = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not embedding)
     if head is None or head.weight is embedding:  # tied: the head multiplies by the embedding
         n_matmul += embedding.numel()
+    from dtensor_ulysses.hf.model import config_head_dim
+
     text = hf.config.get_text_config()
     n_heads = int(text.num_attention_heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // n_heads)
+    head_dim = config_head_dim(text)
     flops = training_flops_per_token(
         n_matmul=n_matmul,
         n_layers=int(text.num_hidden_layers),

@@ -47,7 +47,7 @@ LAYOUTS = ((1, 2), (2, 2), (1, 4))
 GA = {"family": "mixtral", "batch": 2, "ga": 2}
 # --hf-model (the same engine path as apply_ulysses, plus HFCausalLM's router loss and the
 # loading): windows + sinks + router loss, windows + softcap, chunks + temperature. Mixtral,
-# Qwen3-MoE and GLM-4-MoE save per-expert weights that load_weights does not fuse yet.
+# Qwen3-MoE and GLM-4-MoE (per-expert checkpoints): tests/hf/test_families_next.py.
 HF_MODEL = ("gpt_oss", "gemma2", "llama4_text")
 
 
