@@ -1,5 +1,6 @@
 """Communication only: the differentiable all-to-all (uneven pieces, several tensors in one
-collective, started and waited) and the ring's point-to-point k/v passing.
+collective, started and waited), the ring's point-to-point k/v passing, and the halo exchange
+of a short convolution (the previous rank's last positions).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         dim_order,
         even_sizes,
         start_exchange,
+    )
+    from dtensor_ulysses.comm.halo import (
+        halo_bytes,
+        halo_exchange,
     )
     from dtensor_ulysses.comm.p2p import (
         RingShift,

@@ -60,7 +60,12 @@ from dtensor_ulysses.attention.ulysses import (
     gather_doc_starts,
     sp_group,
 )
-from dtensor_ulysses.hf.linear_attention import is_gated_deltanet, route_gated_deltanet
+from dtensor_ulysses.hf.mixers import (
+    MIXER_LAYER_TYPES,
+    is_sequence_mixer,
+    refused_mixer,
+    route_mixers,
+)
 from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
 __all__ = [
@@ -86,6 +91,8 @@ _LAYER_FEATURES = {
     "mamba": "a Mamba state-space mixer (not attention)",
     "conv": "a convolution mixer (not attention)",
 }
+# layer types without token mixing (Nemotron-H's MLP and MoE blocks)
+_TOKENWISE_LAYER_TYPES = ("mlp", "moe")
 # kwargs of flash-attention packing (DataCollatorWithFlattening): they describe the local slice
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -314,7 +321,7 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
     cfg = hf.config.get_text_config()
     what = f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
     routable = getattr(hf, "_supports_attention_backend", False) or any(
-        is_gated_deltanet(m) for m in hf.modules()
+        is_sequence_mixer(m) for m in hf.modules()
     )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks)
     if not (routable and hf._can_set_attn_implementation()):
         raise UnsupportedModelError(
@@ -329,13 +336,18 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
     for i, layer in enumerate(layers):
         lt = layer_types[i] if layer_types and i < len(layer_types) else None
         where = f"{prefix}.{i} ({type(layer).__name__})"
-        mixers = [(n, m) for n, m in layer.named_modules() if is_gated_deltanet(m)]
-        if lt == "linear_attention" and mixers:  # routed by hf/linear_attention.py
+        mixers = [(n, m) for n, m in layer.named_modules() if is_sequence_mixer(m)]
+        refused = [(n, m, refused_mixer(m)) for n, m in layer.named_modules() if refused_mixer(m)]
+        problems += [f"{prefix}.{i}.{n} ({type(m).__name__}): {why}" for n, m, why in refused]
+        if lt in MIXER_LAYER_TYPES and mixers:  # routed by hf/mixers.py
             found += [(f"{prefix}.{i}.{n}", m, None) for n, m in mixers]
+        elif refused or lt in _TOKENWISE_LAYER_TYPES:
+            pass
         elif lt is not None and lt not in _ATTENTION_LAYER_TYPES:
             problems.append(f"{where}: {_LAYER_FEATURES.get(lt, repr(lt))}")
-        attns = [(n, m) for n, m in layer.named_modules() if _is_attention(m, classes)]
-        if not attns and not mixers:
+        attns = [(n, m) for n, m in layer.named_modules()
+                 if _is_attention(m, classes) and not refused_mixer(m)]  # fmt: skip
+        if not attns and not mixers and not refused and lt not in _TOKENWISE_LAYER_TYPES:
             kinds = sorted({type(m).__name__ for m in layer.children()})
             problems.append(
                 f"{where}: no attention module (it has {', '.join(kinds)}); layers that do not "
@@ -416,7 +428,7 @@ def apply_ulysses(
     feats = {id(m): f for _, m, f in found if f is not None}
     state = _State(engine, group, backend, head_chunks, {id(m): n for n, m, _ in found},
                    feats)  # fmt: skip
-    route_gated_deltanet(  # Gated DeltaNet layers: hf/linear_attention.py
+    route_mixers(  # Gated DeltaNet, Mamba-2, short convolutions: hf/mixers.py
         [(n, m) for n, m, f in found if f is None], group, state.record,
         allow_uneven_heads=allow_uneven_heads,
     )  # fmt: skip
