@@ -66,6 +66,10 @@ def make_config(family: str):
     if family == "lfm2_moe":
         return tf.Lfm2MoeConfig(**att, **lfm, moe_intermediate_size=16, num_dense_layers=1,
                                 num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    if family == "falcon_6heads":  # 6 Mamba heads: sp=4 does not divide them
+        cfg = make_config("falcon_h1")
+        cfg.mamba_n_heads, cfg.mamba_d_ssm = 6, 24
+        return cfg
     raise ValueError(family)
 
 
@@ -179,6 +183,98 @@ def equivalence(rank: int, world: int, dirs: dict, packed: bool) -> dict:
             out[(family, dp, sp)] = {"loss": total.item() / int((tgt != -100).sum()),
                                      "grads": grads, "mixer_out": sorted(set(seen))}  # fmt: skip
     return out if rank == 0 else None
+
+
+def _spy(model, fn_name: str, seen: list):
+    """Record the shape of the first argument of each call of ``fn_name`` in ``model``'s
+    modeling file (the Mamba-2 scan, the convolution); returns the function that removes it."""
+    import sys
+
+    mod = sys.modules[type(model).__module__]
+    inner = getattr(mod, fn_name)
+
+    def spy(x, *args, **kwargs):
+        seen.append(tuple(x.shape))
+        return inner(x, *args, **kwargs)
+
+    setattr(mod, fn_name, spy)
+    return lambda: setattr(mod, fn_name, inner)
+
+
+def _one_layer_comm(layer, D: int, layout, s: int) -> dict:
+    """The collectives of one routed mixer's own call on random input, forward and backward."""
+    from dtensor_ulysses.debug import CommCounter
+
+    x = torch.randn(G, s, D, dtype=DTYPE, requires_grad=True)
+    with CommCounter() as fwd:
+        y = layer(x, ulysses_layout=layout)
+    with CommCounter() as bwd:
+        y.sum().backward()
+    return {"forward": [(c.kind, c.bytes) for c in fwd.calls],
+            "backward": [(c.kind, c.bytes) for c in bwd.calls]}  # fmt: skip
+
+
+def features(rank: int, world: int, dirs: dict) -> dict:
+    """At sp=world: the scan's input shapes, the exchanged bytes of one Mamba-2 layer and of one
+    short convolution, the guard with a mixer left unrouted, the refusals (Mamba heads that sp
+    does not divide, slices shorter than the halo)."""
+    from dtensor_ulysses import hf
+    from dtensor_ulysses.plan import seq_split
+
+    res: dict = {}
+    mesh, _, _ = _mesh(1, world, world)
+    sizes = seq_split(S, world)
+    lo = sum(sizes[:rank])
+    ids, _, _ = global_batch(False)
+    x_ids = ids[:, lo : lo + sizes[rank]]
+    layout = hf.shard_batch({"input_ids": ids}, mesh).layout
+    for family, layer_of, fn_name in (
+        ("nemotron_h", lambda m: m.model.layers[0].mixer, "mamba2_chunk_scan"),
+        ("lfm2", lambda m: m.model.layers[0].conv, "causal_conv1d_fn"),
+    ):
+        model = load(dirs[family])
+        hf.apply_ulysses(model, mesh)
+        seen: list = []
+        unspy = _spy(model, fn_name, seen)
+        try:
+            model(input_ids=x_ids)  # the first forward (guard) done
+        finally:
+            unspy()
+        res[f"{family}_kernel"] = sorted(set(seen))
+        res[f"{family}_bytes"] = _one_layer_comm(layer_of(model), 32, layout, sizes[rank])
+        # the guard: the mixer given back its stock forward
+        model = load(dirs[family])
+        hf.apply_ulysses(model, mesh)
+        del layer_of(model).forward
+        try:
+            model(input_ids=x_ids)
+        except hf.UnroutedAttentionError as e:
+            res[f"{family}_guard"] = str(e)
+    res["sizes"] = sizes
+    # Mamba heads that sp does not divide: refused at construction, the valid sp named
+    model = load(dirs["falcon_6heads"])
+    try:
+        hf.apply_ulysses(model, mesh)
+    except ValueError as e:
+        res["heads_refused"] = f"{type(e).__name__}: {e}"
+    # slices shorter than the halo: refused with the numbers
+    model = load(dirs["lfm2"])
+    hf.apply_ulysses(model, mesh)
+    short = seq_split(4, world)
+    slo = sum(short[:rank])
+    try:
+        model(input_ids=ids[:, slo : slo + short[rank]])
+    except ValueError as e:
+        res["short_refused"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def trainers(rank: int, world: int, specs: list) -> list:
+    """``with_ulysses(transformers.Trainer)`` runs (tests/hf_trainer_workers.py), last in a world
+    (a trainer may tear the process group down)."""
+    from tests import hf_trainer_workers as T
+
+    return T.run_specs(rank, world, specs)
 
 
 def run_jobs(rank: int, world: int, jobs: list):

@@ -321,8 +321,9 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
     cfg = hf.config.get_text_config()
     what = f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
     routable = getattr(hf, "_supports_attention_backend", False) or any(
-        is_sequence_mixer(m) for m in hf.modules()
-    )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks)
+        is_sequence_mixer(m) or refused_mixer(m) for m in hf.modules()
+    )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks;
+    # a refused mixer is named below, layer by layer)
     if not (routable and hf._can_set_attn_implementation()):
         raise UnsupportedModelError(
             f"{what} does not route its attention through transformers' AttentionInterface, "
