@@ -52,14 +52,14 @@ def _shift(send: torch.Tensor | None, like: torch.Tensor, group, to_next: bool) 
 
 class _Halo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_BsC: torch.Tensor, k: int, group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x_BsC: torch.Tensor, k: int, group) -> torch.Tensor:
         ctx.k, ctx.group, ctx.shape = k, group, x_BsC.shape
         B, _, C = x_BsC.shape
         like = x_BsC.new_empty(B, k, C)
         return _shift(x_BsC[:, -k:], like, group, to_next=True)
 
     @staticmethod
-    def backward(ctx, g_BkC: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, g_BkC: torch.Tensor):
         back = _shift(g_BkC, g_BkC, ctx.group, to_next=False)
         g_BsC = g_BkC.new_zeros(ctx.shape)
         g_BsC[:, -ctx.k :] = back

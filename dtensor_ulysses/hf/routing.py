@@ -27,14 +27,16 @@ each layer is chosen (:func:`~dtensor_ulysses.attention.select_backend`) in
 After the all-to-all every rank holds the full sequence of its heads, so a window, a chunk or a
 softcap is a property of the local kernel and never compared with the local slice length.
 
-Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) go through the same exchange, routed
-by :mod:`~dtensor_ulysses.hf.linear_attention` (their key heads split over sp, as q heads are).
+Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) and Mamba-2 mixers (Nemotron-H,
+Granite 4.0-H, Falcon-H1) go through the same exchange (their heads split over sp, as q heads
+are); LFM2's short convolutions through a halo exchange: :mod:`~dtensor_ulysses.hf.mixers` holds
+the table of routed and refused mixers.
 
 Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
-other layers without attention (Mamba, other linear attention), attention dropout,
-bidirectional attention, models whose attention does not go through the ``AttentionInterface``,
-a KV cache, padding masks on the model call (use :func:`~dtensor_ulysses.hf.shard_batch`). On the
-first forward after :func:`apply_ulysses`, a guard checks that every attention layer went
+other layers without attention or a routed mixer (and the mixers refused by name), attention
+dropout, bidirectional attention, models whose attention does not go through the
+``AttentionInterface``, a KV cache, padding masks on the model call (use
+:func:`~dtensor_ulysses.hf.shard_batch`). On the first forward after :func:`apply_ulysses`, a guard checks that every attention layer went
 through the engine and raises :class:`UnroutedAttentionError` naming those that did not (sp
 would silently be a no-op for them).
 """
@@ -315,8 +317,8 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | None]]:
-    """``(name, module, features)`` of every attention module (features ``None``: a Gated
-    DeltaNet mixer, routed by hf/linear_attention.py)."""
+    """``(name, module, features)`` of every attention module (features ``None``: a sequence
+    mixer, routed by hf/mixers.py)."""
     hf = unwrap(model)
     cfg = hf.config.get_text_config()
     what = f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
