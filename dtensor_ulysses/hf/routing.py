@@ -36,9 +36,10 @@ Refused, loudly, naming the layer and the feature (results would be wrong, not j
 other layers without attention or a routed mixer (and the mixers refused by name), attention
 dropout, bidirectional attention, models whose attention does not go through the
 ``AttentionInterface``, a KV cache, padding masks on the model call (use
-:func:`~dtensor_ulysses.hf.shard_batch`). On the first forward after :func:`apply_ulysses`, a guard checks that every attention layer went
-through the engine and raises :class:`UnroutedAttentionError` naming those that did not (sp
-would silently be a no-op for them).
+:func:`~dtensor_ulysses.hf.shard_batch`). On the first forward after :func:`apply_ulysses`, a
+guard checks that every attention layer and routed mixer went through the engine and raises
+:class:`UnroutedAttentionError` naming those that did not (sp would silently be a no-op for
+them).
 """
 
 from __future__ import annotations
