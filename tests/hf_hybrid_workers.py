@@ -1,5 +1,6 @@
 """Per-rank functions for tests/hf/test_hybrids.py: the state-space and convolution hybrids
-(Nemotron-H, Granite 4.0-H, Falcon-H1: Mamba-2; LFM2, LFM2-MoE: short convolutions) under
+(Nemotron-H, Granite 4.0-H, Falcon-H1: Mamba-2; LFM2, LFM2-MoE: short convolutions; OLMo
+hybrid: Gated DeltaNet with its own projections) under
 ``apply_ulysses``, and the tiny random models they use (each family's own config class).
 
 Every feature is shorter than the sequence and than a rank's slice: Mamba-2 scan chunks of 8 and
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from tests.hf_linear_workers import _mesh
 
-FAMILIES = ("nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe")
+FAMILIES = ("nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "olmo_hybrid")
 VOCAB, S, G = 96, 71, 4
 DOCS = [[30, 5, 36], [71], [3, 68], [40, 31]]  # packed documents per row (one of 3 tokens)
 LAYOUTS = ((1, 2), (2, 2), (1, 4))
@@ -58,6 +59,13 @@ def make_config(family: str):
             mamba_chunk_size=8, mamba_rms_norm=True, ssm_in_multiplier=0.7,
             ssm_out_multiplier=1.3, attention_in_multiplier=0.9, attention_out_multiplier=1.1,
             ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], key_multiplier=0.8,
+        )  # fmt: skip
+    if family == "olmo_hybrid":  # Gated DeltaNet: 4 key heads, 2 value heads each; beta in [0, 2]
+        return tf.OlmoHybridConfig(
+            **att, intermediate_size=48, num_hidden_layers=3, pad_token_id=0, eos_token_id=2,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+            linear_value_head_dim=4, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
         )  # fmt: skip
     lfm = dict(intermediate_size=48, num_hidden_layers=3, conv_L_cache=3,
                layer_types=["conv", "full_attention", "conv"])  # fmt: skip

@@ -3,8 +3,8 @@ and the ones it refuses, in one table.
 
 Routed (each on this rank's slice, equal to the stock layer on the whole sequence):
 
-* Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): head-sharded between two all-to-alls,
-  :mod:`~dtensor_ulysses.hf.linear_attention`.
+* Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid): head-sharded between two
+  all-to-alls, :mod:`~dtensor_ulysses.hf.linear_attention`.
 * Mamba-2 (Nemotron-H, Granite 4.0-H, Falcon-H1): head-sharded between two all-to-alls,
   :mod:`~dtensor_ulysses.hf.mamba`.
 * LFM2 short convolutions: a halo exchange, :mod:`~dtensor_ulysses.hf.short_conv`.
@@ -42,8 +42,6 @@ MIXER_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid")
 # class name -> why it is refused (one place; flip an entry off when its route lands)
 REFUSED_MIXERS = {
     "KimiLinearDeltaAttention": "Kimi Delta Attention (KDA) is not routed through Ulysses yet",
-    "OlmoHybridGatedDeltaNet": "OLMo hybrid's Gated DeltaNet (separate q/k/v/a/b/g projections, "
-    "allow_neg_eigval) is not routed through Ulysses yet",
     # MLA: helper "mla" routes it; until that lands Kimi Linear's MLA layers are refused here
     "KimiLinearAttention": "multi-head latent attention (MLA) is not routed through Ulysses yet",
 }
