@@ -17,7 +17,15 @@ import torch.nn.functional as F
 
 from tests.hf_linear_workers import _mesh
 
-FAMILIES = ("nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "olmo_hybrid")
+FAMILIES = (
+    "nemotron_h",
+    "granitemoehybrid",
+    "falcon_h1",
+    "lfm2",
+    "lfm2_moe",
+    "olmo_hybrid",
+    "kimi_linear_kda",
+)
 VOCAB, S, G = 96, 71, 4
 DOCS = [[30, 5, 36], [71], [3, 68], [40, 31]]  # packed documents per row (one of 3 tokens)
 LAYOUTS = ((1, 2), (2, 2), (1, 4))
@@ -66,6 +74,16 @@ def make_config(family: str):
             layer_types=["linear_attention", "full_attention", "linear_attention"],
             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
             linear_value_head_dim=4, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+        )  # fmt: skip
+    if family.startswith("kimi_linear"):  # KDA (4 heads of 8, conv 4); "_mla": beside MLA
+        types = ["linear_attention", "full_attention" if family.endswith("mla") else
+                 "linear_attention", "linear_attention"]  # fmt: skip
+        return tf.KimiLinearConfig(
+            **att, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_local_experts=4, num_experts_per_tok=2, q_lora_rank=None, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, layer_types=types,
+            linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
     lfm = dict(intermediate_size=48, num_hidden_layers=3, conv_L_cache=3,
                layer_types=["conv", "full_attention", "conv"])  # fmt: skip
@@ -134,7 +152,7 @@ def reference(model_dir: str, packed: bool) -> dict:
     for b in range(G):
         start = 0
         for n in docs[b]:
-            logits = model(input_ids=ids[b : b + 1, start : start + n]).logits
+            logits = model(input_ids=ids[b : b + 1, start : start + n], use_cache=False).logits
             total = total + _loss_of(model, logits, tgt[b : b + 1, start : start + n])
             start += n
     loss = total / int((tgt != -100).sum())
@@ -239,6 +257,7 @@ def features(rank: int, world: int, dirs: dict) -> dict:
     for family, layer_of, fn_name in (
         ("nemotron_h", lambda m: m.model.layers[0].mixer, "mamba2_chunk_scan"),
         ("lfm2", lambda m: m.model.layers[0].conv, "causal_conv1d_fn"),
+        ("kimi_linear_kda", lambda m: m.model.layers[0].self_attn, "chunk_kimi_delta_attention"),
     ):
         model = load(dirs[family])
         hf.apply_ulysses(model, mesh)

@@ -8,6 +8,8 @@ Routed (each on this rank's slice, equal to the stock layer on the whole sequenc
 * Mamba-2 (Nemotron-H, Granite 4.0-H, Falcon-H1): head-sharded between two all-to-alls,
   :mod:`~dtensor_ulysses.hf.mamba`.
 * LFM2 short convolutions: a halo exchange, :mod:`~dtensor_ulysses.hf.short_conv`.
+* Kimi Delta Attention (Kimi Linear's KDA layers): head-sharded between two all-to-alls,
+  :mod:`~dtensor_ulysses.hf.kda`.
 
 Refused, naming the layer (:data:`REFUSED_MIXERS`): mixers this package has not reproduced yet.
 A mixer left out of both lists is refused by the routing too (a layer without attention or a
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtensor_ulysses.hf._mixer_route import SequenceMixerError
+from dtensor_ulysses.hf.kda import is_kda, route_kda
 from dtensor_ulysses.hf.linear_attention import is_gated_deltanet, route_gated_deltanet
 from dtensor_ulysses.hf.mamba import is_mamba2, route_mamba2
 from dtensor_ulysses.hf.short_conv import is_short_conv, route_short_conv
@@ -41,7 +44,6 @@ MIXER_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid")
 
 # class name -> why it is refused (one place; flip an entry off when its route lands)
 REFUSED_MIXERS = {
-    "KimiLinearDeltaAttention": "Kimi Delta Attention (KDA) is not routed through Ulysses yet",
     # MLA: helper "mla" routes it; until that lands Kimi Linear's MLA layers are refused here
     "KimiLinearAttention": "multi-head latent attention (MLA) is not routed through Ulysses yet",
 }
@@ -54,7 +56,7 @@ def refused_mixer(module: nn.Module) -> str | None:
 
 def is_sequence_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a mixer :func:`route_mixers` routes."""
-    return is_gated_deltanet(module) or is_mamba2(module) or is_short_conv(module)
+    return is_gated_deltanet(module) or is_mamba2(module) or is_short_conv(module) or is_kda(module)
 
 
 def route_mixers(
@@ -73,6 +75,8 @@ def route_mixers(
     gdn = [(n, m) for n, m in modules if is_gated_deltanet(m)]
     mamba = [(n, m) for n, m in modules if is_mamba2(m)]
     conv = [(n, m) for n, m in modules if is_short_conv(m)]
+    kda = [(n, m) for n, m in modules if is_kda(m)]
     route_gated_deltanet(gdn, group, on_call, allow_uneven_heads=allow_uneven_heads)
     route_mamba2(mamba, group, on_call, allow_uneven_heads=allow_uneven_heads)
     route_short_conv(conv, group, on_call)
+    route_kda(kda, group, on_call, allow_uneven_heads=allow_uneven_heads)
