@@ -1,6 +1,7 @@
 """Communication only: the differentiable all-to-all (uneven pieces, several tensors in one
-collective, started and waited), the differentiable all-gather of sequence slices, and the
-ring's point-to-point k/v passing.
+collective, started and waited), the differentiable all-gather of sequence slices, the
+ring's point-to-point k/v passing, and the halo exchange of a short convolution (the previous
+rank's last positions).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         all_to_all,
         dim_order,
         start_exchange,
+    )
+    from dtensor_ulysses.comm.halo import (
+        halo_bytes,
+        halo_exchange,
     )
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -27,8 +27,10 @@ each layer kind is chosen once (:func:`~dtensor_ulysses.attention.choose_kernel`
 After the all-to-all every rank holds the full sequence of its heads, so a window, a chunk or a
 softcap is a property of the local kernel and never compared with the local slice length.
 
-Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) go through the same exchange, routed
-by :mod:`~dtensor_ulysses.hf.linear_attention` (their key heads split over sp, as q heads are).
+Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) and Mamba-2 mixers (Nemotron-H,
+Granite 4.0-H, Falcon-H1) go through the same exchange (their heads split over sp, as q heads
+are); LFM2's short convolutions through a halo exchange: :mod:`~dtensor_ulysses.hf.mixers` holds
+the table of routed and refused mixers.
 
 Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Kimi) runs through the engine with
 v's own head dim; each such layer either exchanges its expanded heads or gathers its kv latent,
@@ -37,13 +39,14 @@ with an earlier layer's keys and values (Gemma 4's KV sharing) reuses that layer
 k, v: only q and o move.
 
 Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
-other layers without attention (Mamba, other linear attention), sparse attention (a top-k
-indexer: DeepSeek-V3.2), head chunks with latent attention, attention dropout,
-bidirectional attention, models whose attention does not go through the ``AttentionInterface``,
-a KV cache, padding masks on the model call (use :func:`~dtensor_ulysses.hf.shard_batch`). On the
-first forward after :func:`apply_ulysses`, a guard checks that every attention layer went
-through the engine and raises :class:`UnroutedAttentionError` naming those that did not (sp
-would silently be a no-op for them).
+other layers without attention or a routed mixer (and the mixers refused by name), sparse
+attention (a top-k indexer: DeepSeek-V3.2), head chunks with latent attention, attention
+dropout, bidirectional attention, models whose attention does not go through the
+``AttentionInterface``, a KV cache, padding masks on the model call (use
+:func:`~dtensor_ulysses.hf.shard_batch`). On the first forward after :func:`apply_ulysses`, a
+guard checks that every attention layer and routed mixer went through the engine and raises
+:class:`UnroutedAttentionError` naming those that did not (sp would silently be a no-op for
+them).
 """
 
 from __future__ import annotations
@@ -72,7 +75,12 @@ from dtensor_ulysses.hf.latent_attention import (
     route_latent_attention,
     take_exchanged_kv,
 )
-from dtensor_ulysses.hf.linear_attention import is_gated_deltanet, route_gated_deltanet
+from dtensor_ulysses.hf.mixers import (
+    MIXER_LAYER_TYPES,
+    is_sequence_mixer,
+    refused_mixer,
+    route_mixers,
+)
 from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
 __all__ = [
@@ -99,6 +107,8 @@ _LAYER_FEATURES = {
     "mamba": "a Mamba state-space mixer (not attention)",
     "conv": "a convolution mixer (not attention)",
 }
+# layer types without token mixing (Nemotron-H's MLP and MoE blocks)
+_TOKENWISE_LAYER_TYPES = ("mlp", "moe")
 # kwargs of flash-attention packing (DataCollatorWithFlattening): they describe the local slice
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -356,14 +366,15 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | None]]:
-    """``(name, module, features)`` of every attention module (features ``None``: a Gated
-    DeltaNet mixer, routed by hf/linear_attention.py)."""
+    """``(name, module, features)`` of every attention module (features ``None``: a sequence
+    mixer, routed by hf/mixers.py)."""
     hf = unwrap(model)
     cfg = hf.config.get_text_config()
     what = f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
     routable = getattr(hf, "_supports_attention_backend", False) or any(
-        is_gated_deltanet(m) for m in hf.modules()
-    )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks)
+        is_sequence_mixer(m) or refused_mixer(m) for m in hf.modules()
+    )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks;
+    # a refused mixer is named below, layer by layer)
     if not (routable and hf._can_set_attn_implementation()):
         raise UnsupportedModelError(
             f"{what} does not route its attention through transformers' AttentionInterface, "
@@ -377,13 +388,18 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
     for i, layer in enumerate(layers):
         lt = layer_types[i] if layer_types and i < len(layer_types) else None
         where = f"{prefix}.{i} ({type(layer).__name__})"
-        mixers = [(n, m) for n, m in layer.named_modules() if is_gated_deltanet(m)]
-        if lt == "linear_attention" and mixers:  # routed by hf/linear_attention.py
+        mixers = [(n, m) for n, m in layer.named_modules() if is_sequence_mixer(m)]
+        refused = [(n, m, refused_mixer(m)) for n, m in layer.named_modules() if refused_mixer(m)]
+        problems += [f"{prefix}.{i}.{n} ({type(m).__name__}): {why}" for n, m, why in refused]
+        if lt in MIXER_LAYER_TYPES and mixers:  # routed by hf/mixers.py
             found += [(f"{prefix}.{i}.{n}", m, None) for n, m in mixers]
+        elif refused or lt in _TOKENWISE_LAYER_TYPES:
+            pass
         elif lt is not None and lt not in _ATTENTION_LAYER_TYPES:
             problems.append(f"{where}: {_LAYER_FEATURES.get(lt, repr(lt))}")
-        attns = [(n, m) for n, m in layer.named_modules() if _is_attention(m, classes)]
-        if not attns and not mixers:
+        attns = [(n, m) for n, m in layer.named_modules()
+                 if _is_attention(m, classes) and not refused_mixer(m)]  # fmt: skip
+        if not attns and not mixers and not refused and lt not in _TOKENWISE_LAYER_TYPES:
             kinds = sorted({type(m).__name__ for m in layer.children()})
             problems.append(
                 f"{where}: no attention module (it has {', '.join(kinds)}); layers that do not "
@@ -477,7 +493,7 @@ def apply_ulysses(
     feats = {id(m): f for _, m, f in found if f is not None}
     state = _State(engine, group, backend, head_chunks, {id(m): n for n, m, _ in found},
                    feats)  # fmt: skip
-    route_gated_deltanet(  # Gated DeltaNet layers: hf/linear_attention.py
+    route_mixers(  # Gated DeltaNet, Mamba-2, short convolutions: hf/mixers.py
         [(n, m) for n, m, f in found if f is None], group, state.record,
         allow_uneven_heads=allow_uneven_heads,
     )  # fmt: skip
