@@ -15,22 +15,34 @@
    fix, pytorch/pytorch#179291). Workers flush their streams and leave with ``os._exit``
    (:func:`exit_process`): nothing is lost, because results, metrics and checkpoints are written
    and closed before this point.
-4. Leave a note. A worker's torchelastic error file is what torchrun's failure summary shows
+4. Leave together at exit, when the library does not own the process's end (``with_ulysses``
+   inside a user's script): :func:`leave_together_at_exit` installs the excepthook and the
+   atexit teardown.
+5. Leave a note. A worker's torchelastic error file is what torchrun's failure summary shows
    next to the rank (instead of "To enable traceback see ..."): :func:`write_rank_note`.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["USAGE_ERROR_GRACE_S", "exit_process", "leave_together", "write_rank_note"]
+__all__ = [
+    "USAGE_ERROR_GRACE_S",
+    "exit_process",
+    "leave_together",
+    "leave_together_at_exit",
+    "write_rank_note",
+]
 
 USAGE_ERROR_GRACE_S = 30.0
 
@@ -52,6 +64,42 @@ def leave_together(code: int, rank: int, *, grace: bool = True) -> int:
     if code == 2 and rank != 0 and grace:
         time.sleep(USAGE_ERROR_GRACE_S)
     return code
+
+
+_AT_EXIT = {"installed": False, "failed": False}
+
+
+def leave_together_at_exit() -> None:
+    """Leave the process group together at interpreter exit (installed once per process).
+
+    For code that trains on a process group it did not create and whose end it does not own
+    (``with_ulysses`` inside a user's script, on the group torchrun / accelerate made, and its
+    mesh's groups). Left to interpreter shutdown, gloo's worker threads can be destroyed while
+    they still hold work, and a rank aborts after training has finished (SIGABRT: the job
+    fails). At exit (after the script's own code, which may still evaluate or save), every rank
+    passes one barrier and destroys all groups while the interpreter is intact
+    (:func:`leave_together`). After an uncaught exception (noted by an excepthook that then
+    calls the previous one) there is no barrier, since a peer may never reach it: only the
+    teardown. The exit status stays the script's.
+    """
+    if _AT_EXIT["installed"]:
+        return
+    _AT_EXIT["installed"] = True
+    previous = sys.excepthook
+
+    def note_failure(*exc: Any) -> None:
+        _AT_EXIT["failed"] = True
+        previous(*exc)
+
+    sys.excepthook = note_failure
+    atexit.register(_leave_at_exit)
+
+
+def _leave_at_exit() -> None:
+    if not dist.is_initialized():
+        return
+    leave_together(1 if _AT_EXIT["failed"] else 0, dist.get_rank())
+    gc.collect()  # work objects and groups that only a reference cycle still held
 
 
 def exit_process(code: int) -> None:

@@ -4,6 +4,9 @@ On CPU with a tiny model built on the spot (``--model DIR`` for a local checkpoi
 
     torchrun --standalone --nproc-per-node 2 examples/sft_trl.py --sp 2
     torchrun --standalone --nproc-per-node 4 examples/sft_trl.py --sp 2 --packing --tiled-loss
+    python examples/sft_trl.py --stock           # the stock trainer on one process: the losses
+                                                 # the runs above reproduce (add --bf16 to both
+                                                 # for TRL's default precision: close, not equal)
 
 Chat data with the loss on assistant tokens only, or (``--packing``) packed text without
 padding (``padding_free``: documents kept apart by position ids restarting at 0).
@@ -24,6 +27,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--model", default=None, help="a local model directory (default: tiny)")
     p.add_argument("--out", default="runs/sft_trl")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (TRL's default)")
+    p.add_argument("--stock", action="store_true", help="the stock trainer (one process)")
     a = p.parse_args()
 
     import torch
@@ -41,13 +46,16 @@ def main() -> None:
         extra = dict(assistant_only_loss=True, max_length=48)
     args = SFTConfig(
         output_dir=a.out, per_device_train_batch_size=2, max_steps=a.steps, learning_rate=1e-3,
-        logging_steps=1, bf16=False, report_to=[], save_strategy="no",
+        logging_steps=1, bf16=a.bf16, report_to=[], save_strategy="no",
         use_cpu=not torch.cuda.is_available(), **extra,
     )  # fmt: skip
-    trainer = with_ulysses(SFTTrainer, sp=a.sp, tiled_loss=a.tiled_loss)(  # Ulysses
-        model=model, args=args, train_dataset=data, processing_class=tokenizer
-    )
+    trainer_cls = SFTTrainer
+    if not a.stock:
+        trainer_cls = with_ulysses(SFTTrainer, sp=a.sp, tiled_loss=a.tiled_loss)  # Ulysses
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     trainer.train()
+    if trainer.is_world_process_zero():
+        print("losses", [h["loss"] for h in trainer.state.log_history if "loss" in h])
     trainer.save_model(f"{a.out}/final")
 
 

@@ -156,19 +156,25 @@ def commands(docs: Path = DOCS) -> list[Command]:
     """Project commands in ```bash blocks: the module or script each runs, and its flags."""
     out: list[Command] = []
     for path in sorted(docs.rglob("*.md")):
-        page = path.relative_to(docs).as_posix()
-        for line, lang, code, _ in _blocks(path.read_text(encoding="utf-8")):
-            if lang not in ("bash", "sh", "shell"):
-                continue
-            for text in _logical_lines(code):
-                for part in re.split(r"\s*(?:&&|\|\||;|\|)\s*", text):
-                    try:
-                        tokens = shlex.split(part)
-                    except ValueError:
-                        continue
-                    cmd = _parse(tokens)
-                    if cmd is not None:
-                        out.append(Command(f"docs/{page}:{line}", part, *cmd))
+        out += commands_in(path, f"docs/{path.relative_to(docs).as_posix()}")
+    return out
+
+
+def commands_in(path: Path, where: str) -> list[Command]:
+    """The project commands in the ```bash blocks of one Markdown file (``where``: its name)."""
+    out: list[Command] = []
+    for line, lang, code, _ in _blocks(path.read_text(encoding="utf-8")):
+        if lang not in ("bash", "sh", "shell"):
+            continue
+        for text in _logical_lines(code):
+            for part in re.split(r"\s*(?:&&|\|\||;|\|)\s*", text):
+                try:
+                    tokens = shlex.split(part)
+                except ValueError:
+                    continue
+                cmd = _parse(tokens)
+                if cmd is not None:
+                    out.append(Command(f"{where}:{line}", part, *cmd))
     return out
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.utils._pytree as pytree
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 
 import dtensor_ulysses as du
 from dtensor_ulysses.attention import local as attention
@@ -70,7 +73,7 @@ def train_bf16(rank: int, world_size: int, runs: list[dict]) -> list[list[tuple[
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dtensor_ulysses import train as du_train
-    from dtensor_ulysses.parallel import compose as parallel
+    from dtensor_ulysses.parallel import apply as parallel
 
     _installed()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -85,6 +88,29 @@ def train_bf16(rank: int, world_size: int, runs: list[dict]) -> list[list[tuple[
     return results
 
 
+class _StrideChecked(torch.fx.Interpreter):
+    """Runs a graph eagerly and checks every output of the library's custom ops against the
+    shape and strides its fake kernel gave at trace time (inductor's ``assert_size_stride``;
+    aot_eager alone runs on whatever strides come out)."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if getattr(n.target, "namespace", None) == "dtensor_ulysses" and "val" in n.meta:
+            real, fake = pytree.tree_leaves(out), pytree.tree_leaves(n.meta["val"])
+            for i, (r, f) in enumerate(zip(real, fake)):
+                if isinstance(r, torch.Tensor):
+                    got, want = (tuple(r.shape), r.stride()), (tuple(f.shape), f.stride())
+                    assert got == want, f"{n.target} output {i}: (shape, stride) {got} != {want}"
+        return out
+
+
+def _stride_checked(gm, example_inputs):
+    return make_boxed_func(lambda *args: _StrideChecked(gm).run(*args))
+
+
+_STRIDE_CHECKED_AOT_EAGER = aot_autograd(fw_compiler=_stride_checked, bw_compiler=_stride_checked)
+
+
 def train_counting_compiles(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
     """The trainer's runs; per run its losses and how many frames dynamo compiled."""
     from dtensor_ulysses import train as du_train
@@ -94,7 +120,7 @@ def train_counting_compiles(rank: int, world_size: int, runs: list[dict]) -> lis
     @torch._dynamo.register_backend(name="counting_aot_eager")  # type: ignore[misc]
     def _counting(gm, example_inputs):
         compiled.append(1)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        return _STRIDE_CHECKED_AOT_EAGER(gm, example_inputs)
 
     results = []
     for kw in runs:
@@ -102,7 +128,7 @@ def train_counting_compiles(rank: int, world_size: int, runs: list[dict]) -> lis
         if kw.pop("bf16", False):  # FSDP2's CUDA policy on CPU: bf16 compute for flash-attn
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            from dtensor_ulysses.parallel import compose as parallel
+            from dtensor_ulysses.parallel import apply as parallel
 
             bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             parallel.default_mixed_precision = lambda device_type: bf16  # type: ignore[assignment]
@@ -129,7 +155,7 @@ def host_data_ops_per_step(rank: int, world_size: int, cfg_kw: dict, depths: lis
 
     from dtensor_ulysses import train as du_train
     from dtensor_ulysses.data import PackedCorpus, get_batch
-    from dtensor_ulysses.parallel import compose as parallel
+    from dtensor_ulysses.parallel import apply as parallel
     from dtensor_ulysses.parallel.mesh import flatten_dp_sp, init_mesh
     from dtensor_ulysses.plan.presets import PRESETS, get_shape
 

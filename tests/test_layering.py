@@ -55,10 +55,10 @@ LAYERS: list[set[str]] = [
 THE_MODEL = ("models/llama.py", "models/layers.py", "models/loss.py")
 # the built-in model's train and eval path (``python -m dtensor_ulysses.train`` without
 # --hf-model): never imports dtensor_ulysses.hf or transformers at import time; the one slicer
-# lives in data/batch.py, evaluation in train/evaluation.py (the sums in parallel/tokens.py)
+# lives in data/batch.py, evaluation in train/evaluation.py (the sums in parallel/global_loss.py)
 BUILTIN_TRAIN_PATH = (
     "train/loop.py", "train/evaluation.py", "train/checks.py", "train/spec.py",
-    "data/batch.py", "parallel/tokens.py", "parallel/mesh.py",
+    "data/batch.py", "parallel/global_loss.py", "parallel/mesh.py",
 )  # fmt: skip
 
 
@@ -456,12 +456,12 @@ def test_the_checkers_catch_what_they_forbid(tmp_path):
                 "import torch.nn\nfrom dtensor_ulysses.models import _layers\n"
                 "from dtensor_ulysses.models.weights import init\n"
             ),
-            "models/_layers.py": "import dtensor_ulysses.parallel.tokens\n",  # upward, dist
+            "models/_layers.py": "import dtensor_ulysses.parallel.global_loss\n",  # upward, dist
             "models/weights.py": (
                 "def init():\n    from dtensor_ulysses.models.llama import Model\n"  # cycle
             ),
             "parallel/__init__.py": "",
-            "parallel/tokens.py": (
+            "parallel/global_loss.py": (
                 "import torch.distributed as dist\n"
                 "from dtensor_ulysses.models._layers import X\n"  # private module, other folder
                 "from dtensor_ulysses.plan.splits import _helper\n"  # private name
@@ -473,8 +473,8 @@ def test_the_checkers_catch_what_they_forbid(tmp_path):
     pair = {"dtensor_ulysses/models/llama.py", "dtensor_ulysses/models/weights.py"}
     assert any(pair <= set(c) for c in import_cycles(root)), import_cycles(root)
     crossings = "\n".join(private_crossings(root))
-    assert "parallel/tokens.py:2 imports the private module" in crossings
-    assert "parallel/tokens.py:3 imports the private name _helper" in crossings
+    assert "parallel/global_loss.py:2 imports the private module" in crossings
+    assert "parallel/global_loss.py:3 imports the private name _helper" in crossings
     assert "models/llama.py" not in crossings  # its own folder's private module is fine
     closure = import_time_closure([root / "dtensor_ulysses/models/llama.py"], root)
     assert "torch.distributed" in {m for _, _, m in closure}, "the closure follows _layers"

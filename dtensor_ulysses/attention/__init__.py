@@ -15,8 +15,6 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
     from dtensor_ulysses.attention.doc_tensors import (
         DocTensors,
         build_doc_tensors,
-        check_doc_starts,
-        with_doc_tensors,
     )
     from dtensor_ulysses.attention.dtensor_api import (
         head_to_seq,
@@ -27,7 +25,12 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         KERNELS,
         AttentionBackendError,
         AttnFeatures,
+        Kernel,
+        KernelChoice,
         KernelSpec,
+        choose_kernel,
+        describe_kernels,
+        model_kernels,
         select_backend,
     )
     from dtensor_ulysses.attention.local import (
@@ -39,24 +42,18 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         force_backend,
         local_attention,
         resolve_backend,
-        starts_from_positions,
         use_flash_attn_module,
     )
     from dtensor_ulysses.attention.ring import (
         RING_AXIS,
         RingAttention,
         ring_attention,
-        ring_group,
     )
     from dtensor_ulysses.attention.ulysses import (
         SP_AXIS,
         UlyssesAttention,
-        check_head_chunks,
-        gather_doc_starts,
-        sp_axis,
         sp_group,
         to_heads,
-        to_seq,
     )
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -175,7 +175,8 @@ def _forward(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, scale, causal, window,
         o_blk = o_acc * scale_o[..., None]
         o_BSNH[:, qs:qe] = o_blk.permute(0, 2, 1, 3, 4).reshape(B, Q, N, H)
         L_BKSG[:, :, qs:qe] = L
-    return o_BSNH, L_BKSG.permute(0, 1, 3, 2).reshape(B, N, S)
+    # contiguous, as the fake says (with one kv head the reshape is a strided view)
+    return o_BSNH, L_BKSG.permute(0, 1, 3, 2).reshape(B, N, S).contiguous()
 
 
 def _backward(do_BSNH, q_BSNH, k_BSKH, v_BSKH, o_BSNH, L_BNS, doc_ids_BS, sinks_N, scale, causal,

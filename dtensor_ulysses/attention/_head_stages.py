@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from dtensor_ulysses.comm.alltoall import PendingExchange, all_to_all, start_exchange
-from dtensor_ulysses.plan import HEAD_DIM, SEQ_DIM
+from dtensor_ulysses.plan import HEAD_DIM
+from dtensor_ulysses.plan.splits import SEQ_DIM
 
 __all__ = ["StageExchange", "run_head_stages"]
 

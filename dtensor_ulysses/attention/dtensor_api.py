@@ -23,12 +23,12 @@ from dtensor_ulysses.attention.ulysses import SP_AXIS, UlyssesAttention, to_head
 from dtensor_ulysses.attention.ulysses import sp_axis as _sp_axis
 from dtensor_ulysses.plan import (
     HEAD_DIM,
-    SEQ_DIM,
     SeqLayout,
     check_sp_for_heads,
     contiguous_stride,
     head_plan,
 )
+from dtensor_ulysses.plan.splits import SEQ_DIM
 
 __all__ = ["head_to_seq", "seq_to_head", "ulysses_attention"]
 

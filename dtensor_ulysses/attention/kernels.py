@@ -4,10 +4,15 @@ Each backend declares, as a :class:`KernelSpec`, what it computes exactly: the f
 (:class:`AttnFeatures`: packed documents, a sliding window, chunked attention, a logit softcap,
 attention sinks; causal or not is run by all), the device types (and those it has a backward
 on), the dtypes, the largest head dim, GQA, and which features still hold inside
-``torch.compile``. :func:`select_backend` picks the backend for a layer's features on a device,
-or raises :class:`AttentionBackendError` (a ``ValueError``) naming the feature, the reason and
-the fix. Callers call it when they build a layer, so a refusal comes before step 1;
-:func:`~dtensor_ulysses.attention.local_attention` calls it again per call (cheap, no sync).
+``torch.compile``. :func:`choose_kernel` is the one choice: where the recipe is applied
+(``du.parallelize``, ``hf.apply_ulysses``, the trainer's checks) it picks, once per layer kind,
+the kernel for the layer's declared features on a device and dtype, with and without packed
+documents, and for ring attention's blocks; the :class:`KernelChoice` is stored on the layer
+and the call path only looks it up. A refusal is an :class:`AttentionBackendError` (a
+``ValueError``) naming the feature, the reason and the fix, before step 1.
+:func:`select_backend` is the same rule for one set of features (what
+:func:`~dtensor_ulysses.attention.local_attention` applies when called without a stored choice).
+:class:`Kernel` writes down what a kernel the engine wraps is called with and may declare.
 
 Backends (``BACKENDS``; ``"auto"`` picks among them in :data:`AUTO_ORDER`):
 
@@ -35,8 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -50,8 +56,13 @@ __all__ = [
     "ENV_VAR",
     "FEATURE_NAMES",
     "KERNELS",
+    "Kernel",
+    "KernelChoice",
     "KernelSpec",
+    "choose_kernel",
+    "describe_kernels",
     "force_backend",
+    "model_kernels",
     "select_backend",
 ]
 
@@ -70,7 +81,12 @@ FEATURE_NAMES = {
 
 class AttentionBackendError(ValueError, RuntimeError):
     """An attention backend that cannot run a layer's features here (a ``ValueError``; also a
-    ``RuntimeError``, what an unusable explicit backend raised before)."""
+    ``RuntimeError``). ``option`` names what to change: ``"backend"`` (the kernel asked for)
+    or ``"compile"`` (no kernel runs the layer compiled)."""
+
+    def __init__(self, message: str, option: str = "backend") -> None:
+        super().__init__(message)
+        self.option = option
 
 
 @dataclass(frozen=True)
@@ -324,3 +340,205 @@ def select_backend(
         f"no attention backend runs {', '.join(features.used()) or 'attention'} on "
         f"{device_type} {dtype} head dim {head_dim}: {'; '.join(reasons)}"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# the one choice per layer kind, and the contract of a kernel
+# ---------------------------------------------------------------------------------------------
+# ring attention's blocks: the ring merges each block's output by its log-sum-exp, so only the
+# kernels that return one run them: flash-attn blocks, or the ring's exact torch blocks
+RING_KERNELS: tuple[str, ...] = ("flash_attn", "blockwise")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel that runs one layer kind, chosen once by :func:`choose_kernel`.
+
+    Attributes:
+        requested: what was asked (``"auto"`` or a kernel name).
+        plain: the kernel for calls without packed documents.
+        packed: the kernel for calls with packed documents (``None``: none runs them).
+        refusal: why ``packed`` is ``None`` (raised if packed documents arrive).
+        ring: the kernel runs ring attention's blocks.
+        label: the layer kind's features, for the start line (e.g. ``"window, sinks"``).
+    """
+
+    requested: str
+    plain: str
+    packed: str | None
+    refusal: str | None = None
+    ring: bool = False
+    label: str = "causal"
+
+    def name(self, docs: bool) -> str:
+        """The kernel that runs a call with (``docs``) or without packed documents."""
+        if not docs:
+            return self.plain
+        if self.packed is None:
+            raise AttentionBackendError(self.refusal or "no kernel runs packed documents here")
+        return self.packed
+
+    def describe(self, docs: bool | None = None) -> str:
+        """What runs, e.g. ``"sdpa"``, ``"ring of blockwise"``; ``docs=None``: both cases."""
+        if docs is None:
+            names = [self.plain] + ([self.packed] if self.packed not in (None, self.plain) else [])
+            what = self.plain if len(names) == 1 else f"{self.plain} (packed: {self.packed})"
+        else:
+            what = self.name(docs)
+        return f"ring of {what}" if self.ring else what
+
+
+def _ring_choice(
+    features: AttnFeatures, requested: str, source: str, device_type: str, dtype: torch.dtype,
+    head_dim: int, compiled: bool, docs: bool | None, device_index: int | None,
+) -> tuple[str, str | None, str | None]:  # fmt: skip
+    extra = [f for f in features.used() if f != "docs"]
+    if extra:
+        raise AttentionBackendError(
+            f"ring attention runs causal attention and packed documents, not "
+            f"{', '.join(FEATURE_NAMES[f] for f in extra)}; train this model without a ring"
+        )
+    if compiled:
+        raise AttentionBackendError(
+            "ring attention under torch.compile: dynamo does not trace its point-to-point "
+            "exchange (torch.distributed.P2POp) into the block's one graph; drop the compile "
+            "or the ring",
+            option="compile",
+        )
+    if requested not in ("auto", *RING_KERNELS):
+        raise AttentionBackendError(
+            f"{source} cannot run ring attention's blocks: the ring merges each block by its "
+            f"log-sum-exp, which {requested} does not return; use 'auto', 'blockwise' (the "
+            f"ring's exact torch blocks) or 'flash_attn'"
+        )
+    flash = KERNELS["flash_attn"].problem(AttnFeatures(), device_type=device_type, dtype=dtype,
+                                          head_dim=head_dim, device_index=device_index)  # fmt: skip
+    if requested == "blockwise":
+        return "blockwise", "blockwise", None
+    if requested == "flash_attn":
+        if flash is not None:
+            raise AttentionBackendError(
+                f"{source} cannot run ring attention's blocks: {flash[1]}; use 'auto' or "
+                f"'blockwise'"
+            )
+        refusal = (
+            f"{source} with packed documents in ring attention: its blocks carry a document "
+            f"mask flash-attn cannot apply; use 'auto' or 'blockwise' (documents masked exactly)"
+        )
+        if docs:
+            raise AttentionBackendError(refusal)
+        return "flash_attn", None, refusal
+    # auto: flash-attn blocks where it runs (blocks crossing documents in the exact torch
+    # kernel), else the exact torch blocks
+    name = "flash_attn" if flash is None else "blockwise"
+    return name, name, None
+
+
+def choose_kernel(
+    features: AttnFeatures,
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    requested: str = "auto",
+    compiled: bool = False,
+    ring: bool = False,
+    docs: bool | None = None,
+    device_index: int | None = None,
+) -> KernelChoice:
+    """The kernel for one layer kind: chosen once, where the recipe is applied.
+
+    Args:
+        features: the layer's declared features (``docs`` is ignored: see ``docs``).
+        device_type: where it runs.
+        dtype: the compute dtype of q, k, v (the autocast or mixed-precision dtype).
+        head_dim: the head dim.
+        requested: ``"auto"`` or a kernel name (``--attention-backend``, ``backend=``).
+        compiled: the layer runs inside ``torch.compile``.
+        ring: the kernel runs ring attention's blocks (:data:`RING_KERNELS`).
+        docs: ``True``: packed documents will come (a kernel that cannot run them is refused
+            now); ``False``: they will not; ``None``: unknown (the packed choice is made too,
+            and a refusal is kept for the call that brings them).
+
+    Raises:
+        AttentionBackendError: (a ``ValueError``) a requested kernel that cannot run the layer
+            here; the message names the feature, the reason and the fix.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown attention backend {requested!r}; choose one of {BACKENDS}")
+    label = ", ".join(f for f in features.used() if f != "docs") or "causal"
+    if ring:
+        source = f"backend={requested!r}"
+        plain, packed, refusal = _ring_choice(features, requested, source, device_type, dtype,
+                                              head_dim, compiled, docs, device_index)  # fmt: skip
+        return KernelChoice(requested, plain, packed, refusal, ring=True, label=label)
+    kw: dict[str, Any] = dict(
+        device_type=device_type, dtype=dtype, head_dim=head_dim, backend=requested,
+        compiled=compiled, device_index=device_index,
+    )  # fmt: skip
+    base = AttnFeatures(**{**features.__dict__, "docs": False})
+    with_docs = AttnFeatures(**{**features.__dict__, "docs": True})
+    plain = select_backend(base, **kw) if docs is not True else None
+    packed: str | None = None
+    refusal = None
+    if docs is not False:
+        try:
+            packed = select_backend(with_docs, **kw)
+        except AttentionBackendError as e:
+            if docs:
+                raise
+            refusal = str(e)
+    if plain is None:  # packed documents always: the plain calls run what the packed ones run
+        plain = packed
+    assert plain is not None
+    return KernelChoice(requested, plain, packed, refusal, label=label)
+
+
+class Kernel(Protocol):
+    """What the Ulysses engine (:class:`~dtensor_ulysses.attention.UlyssesAttention`) calls: a
+    local attention on full-length, head-sharded tensors, and what it may declare.
+
+    ``kernel(q[B, S, N, H], k[B, S, K, H], v[B, S, K, H], *, causal, softmax_scale, layout=None,
+    doc_starts=None, doc_tensors=None, window=None, chunk=None, softcap=None, sinks=None,
+    backend=...)`` returns ``o[B, S, N, H]`` and runs exactly: causal masking; packed documents
+    (``doc_starts`` per row, or ``doc_tensors`` when ``takes_doc_tensors``; nothing crosses a
+    document); a sliding window ``(left, right)``; chunks of ``C`` tokens; a logit softcap
+    ``c * tanh(s / c)``; sinks ``[N]`` (one logit per q head in the denominator). A kernel that
+    cannot run a feature it is handed raises a ``ValueError`` naming it; it never drops one.
+
+    Declarations (class attributes, all optional; the engine reads them with these defaults):
+        takes_doc_tensors: takes ``doc_tensors=`` (device tensors of the documents: what
+            compiled code passes, no host ints) instead of ``doc_starts=`` (default ``False``).
+        global_doc_starts: expects document starts in global positions over the full
+            sequence (ring attention), not local to this rank's rows (default ``False``).
+        defers_q: takes q as a :class:`~dtensor_ulysses.attention.DeferredQ` (default ``False``).
+        kernel_choice: the :class:`KernelChoice` it runs (``None``: chosen per call).
+        input_dim_order: ``input_dim_order(q) -> tuple | None``: the memory layout it reads
+            without a copy (``(0, 2, 1, 3)``: ``[B, N, S, H]``); the engine unpacks into it.
+    """
+
+    takes_doc_tensors: ClassVar[bool]
+    global_doc_starts: ClassVar[bool]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 **kwargs: Any) -> torch.Tensor: ...  # fmt: skip
+
+
+def model_kernels(model: Any) -> list[KernelChoice]:
+    """The stored choices of a model's attention layers (every module's ``kernel_choice``), in
+    module order."""
+    return [c for m in model.modules() if (c := getattr(m, "kernel_choice", None)) is not None]
+
+
+def describe_kernels(choices: Sequence[KernelChoice], docs: bool | None = None) -> str:
+    """The start line's kernels: ``"sdpa"`` for one layer kind, else per kind with its count,
+    e.g. ``"blockwise (window, sinks) x 12, blockwise (sinks) x 12"``."""
+    counts: dict[tuple[str, str], int] = {}
+    for c in choices:
+        key = (c.label, c.describe(docs))
+        counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return "none chosen"
+    if len(counts) == 1:
+        return next(iter(counts))[1]
+    return ", ".join(f"{what} ({label}) x {n}" for (label, what), n in counts.items())

@@ -1,7 +1,8 @@
 """The local attention kernel: one function, many backends, one place that decides which runs.
 
 Legend: ``B`` batch, ``S`` sequence, ``N`` q heads, ``K`` kv heads (``N % K == 0``; q head ``i``
-uses kv head ``i // (N // K)``), ``H`` head dim. All tensors are ``[B, S, heads, H]``.
+uses kv head ``i // (N // K)``), ``H`` head dim (``Hv`` v's, when it differs: multi-head latent
+attention). All tensors are ``[B, S, heads, H]``.
 
 :func:`local_attention` computes attention on full-length tensors with any combination of:
 causal masking, packed documents (nothing crosses a document boundary), a sliding window
@@ -45,6 +46,7 @@ from dtensor_ulysses.attention.kernels import (
     KERNELS,
     AttentionBackendError,
     AttnFeatures,
+    KernelChoice,
     force_backend,
     select_backend,
 )
@@ -159,7 +161,7 @@ def local_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
-    backend: str = "auto",
+    backend: str | KernelChoice = "auto",
     position_ids: torch.Tensor | None = None,
     doc_starts: Sequence[Sequence[int]] | None = None,
     doc_tensors: DocTensors | None = None,
@@ -184,7 +186,9 @@ def local_attention(
     Args:
         causal: key ``j`` is visible to query ``i`` only if ``j <= i``.
         softmax_scale: the score scale (default ``H ** -0.5``).
-        backend: ``"auto"`` or a name of :data:`~dtensor_ulysses.attention.BACKENDS`.
+        backend: ``"auto"`` or a name of :data:`~dtensor_ulysses.attention.BACKENDS`, or the
+            :class:`~dtensor_ulysses.attention.KernelChoice` chosen for the layer (looked up
+            for this call's documents, never chosen again).
         window: ``(left, right)``: key ``j`` visible to query ``i`` iff
             ``i - left <= j <= i + right`` (``-1``: that side unlimited); ``None``: no window.
         chunk: ``C``: key ``j`` visible to query ``i`` iff ``j // C == i // C`` (indices of the
@@ -220,11 +224,18 @@ def local_attention(
         check_doc_starts(doc_starts, B, S)
     compiled = torch.compiler.is_compiling()
     docs = doc_starts is not None or doc_tensors is not None
+    if isinstance(backend, KernelChoice):  # chosen once where the recipe was applied
+        backend = backend.name(docs)
     features = AttnFeatures.of(causal=causal, window=window, chunk=chunk, softcap=softcap,
                                sinks=sinks, docs=docs)  # fmt: skip
     chosen = select_backend(features, device_type=q_BSNH.device.type, dtype=q_BSNH.dtype,
                             head_dim=H, backend=backend, compiled=compiled,
                             device_index=q_BSNH.device.index)  # fmt: skip
+    if v_BSKH.shape[3] != H and chosen != "sdpa":  # SDPA alone takes v's own head dim
+        return _padded_heads(q_BSNH, k_BSKH, v_BSKH, causal=causal,
+                             softmax_scale=H**-0.5 if softmax_scale is None else softmax_scale,
+                             backend=chosen, doc_starts=doc_starts, doc_tensors=doc_tensors,
+                             window=window, chunk=chunk, softcap=softcap, sinks=sinks)  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q_BSNH, k_BSKH, v_BSKH, sinks)
     )
@@ -288,6 +299,21 @@ def local_attention(
 local_attention.takes_doc_tensors = True  # type: ignore[attr-defined]
 
 
+def _padded_heads(q_BSNH, k_BSKH, v_BSKH, *, softmax_scale: float, **kw) -> torch.Tensor:
+    """Attention whose value head dim ``Hv`` differs from q's and k's ``H`` (multi-head latent
+    attention), on a kernel that wants one head dim: the shorter side padded with zeros to
+    ``max(H, Hv)`` (zero columns of q and k add nothing to a score, zero columns of v give zero
+    output columns, dropped), with the scale of the unpadded ``H``. Exact, values and
+    gradients."""
+    H, Hv = q_BSNH.shape[3], v_BSKH.shape[3]
+    if Hv < H:
+        o = local_attention(q_BSNH, k_BSKH, F.pad(v_BSKH, (0, H - Hv)),
+                            softmax_scale=softmax_scale, **kw)  # fmt: skip
+        return o[..., :Hv]
+    return local_attention(F.pad(q_BSNH, (0, Hv - H)), F.pad(k_BSKH, (0, Hv - H)), v_BSKH,
+                           softmax_scale=softmax_scale, **kw)  # fmt: skip
+
+
 class LocalAttention(nn.Module):
     """The model's default ``inner_attention``: :func:`local_attention` on full-length tensors.
 
@@ -323,6 +349,7 @@ class LocalAttention(nn.Module):
         self.window = None if window is None else _check_window(window)
         _check_scalars(chunk, softcap, None, 1)
         self.chunk, self.softcap = chunk, softcap
+        self.kernel_choice: KernelChoice | None = None  # set where the recipe is applied
         _flash_attn_func()  # look flash-attn up now, eagerly, not inside a compiled forward
 
     takes_doc_tensors = True  # the engine may hand over doc_tensors= (compiled packed docs)
@@ -336,7 +363,8 @@ class LocalAttention(nn.Module):
         kw = dict(window=self.window, chunk=self.chunk, softcap=self.softcap)
         kw.update(features)
         return local_attention(
-            q, k, v, causal=self.causal, backend=self.backend, doc_starts=doc_starts,
+            q, k, v, causal=self.causal, backend=self.kernel_choice or self.backend,
+            doc_starts=doc_starts,
             doc_tensors=doc_tensors, **kw,
         )  # fmt: skip
 
@@ -344,6 +372,9 @@ class LocalAttention(nn.Module):
         """The memory layout this kernel reads without a copy, for ``q``-like inputs: SDPA
         works on ``[B, N, S, H]`` (``(0, 2, 1, 3)`` of ``[B, S, N, H]``), flash-attn on
         ``[B, S, N, H]`` as it is (``None``). The Ulysses engine unpacks into it directly."""
+        if self.kernel_choice is not None:
+            chosen = self.kernel_choice.plain
+            return (0, 2, 1, 3) if chosen in ("sdpa", "flex") else None
         features = AttnFeatures.of(causal=self.causal, window=self.window, chunk=self.chunk,
                                    softcap=self.softcap)  # fmt: skip
         try:

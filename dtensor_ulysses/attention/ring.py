@@ -21,12 +21,13 @@ Legend: ``R`` ring ranks, ``S`` the full sequence, ``L = S / R`` tokens per ring
   attends only inside its document (and causally). **GQA**: local q head ``j`` uses kv head
   ``j // (N/K)``. **Lengths**: ``S`` must be a multiple of ``2R`` (zigzag) or ``R``, else a
   ValueError; the sp pieces inside a ring rank may be uneven (the engine's ``seq_len=``).
-* **Kernel**: a blockwise kernel in torch (float32 math, float64 for float64 inputs; any device).
-  On CUDA with flash-attn importable, fp16/bf16 blocks without a document mask run forward through
-  ``flash_attn_func(..., return_attn_probs=True)`` (its ``lse``; on CPU through the test suite's
-  flash-attn double, not yet on a GPU); an explicit ``backend="flash_attn"`` with packed documents
-  raises (their blocks need a mask flash-attn cannot apply), and the
-  backward stays in torch.
+* **Kernel** (chosen by :func:`~dtensor_ulysses.attention.choose_kernel` with ``ring=True``,
+  the same rule and names as every layer): ``"blockwise"``, exact blocks in torch (float32
+  math, float64 for float64 inputs; any device), or ``"flash_attn"``: fp16/bf16 blocks without a
+  document mask run forward through ``flash_attn_func(..., return_attn_probs=True)`` (its
+  ``lse``; on CPU through the test suite's flash-attn double, not yet on a GPU), the backward
+  stays in torch. An explicit ``"flash_attn"`` with packed documents is refused (their blocks
+  need a mask flash-attn cannot apply), as are kernels that return no log-sum-exp (sdpa, flex).
 
 Communication per call, on each rank (:func:`ring_closed_form`): forward ``R-1`` sends of the
 k/v block, ``B*L*2K*H*e`` each; backward ``R-1`` such sends plus ``R`` sends of the dk/dv
@@ -54,6 +55,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses.attention._ring_kernel import RingAttentionFn, RingPlan
+from dtensor_ulysses.attention.kernels import AttnFeatures, KernelChoice, choose_kernel
 
 # torch-free: shared with the data loader and the simulator
 from dtensor_ulysses.plan.splits import (
@@ -107,17 +109,15 @@ def _doc_ids(doc_starts: Sequence[Sequence[int]], B: int, S: int) -> torch.Tenso
     return ids.cumsum(dim=1)
 
 
-def _use_flash(backend: str, q: torch.Tensor) -> bool:
-    from dtensor_ulysses.attention.local import _flash_attn_problem
-
-    if backend not in ("auto", "flash_attn", "torch", "sdpa"):
-        raise ValueError(
-            f"ring attention backend={backend!r}; use 'auto', 'flash_attn' or 'torch' ('sdpa')"
-        )
-    problem = _flash_attn_problem(q)
-    if backend == "flash_attn" and problem is not None:
-        raise RuntimeError(f"backend='flash_attn' cannot run: {problem}; use backend='torch'")
-    return backend in ("auto", "flash_attn") and problem is None
+def _ring_choice(backend: str | KernelChoice, q: torch.Tensor, docs: bool) -> KernelChoice:
+    """The stored choice, or (a direct call) :func:`~dtensor_ulysses.attention.choose_kernel`
+    for ring blocks on ``q``."""
+    if isinstance(backend, KernelChoice):
+        return backend
+    return choose_kernel(AttnFeatures(), device_type=q.device.type, dtype=q.dtype,
+                         head_dim=q.shape[-1], requested=backend, ring=True, docs=docs,
+                         compiled=torch.compiler.is_compiling(),
+                         device_index=q.device.index)  # fmt: skip
 
 
 def ring_attention(
@@ -130,7 +130,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     doc_starts: Sequence[Sequence[int]] | None = None,
     order: str = "zigzag",
-    backend: str = "auto",
+    backend: str | KernelChoice = "auto",
 ) -> torch.Tensor:
     """Exact attention over the whole ring's sequence for this ring rank's tokens.
 
@@ -144,13 +144,16 @@ def ring_attention(
         doc_starts: packed documents: per batch row, the *global* positions in ``[0, S)`` where
             a document starts (0 first).
         order: ``"zigzag"`` (load-balanced causal) or ``"contiguous"``.
-        backend: ``"auto"`` (flash-attn forward blocks when it can run), ``"flash_attn"`` or
-            ``"torch"`` (the blockwise kernel; ``"sdpa"`` is an alias, so the trainer's
-            attention-backend choice carries over: SDPA itself returns no log-sum-exp).
+        backend: the blocks' kernel (:data:`~dtensor_ulysses.attention.kernels.RING_KERNELS`):
+            ``"auto"`` (flash-attn blocks where it runs, blocks crossing documents in the exact
+            torch kernel), ``"flash_attn"``, ``"blockwise"`` (the exact torch blocks), or a
+            stored :class:`~dtensor_ulysses.attention.KernelChoice`. The ring merges blocks by
+            their log-sum-exp, so kernels that return none (sdpa, flex) are refused.
 
     Raises:
         ValueError: bad shapes, ``S`` not a multiple of ``2R`` (zigzag) / ``R``, bad doc starts,
-            ``backend="flash_attn"`` with ``doc_starts`` (an explicit backend is never replaced).
+            a kernel that cannot run the ring's blocks (``"flash_attn"`` with ``doc_starts``:
+            an explicit kernel is never replaced).
     """
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         if t.dim() != 4:
@@ -161,12 +164,7 @@ def ring_attention(
             f"q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} must agree in B, L "
             f"and H, with the kv heads dividing the q heads"
         )
-    if backend == "flash_attn" and doc_starts is not None:
-        raise ValueError(
-            "ring attention with backend='flash_attn' and packed documents: its blocks carry a "
-            "document mask flash-attn cannot apply, so they would run in the torch kernel; "
-            "pass backend='auto' or 'torch' (documents masked exactly), or no doc_starts"
-        )
+    flash = _ring_choice(backend, q, doc_starts is not None).name(doc_starts is not None)
     pg = ring_group(group)
     R = dist.get_world_size(pg)
     try:
@@ -181,7 +179,7 @@ def ring_attention(
         causal=causal,
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(H),
         doc_ids=None if doc_starts is None else _doc_ids(doc_starts, B, R * L),
-        flash=_use_flash(backend, q),
+        flash=flash == "flash_attn",
     )
     return RingAttentionFn.apply(q, k, v, ring)
 
@@ -201,10 +199,12 @@ class RingAttention(nn.Module):
             four defaults).
         order: default ``order`` of :func:`ring_attention`.
         softmax_scale: default ``softmax_scale`` of :func:`ring_attention`.
-        backend: default ``backend`` of :func:`ring_attention`.
+        backend: default ``backend`` of :func:`ring_attention` (``kernel_choice``, when set
+            where the recipe is applied, is what runs).
     """
 
     global_doc_starts = True
+    kernel_choice: KernelChoice | None = None  # the stored choice (du.parallelize sets it)
 
     def __init__(
         self,
@@ -231,7 +231,7 @@ class RingAttention(nn.Module):
             "causal": self.causal,
             "order": self.order,
             "softmax_scale": self.softmax_scale,
-            "backend": self.backend,
+            "backend": self.kernel_choice or self.backend,
             **kwargs,
         }
         return ring_attention(q, k, v, self.group, doc_starts=doc_starts, **opts)

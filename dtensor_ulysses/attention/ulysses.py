@@ -23,9 +23,12 @@ run through it. It handles
   or from this rank's slice of ``position_ids`` (one all-gather of the int64 ids).
 
 Communication per call (``e`` bytes per element; a rank's bytes are the buffer it passes in):
-forward one fused all-to-all of ``B*s*(N + 2*K')*H*e`` (q, k, v; ``K'`` the kv heads summed
-over the ranks they are sent to, after replication) and one of ``B*s*N*H*e`` (o); backward the
+forward one fused all-to-all of ``B*s*(N + K')*H*e + B*s*K'*Hv*e`` (q, k, v; ``K'`` the kv
+heads summed over the ranks they are sent to, after replication; ``Hv`` v's head dim, ``H``
+unless the layer is multi-head latent attention) and one of ``B*s*N*Hv*e`` (o); backward the
 same two again; with ``position_ids`` one all-gather of ``B*ceil(S/P)*8`` bytes in forward.
+With ``kv_exchanged`` (k and v already full-length heads: :meth:`UlyssesAttention.exchange_kv`,
+or a latent gathered and expanded by the layer) only q and o move.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ from dtensor_ulysses.attention.local import DeferredQ, starts_from_positions
 from dtensor_ulysses.comm.alltoall import AllToAllInFlight, all_to_all
 from dtensor_ulysses.plan import (
     HEAD_DIM,
-    SEQ_DIM,
     SP_AXIS,
     SeqLayout,
     divisors,
@@ -54,6 +56,7 @@ from dtensor_ulysses.plan import (
     head_split,
     seq_split,
 )
+from dtensor_ulysses.plan.splits import SEQ_DIM
 
 __all__ = [
     "SP_AXIS",
@@ -297,6 +300,7 @@ class UlyssesAttention(nn.Module):
         layout: SeqLayout | None = None,
         seq_len: int | None = None,
         position_ids: torch.Tensor | None = None,
+        kv_exchanged: int | None = None,
         **attn_kwargs: Any,
     ) -> torch.Tensor:
         """Attention over the whole sequence for this rank's slice.
@@ -305,12 +309,17 @@ class UlyssesAttention(nn.Module):
             q: ``[B, s, Nq, H]``, this rank's sequence slice, or a :class:`DeferredQ` of it
                 (computed after k and v start moving, with ``overlap``).
             k: ``[B, s, Nkv, H]`` (``Nkv`` divides ``Nq``).
-            v: like ``k``.
+            v: ``[B, s, Nkv, Hv]``: like ``k``, its head dim may differ (multi-head latent
+                attention: ``Hv`` is the value head dim, ``H`` the nope + rope dims of q and k).
             layout: the step's layout (sequence pieces per rank, document starts). Default:
                 equal pieces, or ``seq_len`` cut as DTensor's ``Shard(1)``.
             seq_len: the full length ``S`` when the pieces are uneven and no layout is given.
             position_ids: packed documents without a layout: this rank's ``[B, s]`` ids,
                 restarting at 0 per document (costs one all-gather).
+            kv_exchanged: ``Nkv``, the layer's kv heads, when ``k`` and ``v`` are already this
+                rank's full-length kv heads ``[B, S, m, H]`` (what :meth:`exchange_kv` returns,
+                or what a layer computed itself: the latent of multi-head latent attention
+                gathered and expanded to this rank's heads): then only q and o move.
             **attn_kwargs: passed to ``attn_fn`` (e.g. ``causal``, ``backend``, ``window``,
                 ``chunk``, ``softcap``: properties of the local kernel, unchanged per head),
                 except ``sinks``: a ``[Nq]`` tensor of the whole layer's sink logits, of which
@@ -322,17 +331,20 @@ class UlyssesAttention(nn.Module):
                 raise TypeError(f"{n} is a DTensor; UlyssesAttention takes local tensors")
             if t.dim() != 4:
                 raise ValueError(f"{n} must be 4-D [B, S/P, N, H], got shape {tuple(t.shape)}")
-        if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-            raise ValueError(
-                f"q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} must agree in "
-                f"B, S and H"
-            )
         P = dist.get_world_size(self.group)
-        N, K = q.shape[HEAD_DIM], k.shape[HEAD_DIM]
-        plan = head_plan(N, K, P)  # validates Nkv | Nq and sp <= Nq
+        N = q.shape[HEAD_DIM]
+        seq_sizes = self._seq_sizes(q.shape[SEQ_DIM], layout, seq_len)
+        if kv_exchanged is not None:
+            plan = self._check_exchanged(q, k, v, kv_exchanged, seq_sizes)
+        else:
+            if k.shape[:3] != v.shape[:3] or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+                raise ValueError(
+                    f"q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} must agree in "
+                    f"B and S, q and k in H, k and v in heads (v's head dim may differ)"
+                )
+            plan = head_plan(N, k.shape[HEAD_DIM], P)  # validates Nkv | Nq and sp <= Nq
         if plan.imbalance > 1:
             _warn_imbalance(N, P)
-        seq_sizes = self._seq_sizes(q.shape[SEQ_DIM], layout, seq_len)
         if position_ids is not None:
             if getattr(self.attn_fn, "global_doc_starts", False):
                 raise ValueError(
@@ -368,22 +380,29 @@ class UlyssesAttention(nn.Module):
         if isinstance(q, DeferredQ) and (P == 1 or torch.compiler.is_compiling()):
             q = q()  # nothing to overlap (one rank), or compiled (the compiler schedules)
         if self.head_chunks > 1:
-            return self._chunked(q, k, v, plan, seq_sizes, attn_kwargs, order, sinks_N)
-        k, v = _replicate_kv(plan, k, v)
+            return self._chunked(q, k, v, plan, seq_sizes, attn_kwargs, order, sinks_N,
+                                 kv_exchanged=kv_exchanged is not None)  # fmt: skip
         q_sizes, kv_sizes = list(plan.q_heads), plan.kv_heads
         if sinks_N is not None:  # the sinks of the q heads this rank attends with
             first = sum(q_sizes[: dist.get_rank(self.group)])
             attn_kwargs["sinks"] = sinks_N[first : first + q_sizes[dist.get_rank(self.group)]]
         # q[B, S_sp, N, H] -> q[B, S, N_sp, H]   (Shard(1) -> Shard(2) on sp), same for k and v
-        if isinstance(q, DeferredQ):  # k and v move while q is projected
+        if kv_exchanged is not None:  # k, v already full-length heads: only q moves
+            q_BSnH = q() if isinstance(q, DeferredQ) else q
+            (q_BSnH,) = to_heads([q_BSnH], self.group, seq_sizes, [q_sizes], order)
+            k_BSmH, v_BSmH = k, v
+        elif isinstance(q, DeferredQ):  # k and v move while q is projected
+            k, v = _replicate_kv(plan, k, v)
             kv = self._start_kv(k, v, seq_sizes, kv_sizes, order)
             (q_BSnH,) = to_heads([q()], self.group, seq_sizes, [q_sizes], order)
             k_BSmH, v_BSmH = kv.wait()
         elif self.fuse_qkv:
+            k, v = _replicate_kv(plan, k, v)
             q_BSnH, k_BSmH, v_BSmH = to_heads(
                 [q, k, v], self.group, seq_sizes, [q_sizes, kv_sizes, kv_sizes], order
             )
         else:
+            k, v = _replicate_kv(plan, k, v)
             (q_BSnH,), (k_BSmH,), (v_BSmH,) = (
                 to_heads([t], self.group, seq_sizes, [sizes], order)
                 for t, sizes in ((q, q_sizes), (k, kv_sizes), (v, kv_sizes))
@@ -391,6 +410,40 @@ class UlyssesAttention(nn.Module):
         o_BSnH = self.attn_fn(q_BSnH, k_BSmH, v_BSmH, **attn_kwargs)
         # o[B, S, N_sp, H] -> o[B, S_sp, N, H]   (Shard(2) -> Shard(1) on sp)
         return to_seq(o_BSnH, self.group, seq_sizes, q_sizes)
+
+    def exchange_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        n_q_heads: int,
+        *,
+        layout: SeqLayout | None = None,
+        seq_len: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k[B, S_sp, K, H], v[B, S_sp, K, Hv] -> [B, S, m, H], [B, S, m, Hv]``: the kv heads
+        this rank's share of ``n_q_heads`` q heads uses (replicated as the GQA plan says), in
+        one all-to-all. Pass the result to ``forward(..., kv_exchanged=K)`` of any layer with
+        the same heads and layout: a layer that reuses an earlier layer's keys and values
+        (Gemma 4's KV sharing) then moves only q and o."""
+        P = dist.get_world_size(self.group)
+        plan = head_plan(n_q_heads, k.shape[HEAD_DIM], P)
+        seq_sizes = self._seq_sizes(k.shape[SEQ_DIM], layout, seq_len)
+        k, v = _replicate_kv(plan, k, v)
+        k_BSmH, v_BSmH = to_heads([k, v], self.group, seq_sizes, [plan.kv_heads, plan.kv_heads])
+        return k_BSmH, v_BSmH
+
+    def _check_exchanged(self, q, k, v, n_kv: int, seq_sizes: list[int]):
+        """The head plan of ``q``, checked against k, v already exchanged (``[B, S, m, H]``)."""
+        P, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        plan = head_plan(q.shape[HEAD_DIM], n_kv, P)
+        want = (q.shape[0], sum(seq_sizes), plan.kv_heads[me])
+        if tuple(k.shape[:3]) != want or tuple(v.shape[:3]) != want or k.shape[3] != q.shape[3]:
+            raise ValueError(
+                f"kv_exchanged={n_kv}: k {tuple(k.shape)} and v {tuple(v.shape)} must be sp rank "
+                f"{me}'s full-length kv heads [B, S, m, .] = {want} with q's head dim "
+                f"{q.shape[3]} (as exchange_kv returns them)"
+            )
+        return plan
 
     def _start_kv(self, k_BsKH, v_BsKH, seq_sizes, kv_sizes, order) -> AllToAllInFlight:
         """``k, v[B, S_sp, K, H] -> [B, S, K_sp, H]``, started (one collective)."""
@@ -408,6 +461,8 @@ class UlyssesAttention(nn.Module):
         attn_kwargs: dict,
         order: tuple[int, ...] | None = None,
         sinks_N: torch.Tensor | None = None,
+        *,
+        kv_exchanged: bool = False,
     ) -> torch.Tensor:
         """Head-chunked attention: kv once, then ``C = head_chunks`` stages of q heads.
 
@@ -421,7 +476,12 @@ class UlyssesAttention(nn.Module):
         check_head_chunks(N, P, C)
         n, m = N // P, N // P // C
         me = dist.get_rank(self.group)
-        k_BsKH, v_BsKH = _replicate_kv(plan, k_BsKH, v_BsKH)
+        if v_BsKH.shape[3] != H:
+            raise ValueError(
+                f"head_chunks={C}: the value head dim {v_BsKH.shape[3]} differs from q's {H} "
+                f"(multi-head latent attention); the head stages need one head dim, use "
+                f"head_chunks=1"
+            )
         kv_sizes = plan.kv_heads
         group_r = n // kv_sizes[me]  # local q heads per local kv head (rank me)
         if m % group_r and group_r % m:
@@ -430,11 +490,16 @@ class UlyssesAttention(nn.Module):
                 f"{group_r} q heads per kv head on sp rank {me}; choose head_chunks so that "
                 f"{m} and {group_r} divide one another"
             )
-        if isinstance(q_BsNH, DeferredQ):  # k and v move while q is projected
+        if kv_exchanged:
+            q_BsNH = q_BsNH() if isinstance(q_BsNH, DeferredQ) else q_BsNH
+            k_BSmH, v_BSmH = k_BsKH, v_BsKH
+        elif isinstance(q_BsNH, DeferredQ):  # k and v move while q is projected
+            k_BsKH, v_BsKH = _replicate_kv(plan, k_BsKH, v_BsKH)
             kv = self._start_kv(k_BsKH, v_BsKH, seq_sizes, kv_sizes, order)
             q_BsNH = q_BsNH()
             k_BSmH, v_BSmH = kv.wait()
         else:
+            k_BsKH, v_BsKH = _replicate_kv(plan, k_BsKH, v_BsKH)
             k_BSmH, v_BSmH = to_heads(
                 [k_BsKH, v_BsKH], self.group, seq_sizes, [kv_sizes, kv_sizes], order
             )

@@ -13,14 +13,11 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         IGNORE_INDEX,
         Batch,
         document_positions,
-        dp_rows,
         eval_batches,
         full_batch,
         get_batch,
         sample_index,
         slice_batch,
-        starts_from_separators,
-        window_rows,
     )
     from dtensor_ulysses.data.corpus import (
         SEP_ID,

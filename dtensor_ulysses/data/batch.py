@@ -334,7 +334,7 @@ def get_batch(
     windows are given by :func:`sample_index`; :func:`slice_batch` cuts them for the rank
     (labels shifted before slicing). One function for both model families: ``corpus`` is a
     :class:`PackedCorpus` or any corpus with ``rows(index, pack_docs)``, ``len()`` and
-    ``seq_len`` (:class:`dtensor_ulysses.hf.TokenCorpus`).
+    ``seq_len`` (:class:`dtensor_ulysses.hf.data.TokenCorpus`).
 
     Args:
         corpus: the corpus; ``S = corpus.seq_len``.

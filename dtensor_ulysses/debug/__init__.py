@@ -22,7 +22,6 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         head_ranges,
         kv_plan,
         layout_notation,
-        local_ranges,
         mesh_ranks,
         ownership,
         parse_layout,

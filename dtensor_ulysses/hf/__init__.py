@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         shard_batch,
     )
     from dtensor_ulysses.hf.data import (
-        TokenCorpus,
         encode_chat,
         eval_batches,
         evaluate,
@@ -48,21 +47,17 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         HFCausalLM,
         check_model_dir,
         check_tokenizer,
-        check_weights,
         load_pretrained,
         load_tokenizer,
         load_weights,
         parallelize,
         save_pretrained,
     )
-    from dtensor_ulysses.hf.moe import RouterLoss, load_balancing_loss, router_loss_config
+    from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
     from dtensor_ulysses.hf.routing import (
-        ATTN_IMPLEMENTATION,
         UnroutedAttentionError,
         UnsupportedModelError,
         apply_ulysses,
-        attention_modules,
-        check_supported,
     )
     from dtensor_ulysses.hf.trainer import (
         UnsupportedTrainerError,

@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses.attention.local import starts_from_positions
 from dtensor_ulysses.data.batch import IGNORE_INDEX, full_batch, slice_batch
+from dtensor_ulysses.parallel.global_loss import global_valid_tokens
 from dtensor_ulysses.parallel.mesh import ParallelDims, flatten_dp_sp
-from dtensor_ulysses.parallel.tokens import global_valid_tokens
 from dtensor_ulysses.plan.splits import SeqLayout
 
 __all__ = ["ShardedBatch", "shard_batch"]

@@ -32,7 +32,7 @@ import torch
 
 from dtensor_ulysses.data import IGNORE_INDEX, Batch, full_batch, read_documents
 from dtensor_ulysses.data.batch import eval_batches, get_batch
-from dtensor_ulysses.parallel.tokens import evaluate
+from dtensor_ulysses.parallel.global_loss import evaluate
 
 __all__ = [
     "TokenCorpus",

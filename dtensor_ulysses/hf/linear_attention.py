@@ -1,4 +1,5 @@
-"""Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) through the Ulysses exchange.
+"""Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid) through the Ulysses
+exchange.
 
 Legend (``X_sp``: dim X split over the ``sp`` ranks; a rank's local names carry their shape):
 
@@ -67,12 +68,19 @@ class LinearAttentionError(ValueError):
 
 def is_gated_deltanet(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers Gated DeltaNet mixer this module can route: Qwen3.5
-    / Qwen3.5-MoE (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) or Qwen3-Next
-    (``in_proj_qkvz``, ``in_proj_ba``, interleaved per key head)."""
+    / Qwen3.5-MoE (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), Qwen3-Next
+    (``in_proj_qkvz``, ``in_proj_ba``, interleaved per key head) or OLMo hybrid (one projection
+    each: ``q_proj`` .. ``g_proj``, ``o_norm``, ``o_proj``, ``allow_neg_eigval``)."""
     if not type(module).__name__.endswith("GatedDeltaNet"):
         return False
-    common = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "num_k_heads", "num_v_heads")
+    common = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads")
     if not all(hasattr(module, a) for a in common):
+        return False
+    if type(module).__name__ == "OlmoHybridGatedDeltaNet":
+        olmo = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj",
+                "allow_neg_eigval")  # fmt: skip
+        return all(hasattr(module, a) for a in olmo)
+    if not (hasattr(module, "norm") and hasattr(module, "out_proj")):
         return False
     qwen35 = all(hasattr(module, a) for a in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
     qwen3_next = all(hasattr(module, a) for a in ("in_proj_qkvz", "in_proj_ba"))
@@ -253,9 +261,11 @@ def _routed_forward(
     # [B, S, K_sp, r*dv] -> [B, S_sp, K, r*dv]
     o_BsKR = to_seq(o_BSvH.reshape(B, S, kh, r * dv), route.group, seq_sizes, sizes)
     # the gated RMSNorm per token and value head, on the slice (z never travels)
-    o_NH = self.norm(o_BsKR.reshape(-1, dv), z_BsVH.reshape(-1, dv))
+    olmo = hasattr(self, "o_proj")  # OLMo hybrid's names
+    norm, out_proj = (self.o_norm, self.o_proj) if olmo else (self.norm, self.out_proj)
+    o_NH = norm(o_BsKR.reshape(-1, dv), z_BsVH.reshape(-1, dv))
     route.on_call(self)
-    return self.out_proj(o_NH.reshape(B, s, V * dv))
+    return out_proj(o_NH.reshape(B, s, V * dv))
 
 
 def _project(m: Any, x_BsD: torch.Tensor):
@@ -264,6 +274,10 @@ def _project(m: Any, x_BsD: torch.Tensor):
     B, s, _ = x_BsD.shape
     K, V, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
     r = V // K
+    if hasattr(m, "g_proj"):  # OLMo hybrid: one projection each, heads in order
+        return (m.q_proj(x_BsD).view(B, s, K, dk), m.k_proj(x_BsD).view(B, s, K, dk),
+                m.v_proj(x_BsD).view(B, s, K, r * dv), m.g_proj(x_BsD).view(B, s, V, dv),
+                m.b_proj(x_BsD).view(B, s, K, r), m.a_proj(x_BsD).view(B, s, K, r))  # fmt: skip
     if hasattr(m, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key head [q k v z], [b a]
         qkvz = m.in_proj_qkvz(x_BsD).view(B, s, K, 2 * dk + 2 * r * dv)
         ba = m.in_proj_ba(x_BsD).view(B, s, K, 2 * r)
@@ -299,6 +313,8 @@ class _Mixer:
         )
         q, k, v = mixed_BCL.transpose(1, 2).split([kh * dk, kh * dk, nv * dv], dim=-1)
         beta_BLv = b_BLv.sigmoid()
+        if getattr(self.m, "allow_neg_eigval", False):  # OLMo hybrid: beta in [0, 2]
+            beta_BLv = beta_BLv * 2.0
         # as the model: in fp32, so that A cannot become -inf in half precision
         g_BLv = -self.A_log_v.float().exp() * F.softplus(a_BLv.float() + self.dt_bias_v)
         o_BLvH, _ = self.rule(

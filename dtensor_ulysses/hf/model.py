@@ -8,18 +8,20 @@
   :func:`dtensor_ulysses.parallelize`.
 * :func:`load_pretrained` builds the model on ``meta``, parallelizes it, materializes only the
   shards and fills them from the safetensors files one tensor at a time
-  (:func:`~dtensor_ulysses.models.copy_full_`): no rank ever holds the whole model.
+  (:func:`~dtensor_ulysses.models.weights.copy_full_`): no rank ever holds the whole model.
 * :func:`save_pretrained` gathers one full tensor at a time; rank 0 writes ``config.json`` and
   safetensors shards that ``AutoModelForCausalLM.from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +36,24 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from dtensor_ulysses._file_modes import apply_umask
+from dtensor_ulysses.hf._expert_weights import CheckpointNames, checkpoint_format
 from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
 from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
 from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.models.weights import bare_name, copy_full_
-from dtensor_ulysses.parallel.compose import checkpoint_blocks, shard_blocks
+from dtensor_ulysses.parallel.apply import (
+    checkpoint_blocks,
+    default_mixed_precision,
+    shard_blocks,
+)
+from dtensor_ulysses.parallel.global_loss import global_valid_tokens
 from dtensor_ulysses.parallel.mesh import MESH_AXES, ParallelDims, flatten_dp_sp
-from dtensor_ulysses.parallel.tokens import global_valid_tokens
+from dtensor_ulysses.plan.recipe import ParallelOptions
 
 __all__ = [
     "HFCausalLM",
     "check_tokenizer",
+    "config_head_dim",
     "check_weights",
     "load_pretrained",
     "load_tokenizer",
@@ -55,6 +64,20 @@ __all__ = [
 
 # config attributes that change the logits beyond ``h @ lm_head.weight.T``
 _HEAD_EXTRAS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier")
+
+
+def config_head_dim(cfg: Any) -> int:
+    """The largest attention head dim of a text config: its ``head_dim``, or per layer where
+    transformers keeps per-layer values (Gemma 4's global layers: ``per_layer_config[i]``,
+    whose global ``head_dim`` raises on access), else ``hidden_size / heads``."""
+    dims = []
+    with contextlib.suppress(RuntimeError):  # a per-layer attribute: read per layer below
+        dims.append(int(getattr(cfg, "head_dim", 0) or 0))
+    per_layer = getattr(cfg, "per_layer_config", None)
+    if per_layer is not None:
+        for i in range(int(cfg.num_hidden_layers)):
+            dims.append(int(getattr(per_layer[i], "head_dim", 0) or 0))
+    return max(dims, default=0) or int(cfg.hidden_size) // int(cfg.num_attention_heads)
 
 
 def _plain_head(model: Any) -> nn.Linear:
@@ -168,26 +191,64 @@ def parallelize(
     mixed_precision: MixedPrecisionPolicy | None | str = "auto",
     attention_backend: str = "auto",
     allow_uneven_heads: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Ulysses -> activation checkpointing -> ``fully_shard(layers)`` -> ``fully_shard(root)``.
 
     The order and FSDP2 settings of :func:`dtensor_ulysses.parallelize` (gradients summed over
     ``dp x sp``, for the token-weighted loss), on a transformers model or an
-    :class:`HFCausalLM` (then the root). Options as there.
+    :class:`HFCausalLM` (then the root). Options as there; ``compute_dtype`` is the dtype
+    attention computes in, for the kernel choice (default: the mixed-precision policy's, else
+    the parameters'; ``with_ulysses`` passes autocast's). The one parallelize of transformers
+    models: ``--hf-model`` and ``with_ulysses`` both call it.
     """
     if mesh.mesh_dim_names != MESH_AXES:
         raise ValueError(f"parallelize needs the {MESH_AXES} mesh, got {mesh.mesh_dim_names}")
     if isinstance(model, FSDPModule):
         raise ValueError("the model is already parallelized; build a new one (on meta)")
-    if offload_activations and not activation_checkpointing:
-        raise ValueError("offload_activations needs activation_checkpointing=True")
+    ParallelOptions(
+        activation_checkpointing=activation_checkpointing,
+        offload_activations=offload_activations, offload_params=offload_params,
+        head_chunks=head_chunks, attention_backend=attention_backend,
+        allow_uneven_heads=allow_uneven_heads, mixed_precision=mixed_precision,
+    ).check(hf_model=True)  # fmt: skip
     hf = unwrap(model)
     if isinstance(model, HFCausalLM):  # the ranks that share a batch (a router loss's group)
         model.__dict__["_du_loss_group"] = flatten_dp_sp(mesh).get_group()
+    return _parallelize_root(
+        model, hf, mesh, activation_checkpointing=activation_checkpointing,
+        offload_activations=offload_activations, offload_params=offload_params,
+        head_chunks=head_chunks, mixed_precision=mixed_precision,
+        attention_backend=attention_backend, allow_uneven_heads=allow_uneven_heads,
+        compute_dtype=compute_dtype,
+    )  # fmt: skip
+
+
+def _parallelize_root(
+    root: nn.Module,
+    hf: PreTrainedModel,
+    mesh: DeviceMesh,
+    *,
+    activation_checkpointing: bool,
+    offload_activations: bool,
+    offload_params: bool,
+    head_chunks: int,
+    mixed_precision: MixedPrecisionPolicy | None | str,
+    attention_backend: str,
+    allow_uneven_heads: bool,
+    compute_dtype: torch.dtype | None,
+) -> nn.Module:
+    """:func:`parallelize`'s steps on ``hf`` inside ``root`` (the module FSDP2 shards last: the
+    model itself, an :class:`HFCausalLM`, or a trainer's wrapper such as a PEFT model)."""
+    if mixed_precision == "auto":
+        mixed_precision = default_mixed_precision(mesh.device_type)
+    if compute_dtype is None:
+        compute_dtype = getattr(mixed_precision, "param_dtype", None)
     # 1. Ulysses (always, also at sp=1: the engine is where packed documents are handled)
     apply_ulysses(
         hf, ParallelDims.from_mesh(mesh).sp_group(mesh), head_chunks=head_chunks,
         backend=attention_backend, allow_uneven_heads=allow_uneven_heads,
+        compute_dtype=compute_dtype,
     )  # fmt: skip
     _, layers = decoder_layers(hf)
     # 2. activation checkpointing, per decoder layer (names unchanged)
@@ -195,10 +256,8 @@ def parallelize(
         checkpoint_blocks(layers, offload=offload_activations)
     # 3. FSDP2 over dp x sp: layers, then the root (embeddings, final norm, output head),
     #    gradients summed (the built-in model's step, shared)
-    shard_blocks(
-        model, layers, mesh, mixed_precision=mixed_precision, offload_params=offload_params
-    )
-    return model
+    shard_blocks(root, layers, mesh, mixed_precision=mixed_precision, offload_params=offload_params)
+    return root
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,40 +304,87 @@ def load_weights(model: nn.Module, directory: str | os.PathLike) -> None:
     for name, b in model.named_buffers():
         if bare_name(name) in persistent:
             targets[bare_name(name)] = b
-    ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
-    seen, unexpected = set(), []
-    for file in _weight_files(Path(directory)):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key not in targets:
-                    if not any(re.search(p, key) for p in ignore):
-                        unexpected.append(key)
-                    continue
-                full = f.get_tensor(key)
-                param = targets[key]
-                if tuple(full.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"weights do not match the config: {key} has shape {tuple(full.shape)} "
-                        f"in {file.name}, the model built from config.json expects "
-                        f"{tuple(param.shape)}"
-                    )
-                copy_full_(param, full.to(param.dtype))
-                seen.add(key)
-    tied = _tied_names(hf)
-    missing = sorted(k for k in targets if k not in seen and k not in tied)
+
+    def copy(file: Path, key: str, names: CheckpointNames, reader: Any) -> list[str]:
+        filled = names.add(key, reader.get_tensor(key))  # per-expert pieces fill a fused tensor
+        for name, full in filled.items():
+            param = targets[name]
+            if tuple(full.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"weights do not match the config: {name} has shape {tuple(full.shape)} "
+                    f"in {file.name}, the model built from config.json expects "
+                    f"{tuple(param.shape)}"
+                )
+            copy_full_(param, full.to(param.dtype))
+        return list(filled)
+
+    missing, unexpected, names = _walk_weights(Path(directory), hf, targets, copy)
+    partial = sorted(t for t, left in names.pieces.items() if left)
     if missing or unexpected:
         raise ValueError(
             f"weights do not match the config of {type(hf).__name__}: "
             + (f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} " if missing else "")
             + (f"unexpected {unexpected[:5]}" if unexpected else "")
-            + (
-                "; these are per-expert weights in the format transformers converts on load "
-                "(fused experts in memory), which load_pretrained / --hf-model does not "
-                "convert yet: use with_ulysses (the model is loaded by transformers)"
-                if any(".experts." in k for k in unexpected)
-                else ""
-            )
+            + (f"; fused from incomplete pieces: {partial[:3]}" if partial else "")
         )
+
+
+@contextlib.contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """A weights file that cannot be read is a ``ValueError`` naming it (safetensors raises its
+    own error types too); anything else keeps its traceback."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
+
+
+def _walk_weights(
+    directory: Path,
+    hf: PreTrainedModel,
+    expected: Collection[str],
+    visit: Callable[[Path, str, CheckpointNames, Any], list[str]],
+) -> tuple[list[str], list[str], CheckpointNames]:
+    """The one walk over a model directory's safetensors keys (``load_weights`` copies,
+    ``check_weights`` compares shapes). Checkpoint keys are mapped to the model's names first
+    (``CheckpointNames``: per-expert pieces name the fused parameter they fill, transformers'
+    own mapping); then ``visit(file, key, names, reader)`` runs for each tensor the model
+    expects, in file order, one at a time, and returns the model names it filled.
+
+    Returns:
+        ``(missing, unexpected, names)``: expected names nothing filled (tied parameters
+        excepted), checkpoint keys the model does not have (those it ignores on load
+        excepted), and the key mapping.
+    """
+    ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
+    files = _weight_files(directory)
+    keys: list[str] = []
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"weights file {str(file)!r} (named by the index) does not exist")
+        with _reading(file), safe_open(str(file), framework="pt", device="cpu") as f:
+            keys += list(f.keys())
+    names = CheckpointNames.of(hf, keys, expected)
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
+        with contextlib.ExitStack() as stack:
+            with _reading(file):
+                reader = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                file_keys = list(reader.keys())
+            for key in file_keys:
+                if names.target[key] not in expected:
+                    if not any(re.search(p, key) for p in ignore):
+                        unexpected.append(key)
+                    continue
+                seen.update(visit(file, key, names, reader))
+    tied = _tied_names(hf)
+    missing = sorted(k for k in expected if k not in seen and k not in tied)
+    return missing, unexpected, names
 
 
 def _tied_names(hf: PreTrainedModel) -> set[str]:
@@ -389,6 +495,7 @@ def save_pretrained(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent)) if rank == 0 else None
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
+    as_saved = checkpoint_format(hf)  # fused experts -> per-expert tensors, as transformers saves
     for name, t in tensors:
         full = t.full_tensor() if isinstance(t, DTensor) else t
         if rank != 0:
@@ -398,7 +505,8 @@ def save_pretrained(
         if size and size + n > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = full.contiguous()
+        for key, piece in as_saved(name, full).items():
+            shards[-1][key] = piece.contiguous()
         size += n
     if rank == 0:
         assert tmp is not None
@@ -461,30 +569,19 @@ def check_weights(directory: str | os.PathLike) -> None:
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
     want = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    ignore = list(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or [])
-    seen, wrong, unexpected = set(), [], []
-    for file in _weight_files(directory):
-        if not file.is_file():
-            raise ValueError(f"weights file {str(file)!r} (named by the index) does not exist")
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if key not in want:
-                        if not any(re.search(p, key) for p in ignore):
-                            unexpected.append(key)
-                        continue
-                    got = tuple(f.get_slice(key).get_shape())
-                    if got != want[key]:
-                        wrong.append(f"{key} {got} (config: {want[key]})")
-                    seen.add(key)
-        except (OSError, RuntimeError) as e:  # safetensors raises its own error types too
-            raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
-        except Exception as e:
-            if type(e).__name__ != "SafetensorError":
-                raise
-            raise ValueError(f"cannot read weights file {str(file)!r}: {e}") from None
-    tied = _tied_names(hf)
-    missing = sorted(k for k in want if k not in seen and k not in tied)
+    wrong: list[str] = []
+
+    def compare(file: Path, key: str, names: CheckpointNames, reader: Any) -> list[str]:
+        name = names.target[key]
+        if names.pattern[key] is not None:  # a per-expert piece: checked once fused, on load
+            return [name]
+        with _reading(file):
+            got = tuple(reader.get_slice(key).get_shape())
+        if got != want[name]:
+            wrong.append(f"{key} {got} (config: {want[name]})")
+        return [name]
+
+    missing, unexpected, _ = _walk_weights(directory, hf, want, compare)
     if wrong or missing or unexpected:
         parts = [
             f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"

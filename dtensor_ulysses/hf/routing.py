@@ -22,21 +22,31 @@ transformers' packed masks make them), the logit softcap the attention function 
 attention sinks (the module's ``sinks``; the engine gives each rank those of its heads), and
 Llama 4's attention temperature on its layers without RoPE (computed by the model from the
 row index of its slice; the engine rescales q to the row in the whole sequence). The kernel for
-each layer is chosen (:func:`~dtensor_ulysses.attention.select_backend`) in
+each layer kind is chosen once (:func:`~dtensor_ulysses.attention.choose_kernel`) in
 :func:`apply_ulysses`, so a layer no kernel of this device runs exactly is refused before step 1.
 After the all-to-all every rank holds the full sequence of its heads, so a window, a chunk or a
 softcap is a property of the local kernel and never compared with the local slice length.
 
-Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) go through the same exchange, routed
-by :mod:`~dtensor_ulysses.hf.linear_attention` (their key heads split over sp, as q heads are).
+Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) and Mamba-2 mixers (Nemotron-H,
+Granite 4.0-H, Falcon-H1) go through the same exchange (their heads split over sp, as q heads
+are); LFM2's short convolutions through a halo exchange: :mod:`~dtensor_ulysses.hf.mixers` holds
+the table of routed and refused mixers.
+
+Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Kimi) runs through the engine with
+v's own head dim; each such layer either exchanges its expanded heads or gathers its kv latent,
+whichever moves fewer bytes (:mod:`~dtensor_ulysses.hf.latent_attention`). A layer that attends
+with an earlier layer's keys and values (Gemma 4's KV sharing) reuses that layer's exchanged
+k, v: only q and o move.
 
 Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
-other layers without attention (Mamba, other linear attention), attention dropout,
-bidirectional attention, models whose attention does not go through the ``AttentionInterface``,
-a KV cache, padding masks on the model call (use :func:`~dtensor_ulysses.hf.shard_batch`). On the
-first forward after :func:`apply_ulysses`, a guard checks that every attention layer went
-through the engine and raises :class:`UnroutedAttentionError` naming those that did not (sp
-would silently be a no-op for them).
+other layers without attention or a routed mixer (and the mixers refused by name), sparse
+attention (a top-k indexer: DeepSeek-V3.2), head chunks with latent attention, attention
+dropout, bidirectional attention, models whose attention does not go through the
+``AttentionInterface``, a KV cache, padding masks on the model call (use
+:func:`~dtensor_ulysses.hf.shard_batch`). On the first forward after :func:`apply_ulysses`, a
+guard checks that every attention layer and routed mixer went through the engine and raises
+:class:`UnroutedAttentionError` naming those that did not (sp would silently be a no-op for
+them).
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from dtensor_ulysses.attention import AttnFeatures, select_backend
+from dtensor_ulysses.attention import AttnFeatures, KernelChoice, choose_kernel
 from dtensor_ulysses.attention.doc_tensors import with_doc_tensors
 from dtensor_ulysses.attention.local import BACKENDS, local_attention
 from dtensor_ulysses.attention.ulysses import (
@@ -60,7 +70,17 @@ from dtensor_ulysses.attention.ulysses import (
     gather_doc_starts,
     sp_group,
 )
-from dtensor_ulysses.hf.linear_attention import is_gated_deltanet, route_gated_deltanet
+from dtensor_ulysses.hf.latent_attention import (
+    is_latent_attention,
+    route_latent_attention,
+    take_exchanged_kv,
+)
+from dtensor_ulysses.hf.mixers import (
+    MIXER_LAYER_TYPES,
+    is_sequence_mixer,
+    refused_mixer,
+    route_mixers,
+)
 from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
 __all__ = [
@@ -69,6 +89,7 @@ __all__ = [
     "UnroutedAttentionError",
     "UnsupportedModelError",
     "apply_ulysses",
+    "attention_dropout",
     "attention_modules",
     "check_supported",
     "decoder_layers",
@@ -86,6 +107,8 @@ _LAYER_FEATURES = {
     "mamba": "a Mamba state-space mixer (not attention)",
     "conv": "a convolution mixer (not attention)",
 }
+# layer types without token mixing (Nemotron-H's MLP and MoE blocks)
+_TOKENWISE_LAYER_TYPES = ("mlp", "moe")
 # kwargs of flash-attention packing (DataCollatorWithFlattening): they describe the local slice
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -109,6 +132,9 @@ class _State:
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # id(module) -> features
     calls: dict[int, int] = field(default_factory=dict)
     chunked: dict[int, tuple[SeqLayout, SeqLayout]] = field(default_factory=dict)
+    latent: dict[str, str] = field(default_factory=dict)  # MLA layer -> "latent" / "heads"
+    shares_kv: bool = False  # some layer attends with an earlier layer's k, v (Gemma 4)
+    kv_shared: dict[int, tuple] = field(default_factory=dict)  # id(k) -> (k, v, k_ex, v_ex)
     checked: bool = False
     hooks: list = field(default_factory=list)
 
@@ -286,6 +312,32 @@ def layer_features(module: nn.Module, cfg: Any, layer_type: str | None) -> Layer
     return LayerFeatures(window, chunk, float(cap) if cap else None, sinks, nope_t)  # type: ignore[arg-type]
 
 
+# the config keys that turn attention dropout on across families, and a module's own attributes
+_DROPOUT_CONFIG = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+_DROPOUT_MODULE = ("attention_dropout", "attn_dropout", "dropout")
+
+
+def attention_dropout(
+    config: Any, module: nn.Module | None = None, overrides: dict | None = None
+) -> dict[str, float]:
+    """The one detector of attention dropout (``apply_ulysses``, ``--hf-model``,
+    ``with_ulysses``): the positive probabilities, by where they were found, of a text config's
+    keys (``overrides``, e.g. ``model_init_kwargs``, win) and of an attention module's own
+    attributes (a float or an ``nn.Dropout``). Empty: no attention dropout."""
+    found: dict[str, float] = {}
+    for key in _DROPOUT_CONFIG:
+        value = (overrides or {}).get(key, getattr(config, key, None))
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found[key] = float(value)
+    if module is not None:
+        for key in _DROPOUT_MODULE:
+            value = getattr(module, key, None)
+            value = value.p if isinstance(value, nn.Dropout) else value
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                found[f"module.{key}"] = float(value)
+    return found
+
+
 def _problems(module: nn.Module, cfg: Any) -> list[str]:
     """What ``module`` does that the engine cannot do exactly."""
     out = []
@@ -293,8 +345,14 @@ def _problems(module: nn.Module, cfg: Any) -> list[str]:
         out.append(_refused("non_causal"))
     if getattr(cfg, "use_bidirectional_attention", False):
         out.append(_refused("non_causal", "use_bidirectional_attention=True"))
-    if float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
-        out.append(_refused("dropout", f"attention_dropout={cfg.attention_dropout}"))
+    dropout = attention_dropout(cfg, module)
+    if dropout:
+        out.append(_refused("dropout", ", ".join(f"{k}={v}" for k, v in dropout.items())))
+    if isinstance(getattr(module, "indexer", None), nn.Module):  # DeepSeek-V3.2, GLM-5
+        out.append(
+            "sparse attention (a top-k indexer picks each query's keys: the engine runs dense "
+            "attention)"
+        )
     return out
 
 
@@ -308,14 +366,15 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | None]]:
-    """``(name, module, features)`` of every attention module (features ``None``: a Gated
-    DeltaNet mixer, routed by hf/linear_attention.py)."""
+    """``(name, module, features)`` of every attention module (features ``None``: a sequence
+    mixer, routed by hf/mixers.py)."""
     hf = unwrap(model)
     cfg = hf.config.get_text_config()
     what = f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
     routable = getattr(hf, "_supports_attention_backend", False) or any(
-        is_gated_deltanet(m) for m in hf.modules()
-    )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks)
+        is_sequence_mixer(m) or refused_mixer(m) for m in hf.modules()
+    )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks;
+    # a refused mixer is named below, layer by layer)
     if not (routable and hf._can_set_attn_implementation()):
         raise UnsupportedModelError(
             f"{what} does not route its attention through transformers' AttentionInterface, "
@@ -329,13 +388,18 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
     for i, layer in enumerate(layers):
         lt = layer_types[i] if layer_types and i < len(layer_types) else None
         where = f"{prefix}.{i} ({type(layer).__name__})"
-        mixers = [(n, m) for n, m in layer.named_modules() if is_gated_deltanet(m)]
-        if lt == "linear_attention" and mixers:  # routed by hf/linear_attention.py
+        mixers = [(n, m) for n, m in layer.named_modules() if is_sequence_mixer(m)]
+        refused = [(n, m, refused_mixer(m)) for n, m in layer.named_modules() if refused_mixer(m)]
+        problems += [f"{prefix}.{i}.{n} ({type(m).__name__}): {why}" for n, m, why in refused]
+        if lt in MIXER_LAYER_TYPES and mixers:  # routed by hf/mixers.py
             found += [(f"{prefix}.{i}.{n}", m, None) for n, m in mixers]
+        elif refused or lt in _TOKENWISE_LAYER_TYPES:
+            pass
         elif lt is not None and lt not in _ATTENTION_LAYER_TYPES:
             problems.append(f"{where}: {_LAYER_FEATURES.get(lt, repr(lt))}")
-        attns = [(n, m) for n, m in layer.named_modules() if _is_attention(m, classes)]
-        if not attns and not mixers:
+        attns = [(n, m) for n, m in layer.named_modules()
+                 if _is_attention(m, classes) and not refused_mixer(m)]  # fmt: skip
+        if not attns and not mixers and not refused and lt not in _TOKENWISE_LAYER_TYPES:
             kinds = sorted({type(m).__name__ for m in layer.children()})
             problems.append(
                 f"{where}: no attention module (it has {', '.join(kinds)}); layers that do not "
@@ -367,6 +431,7 @@ def apply_ulysses(
     head_chunks: int = 1,
     backend: str = "auto",
     allow_uneven_heads: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Route every attention layer of a transformers causal LM through the Ulysses engine.
 
@@ -381,8 +446,12 @@ def apply_ulysses(
         model: a transformers ``PreTrainedModel`` (or :class:`~dtensor_ulysses.hf.HFCausalLM`).
         mesh: a device mesh with an ``"sp"`` axis (or the sp process group).
         head_chunks: attention in this many stages of heads (see ``UlyssesAttention``).
-        backend: the local kernel: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``.
+        backend: the local kernel: ``"auto"`` or a name of
+            :data:`~dtensor_ulysses.attention.BACKENDS`; chosen here once per layer kind and
+            stored on the layer (``kernel_choice``).
         allow_uneven_heads: accept q heads not divisible by sp.
+        compute_dtype: the dtype attention computes in (autocast's or the mixed-precision
+            policy's; default: the parameters'), for the kernel choice.
 
     Returns:
         ``model``, changed in place.
@@ -403,8 +472,16 @@ def apply_ulysses(
         n_heads, sp, what=f"q heads of {type(hf).__name__}", allow_uneven=allow_uneven_heads
     )
     if head_chunks != 1:
+        latent = [(n, m) for n, m, f in found if f is not None and is_latent_attention(m)]
+        if latent:
+            raise UnsupportedModelError(
+                f"{latent[0][0]} ({type(latent[0][1]).__name__}): head_chunks={head_chunks} "
+                f"with multi-head latent attention (its value head dim differs from q/k's; the "
+                f"head stages need one head dim): use head_chunks=1"
+            )
         check_head_chunks(n_heads, sp, head_chunks)
-    _check_backends(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend)
+    _choose_kernels(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend,
+                    compute_dtype)  # fmt: skip
     base = hf.base_model
     old: _State | None = base.__dict__.get(_STATE)
     if old is not None:
@@ -416,10 +493,15 @@ def apply_ulysses(
     feats = {id(m): f for _, m, f in found if f is not None}
     state = _State(engine, group, backend, head_chunks, {id(m): n for n, m, _ in found},
                    feats)  # fmt: skip
-    route_gated_deltanet(  # Gated DeltaNet layers: hf/linear_attention.py
+    route_mixers(  # Gated DeltaNet, Mamba-2, short convolutions: hf/mixers.py
         [(n, m) for n, m, f in found if f is None], group, state.record,
         allow_uneven_heads=allow_uneven_heads,
     )  # fmt: skip
+    # multi-head latent attention: the latent gathered where that moves fewer bytes
+    state.latent = route_latent_attention(
+        [(n, m) for n, m, f in found if f is not None and is_latent_attention(m)], group
+    )
+    state.shares_kv = any(getattr(m, "is_kv_shared_layer", False) for _, m, _ in found)
     base.__dict__[_STATE] = state
     for _, m, _ in found:
         m.__dict__[_STATE] = state
@@ -442,32 +524,40 @@ def _attn_features(feats: LayerFeatures, docs: bool) -> AttnFeatures:
                            docs=docs)  # fmt: skip
 
 
-def _check_backends(
-    hf: PreTrainedModel, found: list[tuple[str, nn.Module, LayerFeatures]], mesh: Any, backend: str
+def _choose_kernels(
+    hf: PreTrainedModel,
+    found: list[tuple[str, nn.Module, LayerFeatures]],
+    mesh: Any,
+    backend: str,
+    compute_dtype: torch.dtype | None,
 ) -> None:
-    """Every layer's features on a kernel of this device and dtype, before step 1 (the kernel
-    layer's :func:`~dtensor_ulysses.attention.select_backend`, once per distinct layer kind)."""
+    """Choose the kernel once per distinct layer kind (its features and head dim) on this
+    device and compute dtype (:func:`~dtensor_ulysses.attention.choose_kernel`), refuse a layer
+    no kernel runs before step 1, and store the choice on each layer (``kernel_choice``: the
+    call path looks it up for its documents, the start line prints it)."""
     device_type = getattr(mesh, "device_type", None)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     param = next(iter(hf.parameters()), None)
-    dtype = param.dtype if param is not None else torch.float32
+    dtype = compute_dtype or (param.dtype if param is not None else torch.float32)
     cfg = hf.config.get_text_config()
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple, KernelChoice] = {}
     for name, m, feats in found:
-        head_dim = int(getattr(m, "head_dim", 0) or getattr(cfg, "head_dim", 0) or
+        head_dim = int(getattr(m, "qk_head_dim", 0) or getattr(m, "head_dim", 0) or
+                       getattr(cfg, "head_dim", 0) or
                        cfg.hidden_size // cfg.num_attention_heads)  # fmt: skip
         key = (feats, head_dim)
-        if key in seen:
-            continue
-        try:
-            seen[key] = select_backend(_attn_features(feats, docs=False), device_type=device_type,
-                                       dtype=dtype, head_dim=head_dim, backend=backend)  # fmt: skip
-        except ValueError as e:
-            raise UnsupportedModelError(
-                f"{name} ({type(m).__name__}, {feats.describe()}): no attention kernel runs it "
-                f"exactly on {device_type} in {dtype}: {e}"
-            ) from None
+        if key not in seen:
+            try:
+                seen[key] = choose_kernel(_attn_features(feats, docs=False),
+                                          device_type=device_type, dtype=dtype,
+                                          head_dim=head_dim, requested=backend)  # fmt: skip
+            except ValueError as e:
+                raise UnsupportedModelError(
+                    f"{name} ({type(m).__name__}, {feats.describe()}): no attention kernel runs "
+                    f"it exactly on {device_type} in {dtype}: {e}"
+                ) from None
+        m.__dict__["kernel_choice"] = seen[key]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,6 +601,7 @@ def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     if not state.checked:
         state.calls = {}
     state.chunked = {}
+    state.kv_shared = {}
     return (), kwargs
 
 
@@ -614,7 +705,11 @@ def _ulysses_attention(
             "flash-attention packing kwargs (cu_seq_lens_*) of the local slice (pass packed "
             "documents as position ids restarting at 0, or as ulysses_layout)"
         )
-    if query.shape[2] != key.shape[2]:
+    # k, v already this rank's full-length heads: the latent gathered and expanded by the
+    # layer (hf/latent_attention.py), or an earlier layer's exchanged k, v (KV sharing)
+    exchanged = _exchanged_kv(state, module, key, value)
+    key0, value0 = key, value  # as the model passed them (the key of the KV-sharing cache)
+    if exchanged is None and query.shape[2] != key.shape[2]:
         problems.append(f"{query.shape[2]} queries for {key.shape[2]} keys (a KV cache)")
     if problems:
         raise UnsupportedModelError(f"{name}: " + "; ".join(problems))
@@ -640,11 +735,31 @@ def _ulysses_attention(
         extra["softcap"] = float(cap)
     if feats.sinks:  # the eager function reads the module's own parameter
         extra["sinks"] = module.sinks
+    if exchanged is not None:
+        k, v = (t.to(q.dtype) for t in exchanged[:2])
+        extra["kv_exchanged"] = exchanged[2]
+    elif layout is not None and getattr(module, "store_full_length_kv", False) and state.shares_kv:
+        k, v = state.engine.exchange_kv(k, v, q.shape[2], layout=layout)
+        state.kv_shared[id(key0)] = (key0, value0, k, v)  # later layers attend with these
+        extra["kv_exchanged"] = key.shape[1]
+    kernel = module.__dict__.get("kernel_choice") or state.backend  # chosen once, looked up
     o = state.engine(
-        q, k, v, layout=layout, causal=True, softmax_scale=scaling, backend=state.backend, **extra
+        q, k, v, layout=layout, causal=True, softmax_scale=scaling, backend=kernel, **extra
     )
     state.record(module)
     return o, None
+
+
+def _exchanged_kv(state: _State, module: nn.Module, key: torch.Tensor, value: torch.Tensor):
+    """``(k, v, K)`` (``[B, S, m, .]`` each, ``K`` the layer's kv heads) when the call's key and
+    value are already exchanged: expanded from the gathered latent by the layer (``K = N``), or
+    an earlier layer's (KV sharing: the same tensors that layer attended with); else ``None``."""
+    if take_exchanged_kv(module, key, value):
+        return key.transpose(1, 2), value.transpose(1, 2), int(module.num_heads)  # type: ignore[arg-type]
+    shared = state.kv_shared.get(id(key))
+    if shared is not None and shared[0] is key and shared[1] is value:
+        return shared[2], shared[3], key.shape[1]
+    return None
 
 
 def _nope_scale(rows: torch.Tensor, module: nn.Module) -> torch.Tensor:

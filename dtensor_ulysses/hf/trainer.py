@@ -11,11 +11,12 @@ What the returned subclass does on ``P = dp x sp`` ranks:
 
 * **Mesh**: the ``("dp", "sp")`` mesh, ``dp = P / sp``.
 * **Model**: after the base ``__init__`` (so a model TRL loaded from a name or wrapped in a PEFT
-  adapter is the one prepared): every attention layer through the engine
-  (:func:`~dtensor_ulysses.hf.apply_ulysses`, with its refusals and first-step guard), optional
-  activation checkpointing, then ``fully_shard`` of each decoder layer and of the root over the
-  flattened ``dp x sp`` ranks with gradients *summed* (:func:`~dtensor_ulysses.parallel.compose.
-  shard_blocks`, the settings of :func:`~dtensor_ulysses.hf.parallelize`).
+  adapter is the one prepared), the steps of :func:`~dtensor_ulysses.hf.parallelize` (the one
+  parallelize of transformers models): every attention layer through the engine
+  (:func:`~dtensor_ulysses.hf.apply_ulysses`, with its refusals, its kernel chosen once per
+  layer kind for autocast's dtype, and its first-step guard), optional activation
+  checkpointing, then ``fully_shard`` of each decoder layer and of the root over the flattened
+  ``dp x sp`` ranks with gradients *summed*.
 * **Data**: the loaders are sharded over the dp ranks only: every rank of an sp group reads the
   same rows (accelerate's sampler, epochs and resume skipping unchanged). The global batch is
   ``per_device_train_batch_size x dp x gradient_accumulation_steps``. Each rank then feeds the
@@ -58,7 +59,7 @@ whose behaviour with an sp axis is not defined. Applied directly, the Trainer se
 non-FSDP multi-process run, and only four accelerator methods change (see
 :mod:`~dtensor_ulysses.hf._trainer_accel`): data by dp rank, no DDP wrap, the DTensor norm,
 metrics gathered over dp. At interpreter exit, every rank leaves the process group together
-(:func:`_install_teardown`), so a finished run exits 0.
+(:func:`~dtensor_ulysses._exit.leave_together_at_exit`), so a finished run exits 0.
 Every other piece of the Trainer's loop (schedules, logging, callbacks, checkpoint cadence,
 RNG files) is the stock one.
 
@@ -72,9 +73,7 @@ FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 
 from __future__ import annotations
 
-import atexit
 import functools
-import gc
 import linecache
 import os
 import sys
@@ -86,37 +85,38 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from dtensor_ulysses._exit import exit_process, leave_together, write_rank_note
+from dtensor_ulysses._exit import (
+    exit_process,
+    leave_together,
+    leave_together_at_exit,
+    write_rank_note,
+)
 from dtensor_ulysses.data import IGNORE_INDEX
 from dtensor_ulysses.hf import _trainer_accel, _trainer_state
 from dtensor_ulysses.hf.batch import shard_batch
-from dtensor_ulysses.hf.model import _plain_head
+from dtensor_ulysses.hf.model import _parallelize_root, _plain_head
 from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
 from dtensor_ulysses.hf.routing import (
     UnsupportedModelError,
-    apply_ulysses,
+    attention_dropout,
     attention_modules,
     check_supported,
-    decoder_layers,
 )
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
-from dtensor_ulysses.parallel import checkpoint_blocks, flatten_dp_sp, shard_blocks
+from dtensor_ulysses.parallel import flatten_dp_sp
 from dtensor_ulysses.parallel.mesh import ParallelDims
-from dtensor_ulysses.plan import default_loss_chunk
+from dtensor_ulysses.plan import ParallelOptions
+from dtensor_ulysses.plan.splits import default_loss_chunk
 
 __all__ = ["UnsupportedTrainerError", "with_ulysses"]
 
+# the ParallelOptions fields with_ulysses takes, with their defaults (the recipe's one type)
 OPTIONS = {
-    "activation_checkpointing": False,
-    "offload_activations": False,
-    "offload_params": False,
-    "head_chunks": 1,
-    "tiled_loss": False,
-    "loss_chunk_tokens": None,
-    "attention_backend": "auto",
-    "allow_uneven_heads": False,
-    "mixed_precision": "auto",
-}
+    name: getattr(ParallelOptions(), name)
+    for name in ("activation_checkpointing", "offload_activations", "offload_params",
+                 "head_chunks", "tiled_loss", "loss_chunk_tokens", "attention_backend",
+                 "allow_uneven_heads", "mixed_precision")
+}  # fmt: skip
 # trainers whose inputs come from generation, or whose loss is not the token cross entropy
 _GENERATION = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "GKDTrainer",
                "NashMDTrainer", "XPOTrainer", "GOLDTrainer")  # fmt: skip
@@ -211,10 +211,12 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
             ``gradient_checkpointing``), ``offload_activations``, ``offload_params``,
             ``head_chunks``, ``tiled_loss`` (the loss from the final hidden states in chunks of
             ``loss_chunk_tokens``, default ``min(2048, local tokens)``: no ``[B, s, V]``
-            logits; needs a plain output head), ``attention_backend`` (``"auto"``,
-            ``"flash_attn"``, ``"sdpa"``),
+            logits; needs a plain output head), ``attention_backend`` (``"auto"`` or a kernel
+            name),
             ``allow_uneven_heads`` (q heads that sp does not divide), ``mixed_precision`` (an
-            FSDP2 ``MixedPrecisionPolicy``, ``None``, or ``"auto"``: bf16 on CUDA).
+            FSDP2 ``MixedPrecisionPolicy``, ``None``, or ``"auto"``: bf16 on CUDA): the
+            fields of :class:`~dtensor_ulysses.plan.ParallelOptions` that apply to a
+            transformers trainer, checked by its one ``check``.
 
     Returns:
         The subclass; construct it as ``cls``.
@@ -232,12 +234,11 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
         raise ValueError(f"sp={sp!r} is not a positive int; use sp >= 1 (e.g. sp=4)")
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ValueError(f"unknown with_ulysses options {unknown}; known: {sorted(OPTIONS)}")
-    chunk = options.get("loss_chunk_tokens")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"loss_chunk_tokens={chunk!r} is not a positive int; e.g. 2048")
-    if chunk is not None and not options.get("tiled_loss"):
-        raise ValueError(f"loss_chunk_tokens={chunk} needs tiled_loss=True")
+        raise ValueError(
+            f"unknown with_ulysses options {unknown}; the options are {list(OPTIONS)} (fields "
+            f"of dtensor_ulysses.plan.ParallelOptions)"
+        )
+    ParallelOptions(**options).check(hf_model=True)
     names = [c.__name__ for c in cls.__mro__]
     generation = [n for n in names if n in _GENERATION]
     if generation:
@@ -302,41 +303,6 @@ def _refuse_args(args: Any, sp: int) -> None:
         )
 
 
-_TEARDOWN = {"installed": False, "failed": False}
-
-
-def _install_teardown() -> None:
-    """Leave the process group together at interpreter exit (once per process).
-
-    A with_ulysses run trains on the process group that torchrun / accelerate created, and on
-    the dp, sp and dp x sp groups of its mesh. Left to interpreter shutdown, gloo's worker
-    threads can be destroyed while they still hold work, and a rank aborts after training has
-    finished ("terminate called without an active exception", SIGABRT: the job fails). Here,
-    at exit (after the script's own code, which may still evaluate or save after ``train()``),
-    every rank passes one barrier and destroys all groups while the interpreter is intact
-    (:func:`~dtensor_ulysses._exit.leave_together`). After an uncaught exception there is no
-    barrier (a peer may never reach it), only the teardown. The exit status is the script's.
-    """
-    if _TEARDOWN["installed"]:
-        return
-    _TEARDOWN["installed"] = True
-    previous = sys.excepthook
-
-    def note_failure(*exc: Any) -> None:
-        _TEARDOWN["failed"] = True
-        previous(*exc)
-
-    sys.excepthook = note_failure
-    atexit.register(_leave_at_exit)
-
-
-def _leave_at_exit() -> None:
-    if not dist.is_initialized():
-        return
-    leave_together(1 if _TEARDOWN["failed"] else 0, dist.get_rank())
-    gc.collect()  # work objects and groups that only a reference cycle still held
-
-
 def _router_rule(trainer: Any, model: Any) -> tuple[float, bool] | None:
     """The router (load-balancing) loss the stock trainer adds: ``(coef, divided by the
     accumulation steps)``, or ``None``. ``transformers.Trainer``: the model's own, when its
@@ -373,13 +339,11 @@ def _targets(batch: dict) -> int:
     return int(valid.sum())
 
 
-_DROPOUT_CONFIG = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
-
-
 def _refuse_attention_dropout(model: Any, args: Any) -> None:
     """Refuse attention dropout at construction, before the model is loaded when TRL loads it
     from a name (its config, with ``model_init_kwargs``), and on the modules of a loaded model
-    (the probability each attention layer would pass to the kernel in training)."""
+    (the probability each attention layer would pass to the kernel in training): the one
+    detector, :func:`~dtensor_ulysses.hf.routing.attention_dropout`."""
     found: dict[str, float] = {}
     if isinstance(model, str):
         try:
@@ -389,24 +353,15 @@ def _refuse_attention_dropout(model: Any, args: Any) -> None:
         except Exception:  # not readable here: the loaded model is checked after loading
             return
         overrides = getattr(args, "model_init_kwargs", None) or {}
-        for key in _DROPOUT_CONFIG:
-            value = overrides.get(key, getattr(cfg, key, None))
-            if isinstance(value, (int, float)) and value > 0:
-                found[key] = float(value)
+        found = attention_dropout(cfg, overrides=overrides)
         what = repr(model)
     elif isinstance(model, nn.Module):
         hf: Any = _trainer_state.base_model(model)
         cfg = hf.config.get_text_config()
-        for key in _DROPOUT_CONFIG:
-            value = getattr(cfg, key, None)
-            if isinstance(value, (int, float)) and value > 0:
-                found[f"config.{key}"] = float(value)
+        found = {f"config.{k}": v for k, v in attention_dropout(cfg).items()}
         for name, m in attention_modules(hf):
-            for key in ("attention_dropout", "attn_dropout", "dropout"):
-                value = getattr(m, key, None)
-                value = value.p if isinstance(value, nn.Dropout) else value
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-                    found[f"{name}.{key}"] = float(value)
+            for key, v in attention_dropout(None, m).items():
+                found[f"{name}.{key.removeprefix('module.')}"] = v
         what = type(hf).__name__
     else:
         return
@@ -422,25 +377,27 @@ def _refuse_attention_dropout(model: Any, args: Any) -> None:
         )
 
 
+def _compute_dtype(args: Any) -> torch.dtype | None:
+    """The dtype autocast computes in under the training arguments (``bf16``/``fp16``, TRL's
+    default ``bf16=True`` included, on CPU too), or ``None``: no autocast."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
+
+
 def _describe(trainer: Any) -> str:
-    """One line: the mesh, sp and dp, the attention kernel and the features in use."""
-    from dtensor_ulysses.attention import resolve_backend
+    """One line: the mesh, sp and dp, the kernel that runs per layer kind, the precision that
+    runs and the features in use."""
+    from dtensor_ulysses.attention import describe_kernels, model_kernels
 
     o, mesh = trainer._du_options, trainer._du_mesh
     dp, sp = mesh["dp"].size(), mesh["sp"].size()
     device = trainer.args.device
-    policy = o["mixed_precision"]
-    if policy == "auto":
-        policy = None if device.type != "cuda" else "bf16"
-    dtype = torch.bfloat16 if policy == "bf16" else getattr(policy, "param_dtype", None)
     hf: Any = _trainer_state.base_model(trainer.model)
     cfg = hf.config.get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    probe = torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype or hf.dtype)
-    try:
-        kernel = resolve_backend(o["attention_backend"], probe)
-    except RuntimeError:  # an explicit kernel that cannot run: the first step says why
-        kernel = f"{o['attention_backend']} (cannot run here)"
+    kernel = describe_kernels(model_kernels(hf))
     features = [
         name
         for name, on in (
@@ -453,7 +410,18 @@ def _describe(trainer: Any) -> str:
         )
         if on
     ]
-    precision = "bf16 compute" if dtype == torch.bfloat16 else f"{dtype or hf.dtype} compute"
+    policy = o["mixed_precision"]
+    if policy == "auto":
+        policy = None if device.type != "cuda" else "bf16"
+    fsdp_dtype = torch.bfloat16 if policy == "bf16" else getattr(policy, "param_dtype", None)
+    params = _dtype_name(next(iter(hf.parameters())).dtype)
+    autocast = _compute_dtype(trainer.args)
+    if autocast is not None:
+        precision = f"{_dtype_name(autocast)} compute (autocast; {params} parameters)"
+    elif fsdp_dtype is not None:
+        precision = f"{_dtype_name(fsdp_dtype)} compute (FSDP2 mixed precision)"
+    else:
+        precision = f"{params} compute"
     name = next(c.__name__ for c in type(hf).__mro__ if not issubclass(c, FSDPModule))
     n = cfg.num_attention_heads
     per_rank = f"{n // sp} per rank" if n % sp == 0 else f"uneven over {sp} ranks"
@@ -461,6 +429,12 @@ def _describe(trainer: Any) -> str:
         f"with_ulysses: sequence parallelism on: mesh dp={dp} x sp={sp} ({dp * sp} ranks, "
         f"{device.type}), {name} {n} q heads ({per_rank}), attention kernel {kernel}, "
         f"{precision}, features: {', '.join(features) or 'none'}"
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        dtype, str(dtype).replace("torch.", "")
     )
 
 
@@ -555,7 +529,7 @@ class _UlyssesTrainer:
             )
         self._du_dims = ParallelDims.resolve(world, dp=None, sp=self._du_sp)  # the checks
         self._du_mesh = self._du_dims.build_mesh(self.args.device.type)
-        _install_teardown()
+        leave_together_at_exit()
         _trainer_accel.install(self.accelerator, self._du_mesh)
         self.gather_function = self.accelerator.gather_for_metrics
 
@@ -568,19 +542,16 @@ class _UlyssesTrainer:
             return model
         o = self._du_options
         hf = _trainer_state.base_model(model)
-        apply_ulysses(hf, self._du_dims.sp_group(self._du_mesh), head_chunks=o["head_chunks"],
-                      backend=o["attention_backend"],
-                      allow_uneven_heads=o["allow_uneven_heads"])  # fmt: skip
-        _, layers = decoder_layers(hf)
-        if o["activation_checkpointing"]:
-            checkpoint_blocks(layers, offload=o["offload_activations"])
-        elif o["offload_activations"]:
-            raise ValueError("offload_activations needs activation_checkpointing=True")
+        ParallelOptions(**o).check(hf_model=True)  # gradient_checkpointing may have changed it
         if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
             _plain_head(hf).__class__ = _LossHead
-        shard_blocks(model, layers, self._du_mesh, mixed_precision=o["mixed_precision"],
-                     offload_params=o["offload_params"])  # fmt: skip
-        return model
+        return _parallelize_root(
+            model, hf, self._du_mesh, activation_checkpointing=o["activation_checkpointing"],
+            offload_activations=o["offload_activations"], offload_params=o["offload_params"],
+            head_chunks=o["head_chunks"], mixed_precision=o["mixed_precision"],
+            attention_backend=o["attention_backend"], allow_uneven_heads=o["allow_uneven_heads"],
+            compute_dtype=_compute_dtype(self.args),
+        )  # fmt: skip
 
     def create_optimizer(self, *args: Any, **kwargs: Any):
         # a forward before training (evaluate) leaves the root unsharded; the optimizer must

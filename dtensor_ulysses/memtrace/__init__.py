@@ -12,7 +12,6 @@ from dtensor_ulysses._public import lazy_exports
 
 if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.memtrace._results import (
-        CATEGORIES,
         PhasePeak,
         TraceUnavailable,
     )
@@ -21,10 +20,9 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         rank0_batch,
         trace_config,
     )
-    from dtensor_ulysses.memtrace.attention import AttentionTrace, trace_attention
+    from dtensor_ulysses.memtrace.kernel import AttentionTrace, trace_attention
     from dtensor_ulysses.memtrace.trace import (
         PHASES,
-        TRACE_DEVICES,
         StepTrace,
         extrapolate,
         trace_train_step,

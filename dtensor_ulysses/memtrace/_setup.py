@@ -31,6 +31,7 @@ from dtensor_ulysses.data import Batch, full_batch, slice_batch
 from dtensor_ulysses.memory import allocating_host, is_host
 from dtensor_ulysses.memtrace._results import TraceUnavailable
 from dtensor_ulysses.memtrace._timeline import _Timeline
+from dtensor_ulysses.parallel import ParallelDims
 from dtensor_ulysses.plan import PRESETS, get_shape
 from dtensor_ulysses.train import TrainConfig
 
@@ -148,8 +149,9 @@ def trace_config(model: str, seq_len: int, dp: int, sp: int, ac: bool, features:
         )
     kw = {k: v for k, v in features.items() if k in names and v is not None}
     return TrainConfig(
-        dp=dp, sp=sp, model=model, seq_len=seq_len, batch_size=dp, steps=1,
-        activation_checkpointing=ac, attention_backend="sdpa", allow_uneven_heads=True, **kw,
+        dp=dp, sp=sp, parallel_dims=ParallelDims(dp=dp, sp=sp), model=model, seq_len=seq_len,
+        batch_size=dp, steps=1, activation_checkpointing=ac, attention_backend="sdpa",
+        allow_uneven_heads=True, **kw,
     )  # fmt: skip
 
 

@@ -80,7 +80,8 @@ from dtensor_ulysses.memtrace._setup import (
     rank0_batch,
     trace_config,
 )
-from dtensor_ulysses.parallel import ParallelDims, default_mixed_precision, flatten_dp_sp
+from dtensor_ulysses.parallel import default_mixed_precision, flatten_dp_sp
+from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS
 from dtensor_ulysses.train import build, train_step
 
 __all__ = [
@@ -212,14 +213,12 @@ def extrapolate(a: StepTrace, b: StepTrace, layers: int) -> StepTrace:
 # ----------------------------------------------------------------------------------------------
 # the step
 # ----------------------------------------------------------------------------------------------
-FEATURES = (
-    "tiled_loss",
-    "tiled_mlp",
-    "head_chunks",
-    "offload_activations",
-    "offload_optimizer",
-    "offload_params",
-)
+# the memory options the trace takes as keywords (ParallelOptions' memory fields; checkpointing
+# is ``ac``, the chunk sizes are the defaults)
+FEATURES = tuple(
+    f for f in MEMORY_OPTIONS
+    if f not in ("activation_checkpointing", "loss_chunk_tokens", "mlp_chunk_tokens")
+)  # fmt: skip
 
 
 def trace_train_step(
@@ -270,7 +269,7 @@ def trace_train_step(
         if hf_dir is not None:  # a hybrid: the real transformers model, Gated DeltaNet routed
             cfg = dataclasses.replace(cfg, hf_model=hf_dir)
         n_layers = (layers if layers is not None else None) or _n_layers(model)
-        dims = ParallelDims(dp=dp, sp=sp)
+        dims = cfg.dims()  # the degrees, built once with the configuration
         with fake_world(dims.world_size) as (fake_mode, make_recorder):
             rec = make_recorder()
             tl = rec.timeline

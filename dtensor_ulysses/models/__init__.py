@@ -11,7 +11,6 @@ from dtensor_ulysses._public import lazy_exports
 if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.models.layers import (
         FeedForward,
-        OutputHead,
         RMSNorm,
         apply_rope,
         rope_cos_sin,
@@ -19,7 +18,6 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
     from dtensor_ulysses.models.llama import (
         Attention,
         Transformer,
-        TransformerBlock,
         build_model,
         model_flops_per_token,
         set_tiling,
@@ -29,10 +27,6 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         tiled_cross_entropy_sum,
     )
     from dtensor_ulysses.models.weights import (
-        INIT_STD,
-        bare_name,
-        copy_full_,
-        init_std,
         init_weights,
     )
 

@@ -9,22 +9,19 @@ from typing import TYPE_CHECKING
 from dtensor_ulysses._public import lazy_exports
 
 if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
-    from dtensor_ulysses.parallel.compose import (
-        checkpoint_blocks,
+    from dtensor_ulysses.parallel.apply import (
         default_mixed_precision,
         parallelize,
-        shard_blocks,
+    )
+    from dtensor_ulysses.parallel.global_loss import (
+        evaluate,
+        global_valid_tokens,
     )
     from dtensor_ulysses.parallel.mesh import (
         ParallelDims,
-        default_device_type,
         flatten_dp_sp,
         init_mesh,
         mesh_ring,
-    )
-    from dtensor_ulysses.parallel.tokens import (
-        evaluate,
-        global_valid_tokens,
     )
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -1,5 +1,6 @@
-"""Torch-free planning: token and head splits, the GQA kv plan, the step's sequence layout,
-closed-form bytes, model presets, the GPU table and the memory preflight.
+"""Torch-free planning: the parallel recipe's options (ParallelOptions), token and head splits,
+the GQA kv plan, the step's sequence layout, closed-form bytes, model presets, the GPU table and
+the memory preflight.
 
 Nothing here imports torch at import time: the simulator (``simulations/``) imports only this
 subpackage of the library.
@@ -14,21 +15,16 @@ from dtensor_ulysses._public import lazy_exports
 if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.plan._preflight_capacity import (
         CAPACITY_ENV,
-        HOST_CAPACITY_ENV,
-        device_capacity,
         host_capacity,
         parse_bytes,
     )
     from dtensor_ulysses.plan._preflight_estimate import (
-        RUNTIME_BYTES,
         MemoryEstimate,
         estimate_memory,
-        format_bytes,
     )
     from dtensor_ulysses.plan.hardware import (
         GPU_SPECS,
         GpuSpec,
-        spec_for_device,
     )
     from dtensor_ulysses.plan.preflight import (
         FEATURE_FLAGS,
@@ -45,13 +41,14 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         get_shape,
         training_flops_per_token,
     )
+    from dtensor_ulysses.plan.recipe import (
+        ATTENTION_BACKENDS,
+        ParallelOptions,
+    )
     from dtensor_ulysses.plan.splits import (
-        DEFAULT_LOSS_CHUNK_TOKENS,
         DP_AXIS,
         HEAD_DIM,
         RING_AXIS,
-        RING_ORDERS,
-        SEQ_DIM,
         SP_AXIS,
         HeadPlan,
         SeqLayout,
@@ -59,13 +56,11 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         check_ring_seq,
         check_sp_for_heads,
         contiguous_stride,
-        default_loss_chunk,
         divisors,
         head_plan,
         head_split,
         kv_head_index,
         local_tokens,
-        nearby_multiples,
         ring_chunks,
         ring_closed_form,
         ring_seq_sizes,

@@ -86,6 +86,7 @@ from dtensor_ulysses.plan._preflight_estimate import (
     format_bytes,
 )
 from dtensor_ulysses.plan.presets import ModelShape
+from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS
 
 __all__ = [
     "check_fits",
@@ -100,18 +101,9 @@ __all__ = [
 # and an allocator needs slack beyond what it hands out (see the module docstring).
 HEADROOM = 0.90
 
-# The trainer's memory features: TrainConfig fields, also the trace's options (one list).
-MEMORY_FEATURES = (
-    "activation_checkpointing",
-    "tiled_loss",
-    "loss_chunk_tokens",
-    "tiled_mlp",
-    "mlp_chunk_tokens",
-    "head_chunks",
-    "offload_activations",
-    "offload_optimizer",
-    "offload_params",
-)
+# The options that change a rank's memory: ParallelOptions fields (the trainer's flags, the
+# trace's options), named once in plan/recipe.py.
+MEMORY_FEATURES = MEMORY_OPTIONS
 
 # The trainer's memory flags, in the order suggestions list them; the second item says whether
 # the flag moves memory to the host (no help on CPU, where the host is the device).

@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         train_step,
     )
     from dtensor_ulysses.train.spec import (
-        ModelSpec,
         lr_lambda,
         make_optimizer,
         model_spec,

@@ -14,13 +14,17 @@ from pathlib import Path
 
 import torch
 
-from dtensor_ulysses.attention.kernels import AttnFeatures, select_backend
-from dtensor_ulysses.attention.local import flash_attn_available, flash_attn_module
+from dtensor_ulysses.attention.kernels import (
+    AttentionBackendError,
+    AttnFeatures,
+    KernelChoice,
+    choose_kernel,
+)
 from dtensor_ulysses.attention.ulysses import check_head_chunks
 from dtensor_ulysses.parallel.mesh import ParallelDims, default_device_type
 from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
 from dtensor_ulysses.plan.presets import ModelShape, get_shape
-from dtensor_ulysses.plan.splits import check_ring_seq, check_sp_for_heads, nearby_multiples
+from dtensor_ulysses.plan.splits import check_ring_seq, nearby_multiples
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, _warn
 from dtensor_ulysses.train.guard import SINGLE_PROCESS_ENV, check_numbers, check_targets
 from dtensor_ulysses.train.inputs import check_eval_corpus, validate_hf
@@ -73,7 +77,8 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise UsageError("--eval-every needs --eval-data (the held-out files)")
     dims = _resolve_dims(cfg, world_size)
     # the resolved configuration, made once here (the caller's is never edited)
-    cfg = replace(cfg, sp=dims.sp, model=cfg.model if cfg.hf_model else cfg.model or "tiny")
+    cfg = replace(cfg, sp=dims.sp, parallel_dims=dims,
+                  model=cfg.model if cfg.hf_model else cfg.model or "tiny")  # fmt: skip
     if dims.ring > 1:
         if cfg.hf_model is not None:
             raise UsageError("--ring applies to the built-in model, not to --hf-model")
@@ -144,10 +149,9 @@ def _validate_preset(cfg: TrainConfig) -> ModelShape:
     assert cfg.model is not None and cfg.sp is not None
     try:
         shape = get_shape(cfg.model)
-        check_sp_for_heads(
-            shape.n_heads, cfg.sp, what=f"heads of model {cfg.model!r}",
-            allow_uneven=cfg.allow_uneven_heads, uneven_option="--allow-uneven-heads",
-        )  # fmt: skip
+        cfg.options().check(
+            "flag", n_heads=shape.n_heads, sp=cfg.sp, heads_name=f"heads of model {cfg.model!r}"
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     return shape
@@ -163,38 +167,29 @@ def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
             else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
         )
         raise UsageError(f"--device cuda: {why}; drop --device cuda to train on the CPU")
-    if cfg.attention_backend == "flash_attn":
-        if device_type not in getattr(flash_attn_module(), "DEVICE_TYPES", ("cuda",)):
-            raise UsageError(
-                "--attention-backend flash_attn runs on CUDA only and this run is on the CPU; "
-                "use --attention-backend sdpa (or auto)"
-            )
-        if not flash_attn_available():
-            raise UsageError(
-                "--attention-backend flash_attn: the flash-attn package is not importable; "
-                "pip install -e '.[flash]' in a clone, or use --attention-backend sdpa (or auto)"
-            )
-        head_dim = shape.head_dim if shape is not None else 0
-        if head_dim > 256:
-            raise UsageError(
-                f"--attention-backend flash_attn supports head dim <= 256; model "
-                f"{cfg.model or cfg.hf_model!r} "
-                f"has {head_dim}; use --attention-backend sdpa"
-            )
-    elif cfg.attention_backend != "auto" and cfg.hf_model is None and shape is not None:
-        # the built-in model's features (causal; packed documents; compiled or not), refused
-        # here rather than at the first attention call (--hf-model layers are checked per layer
-        # by hf.apply_ulysses when the model is built)
-        features = AttnFeatures(docs=cfg.pack_docs)
-        dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    if shape is not None:
         try:
-            select_backend(
-                features, device_type=device_type, dtype=dtype, head_dim=shape.head_dim,
-                backend=cfg.attention_backend, compiled=cfg.compile is not None,
-            )  # fmt: skip
-        except ValueError as e:
-            raise UsageError(f"--attention-backend {cfg.attention_backend}: {e}") from None
+            kernel_choice(cfg, device_type, shape.head_dim)
+        except AttentionBackendError as e:
+            flag = f"--attention-backend {cfg.attention_backend}"
+            if e.option == "compile":
+                flag = f"--compile with --ring {cfg.ring}"
+            raise UsageError(f"{flag}: {e}") from None
     return device_type
+
+
+def kernel_choice(cfg: TrainConfig, device_type: str, head_dim: int) -> KernelChoice:
+    """The built-in model's kernel for this run (its one layer kind: causal; packed documents
+    with ``--pack-docs``; compiled; the ring's blocks with ``--ring``): the choice
+    ``du.parallelize`` makes again when it builds the layers, made here so a kernel that cannot
+    run is refused before any process group exists. ``--hf-model`` layers are chosen per layer
+    kind by ``hf.apply_ulysses`` (their features come from the model)."""
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    return choose_kernel(
+        AttnFeatures(), device_type=device_type, dtype=dtype, head_dim=head_dim,
+        requested=cfg.attention_backend, compiled=cfg.compile is not None, ring=cfg.ring > 1,
+        docs=cfg.pack_docs,
+    )  # fmt: skip
 
 
 def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
@@ -219,51 +214,15 @@ def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
 
 
 def _validate_memory_features(cfg: TrainConfig, shape: ModelShape | None) -> None:
-    local = cfg.local_tokens()
-    for flag, on, chunk in (
-        ("loss", cfg.tiled_loss, cfg.loss_chunk_tokens),
-        ("mlp", cfg.tiled_mlp, cfg.mlp_chunk_tokens),
-    ):
-        if chunk is None:
-            continue
-        if not on:
-            raise UsageError(f"--{flag}-chunk-tokens {chunk} needs --tiled-{flag}")
-        if chunk < 1 or chunk > local:
-            raise UsageError(
-                f"--{flag}-chunk-tokens {chunk} must be between 1 and the {local} tokens a rank "
-                f"holds (batch {cfg.batch_size} / dp {cfg.dp} x ceil(seq-len {cfg.seq_len} / "
-                + (f"(ring {cfg.ring} x sp {cfg.sp})" if cfg.ring > 1 else f"sp {cfg.sp}")
-                + f")); a chunk of all of them is --tiled-{flag} off"
-            )
-    if cfg.head_chunks != 1:
-        if cfg.head_chunks < 1:
-            raise UsageError(f"--head-chunks {cfg.head_chunks} must be >= 1 (1: off)")
-        assert cfg.sp is not None
-        try:
-            if shape is not None:  # else the engine checks it when the model is built
-                check_head_chunks(shape.n_heads, cfg.sp, cfg.head_chunks, name="--head-chunks ")
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    if cfg.overlap_comm and cfg.hf_model:
-        raise UsageError("--overlap-comm applies to the built-in model only, not to --hf-model")
-    if cfg.offload_activations and not cfg.activation_checkpointing:
-        raise UsageError(
-            "--offload-activations moves the one input a checkpointed block keeps to the host; "
-            "add --activation-checkpointing"
-        )
-    if cfg.ring > 1 and cfg.pack_docs and cfg.attention_backend == "flash_attn":
-        raise UsageError(
-            "--ring with --pack-docs masks documents inside the ring's blocks, which flash-attn "
-            "cannot do; use --attention-backend auto or sdpa (the ring's exact torch kernel)"
-        )
-    if cfg.offload_activations and cfg.compile:
-        raise UsageError(
-            "--offload-activations with --compile: torch.compile cannot trace the "
-            "saved-tensor hooks that move checkpoints to the host; drop --compile or "
-            "--offload-activations"
-        )
-    if cfg.offload_optimizer and cfg.offload_params:
-        raise UsageError(
-            "--offload-params already keeps the optimizer states on the host; pass one of "
-            "--offload-params and --offload-optimizer"
-        )
+    """The parallel options' rules (:meth:`~dtensor_ulysses.plan.ParallelOptions.check`, spelled
+    as flags), and the head stages against the model's heads."""
+    assert cfg.sp is not None
+    try:
+        cfg.options().check(
+            "flag", ring=cfg.ring, local_tokens=cfg.local_tokens(),
+            hf_model=cfg.hf_model is not None,
+        )  # fmt: skip
+        if cfg.head_chunks != 1 and shape is not None:  # else the engine checks it at build
+            check_head_chunks(shape.n_heads, cfg.sp, cfg.head_chunks, name="--head-chunks ")
+    except ValueError as e:
+        raise UsageError(str(e)) from None

@@ -14,10 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from dtensor_ulysses.plan import local_tokens
-
-# every backend name of attention.kernels (spelled here to keep parsing torch-free; a test holds
-# them equal); one the running torch lacks (torch_varlen) is refused by the checks
-ATTENTION_BACKENDS = ("auto", "flash_attn", "sdpa", "flex", "torch_varlen", "blockwise")
+from dtensor_ulysses.plan.recipe import ATTENTION_BACKENDS, ParallelOptions
 
 if TYPE_CHECKING:
     from dtensor_ulysses.parallel.mesh import ParallelDims
@@ -59,7 +56,7 @@ class TrainConfig:
     strict_seq_len: bool = False
     allow_uneven_heads: bool = False
     tiled_loss: bool = False
-    loss_chunk_tokens: int | None = None  # None: plan.default_loss_chunk(local tokens)
+    loss_chunk_tokens: int | None = None  # None: plan.splits.default_loss_chunk(local tokens)
     tiled_mlp: bool = False
     mlp_chunk_tokens: int | None = None  # None: the model dim (ALST's choice), capped
     head_chunks: int = 1
@@ -81,18 +78,27 @@ class TrainConfig:
     save_hf: str | None = None
     eval_data: list[str] | None = None
     eval_every: int = 0  # steps; 0: only at the end
+    parallel_dims: ParallelDims | None = None  # set by validate(): the degrees, built once
+
+    def options(self) -> ParallelOptions:
+        """The run's :class:`~dtensor_ulysses.plan.ParallelOptions`: the flags of the parallel
+        recipe, the fields of that one type (every other door builds the same)."""
+        return ParallelOptions(**{name: getattr(self, name) for name in _OPTION_FIELDS})
 
     def dims(self) -> ParallelDims:
-        """The run's :class:`~dtensor_ulysses.parallel.ParallelDims` (after ``validate``)."""
-        from dtensor_ulysses.parallel.mesh import ParallelDims
-
-        assert self.sp is not None, "validate() resolves sp"
-        return ParallelDims(self.dp, self.ring, self.sp)
+        """The run's :class:`~dtensor_ulysses.parallel.ParallelDims`: the one ``validate``
+        built (kept in ``parallel_dims``)."""
+        assert self.parallel_dims is not None, "validate() resolves the degrees"
+        return self.parallel_dims
 
     def local_tokens(self) -> int:
         """Tokens of the busiest rank's slice (:func:`dtensor_ulysses.plan.local_tokens`)."""
         assert self.sp is not None, "validate() resolves sp"
         return local_tokens(self.batch_size, self.dp, self.seq_len, self.sp, self.ring)
+
+
+# the ParallelOptions fields the trainer has as flags (mixed precision: the device's default)
+_OPTION_FIELDS = tuple(f for f in ParallelOptions.fields() if f != "mixed_precision")
 
 
 class _HelpFormatter(argparse.HelpFormatter):

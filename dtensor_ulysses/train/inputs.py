@@ -45,7 +45,7 @@ def validate_hf(cfg: TrainConfig) -> ModelShape | None:
     with one message; returns the config's shape for the preflight (None if not Llama-style)."""
     assert cfg.sp is not None
     try:
-        from dtensor_ulysses.hf import check_weights
+        from dtensor_ulysses.hf.model import check_weights
     except ImportError as e:
         raise UsageError(f"--hf-model: {e}") from None
     if cfg.tiled_mlp:
@@ -71,6 +71,8 @@ def hf_shape(directory: str) -> ModelShape | None:
     when the config lacks a Llama-style field."""
     from transformers import AutoConfig
 
+    from dtensor_ulysses.hf.model import config_head_dim
+
     c = AutoConfig.from_pretrained(directory).get_text_config()
     try:
         n_heads = int(c.num_attention_heads)
@@ -81,7 +83,7 @@ def hf_shape(directory: str) -> ModelShape | None:
             dim=dim,
             n_heads=n_heads,
             n_kv_heads=int(getattr(c, "num_key_value_heads", None) or n_heads),
-            head_dim=int(getattr(c, "head_dim", None) or dim // n_heads),
+            head_dim=config_head_dim(c),
             ffn_dim=int(c.intermediate_size),
             vocab_size=int(c.vocab_size),
             tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
@@ -115,7 +117,8 @@ def _load_and_check(cfg: TrainConfig) -> Any:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dtensor_ulysses.hf import check_model_dir, check_supported, check_tokenizer, load_tokenizer
+    from dtensor_ulysses.hf import check_model_dir, check_tokenizer, load_tokenizer
+    from dtensor_ulysses.hf.routing import check_supported
 
     assert cfg.hf_model is not None and cfg.sp is not None
     path = check_model_dir(cfg.hf_model)

@@ -65,8 +65,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses._exit import leave_together
+from dtensor_ulysses.attention.kernels import describe_kernels, model_kernels
 from dtensor_ulysses.data import Batch
-from dtensor_ulysses.parallel import default_device_type, flatten_dp_sp, global_valid_tokens
+from dtensor_ulysses.parallel import flatten_dp_sp, global_valid_tokens
+from dtensor_ulysses.parallel.mesh import default_device_type
 from dtensor_ulysses.train import checkpoint as ckpt
 from dtensor_ulysses.train.checks import validate
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, parse_args
@@ -234,7 +236,8 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
             f"on {device_type} | seq {cfg.seq_len}, global batch {cfg.batch_size} | "
             f"data: {'stdlib sources' if not cfg.data else ', '.join(cfg.data)} "
             f"({corpus.n_tokens / 1e6:.1f}M tokens, {len(corpus)} windows) | pack-docs "
-            f"{'on' if cfg.pack_docs else 'off'} | steps {start}->"
+            f"{'on' if cfg.pack_docs else 'off'} | attention kernel "
+            f"{describe_kernels(model_kernels(model), cfg.pack_docs)} | steps {start}->"
             f"{cfg.steps}" + (f" | resumed from {path}" if path else ""),
             flush=True,
         )

@@ -23,7 +23,8 @@ from dtensor_ulysses.data import PackedCorpus, get_batch
 from dtensor_ulysses.memory import HostOffloadAdamW
 from dtensor_ulysses.models import build_model, init_weights, model_flops_per_token, set_tiling
 from dtensor_ulysses.parallel import parallelize
-from dtensor_ulysses.plan import default_loss_chunk, get_shape, training_flops_per_token
+from dtensor_ulysses.plan import get_shape, training_flops_per_token
+from dtensor_ulysses.plan.splits import default_loss_chunk
 from dtensor_ulysses.train.cli import TrainConfig
 from dtensor_ulysses.train.inputs import hf_dir, run_tokenizer
 
@@ -163,9 +164,11 @@ def _describe_hf(cfg: TrainConfig, model: torch.nn.Module) -> tuple[str, int, fl
     n_matmul = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not embedding)
     if head is None or head.weight is embedding:  # tied: the head multiplies by the embedding
         n_matmul += embedding.numel()
+    from dtensor_ulysses.hf.model import config_head_dim
+
     text = hf.config.get_text_config()
     n_heads = int(text.num_attention_heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // n_heads)
+    head_dim = config_head_dim(text)
     flops = training_flops_per_token(
         n_matmul=n_matmul,
         n_layers=int(text.num_hidden_layers),

@@ -243,18 +243,32 @@ def test_compile_pack_docs_trains_with_the_eager_losses_and_no_recompiles(tmp_pa
         assert s1 == s2 and abs(a - b) < 1e-4, (s1, a, b)
 
 
-@pytest.mark.timeout(300)
-def test_compile_flash_pack_docs_at_bf16_on_two_ranks(flash_double, tmp_path):
-    """--compile --attention-backend flash_attn --pack-docs (the double, bf16): the eager losses;
-    at most one recompile (the count of documents becomes a dynamic dimension)."""
-    cfg = dict(TRAIN, steps=12, pack_docs=True, data=[_docs_file(tmp_path)],
-               attention_backend="flash_attn", bf16=True)  # fmt: skip
-    runs = [dict(cfg, compile=None), dict(cfg, compile="counting_aot_eager")]
-    for eager, compiled in run_local_world(flash_workers.train_counting_compiles, 2, runs,
-                                           timeout_s=280):  # fmt: skip
-        assert eager["calls"]["varlen"] > 0 and compiled["graphs"] <= 2, compiled["graphs"]
-        for (s1, a), (s2, b) in zip(eager["losses"], compiled["losses"]):
-            assert s1 == s2 and abs(a - b) < 1e-3, (s1, a, b)
+@pytest.mark.timeout(400)
+def test_compiled_steps_of_every_kernel_compile_can_choose_on_two_ranks(flash_double, tmp_path):
+    """The real compiled training step (aot_eager, fullgraph per block) of every kernel the
+    recipe can choose under --compile on CPU, at sp=2 (one kv head per rank): the eager losses.
+    Packed documents run the blockwise custom op (its fake kernel once gave the wrong strides:
+    a stride assertion in step 1), plain attention SDPA, and --attention-backend flash_attn the
+    double at bf16 (at most one recompile: the count of documents becomes a dynamic
+    dimension)."""
+    docs = dict(TRAIN, pack_docs=True, data=[_docs_file(tmp_path)])
+    cases = [
+        ("blockwise", dict(docs, steps=4)),
+        ("sdpa", dict(TRAIN, steps=4)),
+        ("flash_attn", dict(docs, steps=12, attention_backend="flash_attn", bf16=True)),
+    ]  # bf16 last: it changes the ranks' default mixed precision
+    runs = [dict(cfg, compile=c) for _, cfg in cases for c in (None, "counting_aot_eager")]
+    for per_rank in run_local_world(flash_workers.train_counting_compiles, 2, runs,
+                                    timeout_s=380):  # fmt: skip
+        for i, (kernel, cfg) in enumerate(cases):
+            eager, compiled = per_rank[2 * i], per_rank[2 * i + 1]
+            assert len(compiled["losses"]) == cfg["steps"], kernel
+            assert compiled["graphs"] <= 2, (kernel, compiled["graphs"])
+            tol = 1e-3 if kernel == "flash_attn" else 1e-5
+            for (s1, a), (s2, b) in zip(eager["losses"], compiled["losses"]):
+                assert s1 == s2 and abs(a - b) < tol, (kernel, s1, a, b)
+        assert per_rank[3]["calls"] == {"dense": 0, "varlen": 0}  # fp32: not flash-attn
+        assert per_rank[4]["calls"]["varlen"] > 0
 
 
 def test_compile_with_offloaded_checkpoints_is_refused_up_front():
@@ -309,11 +323,11 @@ def test_explicit_rules_kept_ring_flash_docs_cc_check_and_doc_starts(flash_doubl
     from dtensor_ulysses.train.cli import UsageError
 
     q = torch.randn(1, 4, 2, 8).bfloat16()
-    with pytest.raises(ValueError, match="backend='flash_attn' and packed documents"):
+    with pytest.raises(ValueError, match="backend='flash_attn' with packed documents in ring"):
         ring.ring_attention(q, q, q, None, doc_starts=[[0, 2]], backend="flash_attn")  # type: ignore[arg-type]
     cfg = du_train.TrainConfig(**dict(TRAIN, dp=1, sp=1, ring=2, seq_len=32), pack_docs=True,
                                attention_backend="flash_attn")  # fmt: skip
-    with pytest.raises(UsageError, match="--ring with --pack-docs"):
+    with pytest.raises(UsageError, match="^--attention-backend flash_attn: .*ring attention"):
         du_train.validate(cfg, 2)
 
     class Cuda:  # a stand-in for a CUDA tensor on a pre-Ampere GPU

@@ -24,6 +24,7 @@ from dtensor_ulysses.attention import (
     select_backend,
     use_flash_attn_module,
 )
+from dtensor_ulysses.attention import local as attention
 from dtensor_ulysses.launch import run_local_world
 from tests import flash_double as fd
 from tests import kernel_workers
@@ -273,6 +274,78 @@ def test_explicit_backends_refuse_with_feature_and_fix(monkeypatch):
     assert set(KERNELS) >= {"flash_attn", "sdpa", "flex", "blockwise"}
 
 
+def test_choose_kernel_once_per_layer_kind_plain_packed_and_ring(monkeypatch):
+    """choose_kernel: the kernel of a layer kind with and without packed documents, chosen once
+    (the call looks it up); the ring's blocks in the same vocabulary (a kernel without a
+    log-sum-exp refused, flash-attn blocks where they run, the exact blockwise blocks else);
+    docs=True refuses up front what docs=None keeps for the call that brings documents."""
+    cpu = dict(device_type="cpu", dtype=torch.float32, head_dim=16)
+    c = kernels.choose_kernel(AttnFeatures(), **cpu)
+    assert (c.plain, c.packed, c.name(False), c.name(True)) == ("sdpa", "sdpa", "sdpa", "sdpa")
+    c = kernels.choose_kernel(AttnFeatures(), compiled=True, **cpu)
+    assert (c.plain, c.packed) == (
+        "sdpa",
+        "blockwise",
+    ) and c.describe() == "sdpa (packed: blockwise)"
+    c = kernels.choose_kernel(AttnFeatures(sinks=True, window=True), **cpu)
+    assert c.name(True) == c.name(False) == "blockwise" and c.label == "window, sinks"
+    c = kernels.choose_kernel(AttnFeatures(), requested="sdpa", compiled=True, **cpu)
+    assert c.packed is None and c.name(False) == "sdpa"
+    with pytest.raises(AttentionBackendError, match="inside torch.compile"):
+        c.name(True)
+    with pytest.raises(AttentionBackendError, match="inside torch.compile"):
+        kernels.choose_kernel(AttnFeatures(), requested="sdpa", compiled=True, docs=True, **cpu)
+    # the ring: same names; sdpa and flex return no log-sum-exp; windows are not ring features
+    for name in ("sdpa", "flex"):
+        with pytest.raises(AttentionBackendError, match=r"ring attention's blocks.*'blockwise'"):
+            kernels.choose_kernel(AttnFeatures(), requested=name, ring=True, **cpu)
+    for name in ("auto", "blockwise"):
+        c = kernels.choose_kernel(AttnFeatures(), requested=name, ring=True, **cpu)
+        assert (c.name(False), c.name(True), c.describe(True)) == (
+            "blockwise",
+            "blockwise",
+            "ring of blockwise",
+        )
+    with pytest.raises(AttentionBackendError, match="ring attention runs causal"):
+        kernels.choose_kernel(AttnFeatures(window=True), ring=True, **cpu)
+    with pytest.raises(AttentionBackendError, match="P2POp") as e:
+        kernels.choose_kernel(AttnFeatures(), ring=True, compiled=True, **cpu)
+    assert e.value.option == "compile"
+    monkeypatch.setattr(kernels, "flash_problem", lambda *a: None)  # a GPU with flash-attn
+    bf16 = dict(device_type="cuda", dtype=torch.bfloat16, head_dim=16)
+    c = kernels.choose_kernel(AttnFeatures(), requested="flash_attn", ring=True, **bf16)
+    assert c.name(False) == "flash_attn" and c.packed is None
+    with pytest.raises(AttentionBackendError, match="packed documents in ring attention"):
+        c.name(True)
+    assert kernels.choose_kernel(AttnFeatures(), ring=True, **bf16).name(True) == "flash_attn"
+    # the start line: one kind, or each kind with its count
+    a = kernels.choose_kernel(AttnFeatures(window=True, sinks=True), **cpu)
+    b = kernels.choose_kernel(AttnFeatures(sinks=True), **cpu)
+    assert kernels.describe_kernels([a, a]) == "blockwise"
+    assert kernels.describe_kernels([a, b, a]) == (
+        "blockwise (window, sinks) x 2, blockwise (sinks) x 1"
+    )
+
+
+def test_the_call_path_looks_the_stored_choice_up(monkeypatch):
+    """A layer with a stored KernelChoice runs what it says, never choosing again:
+    force_backend (which changes what ``auto`` picks per call) does not change it."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    calls = []
+    real = attention.blockwise_attention
+    monkeypatch.setattr(attention, "blockwise_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    layer = attention.LocalAttention()
+    layer.kernel_choice = kernels.choose_kernel(
+        AttnFeatures(), device_type="cpu", dtype=q.dtype, head_dim=4, requested="blockwise"
+    )
+    with du.force_backend("sdpa"):
+        got = layer(q, k, v)
+    assert calls == [1]
+    torch.testing.assert_close(got, reference(q, k, v, scale=0.5, causal=True))
+
+
 def test_local_attention_bad_feature_values_and_flex_training_on_cpu():
     q = torch.randn(1, 8, 4, 8, requires_grad=True)
     for kw, pattern in (
@@ -334,6 +407,26 @@ class _LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+@pytest.mark.parametrize("N,K", [(4, 1), (4, 2), (4, 4)])
+def test_blockwise_custom_ops_pass_opcheck(N, K):
+    """torch.library.opcheck of both blockwise ops (schema, fake kernels, autograd
+    registration): the fake outputs have the real shapes and strides (with one kv head the
+    log-sum-exp came out strided, and inductor's compiled step asserted in step 1)."""
+    g = torch.Generator().manual_seed(N * 10 + K)
+    q = torch.randn(2, 16, N, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 16, K, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 16])
+    sinks = torch.randn(N, generator=g, dtype=torch.float64)
+    ranges = _blockwise.key_ranges(16, 8, causal=True, window=(4, 0), chunk=0)
+    args = (0.3, True, [4, 0], 0, 2.0, ranges, 8)
+    torch.library.opcheck(_blockwise._attn_op, (q, k, v, doc_ids, sinks, *args))
+    o, lse = _blockwise._attn_op(q, k, v, doc_ids, sinks, *args)
+    do = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    torch.library.opcheck(
+        _blockwise._attn_backward_op, (do, q, k, v, o, lse, doc_ids, sinks, *args)
+    )
 
 
 def test_blockwise_never_holds_an_s_by_s_tensor():

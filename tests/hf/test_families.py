@@ -47,7 +47,7 @@ LAYOUTS = ((1, 2), (2, 2), (1, 4))
 GA = {"family": "mixtral", "batch": 2, "ga": 2}
 # --hf-model (the same engine path as apply_ulysses, plus HFCausalLM's router loss and the
 # loading): windows + sinks + router loss, windows + softcap, chunks + temperature. Mixtral,
-# Qwen3-MoE and GLM-4-MoE save per-expert weights that load_weights does not fuse yet.
+# Qwen3-MoE and GLM-4-MoE (per-expert checkpoints): tests/hf/test_families_next.py.
 HF_MODEL = ("gpt_oss", "gemma2", "llama4_text")
 
 
@@ -85,8 +85,8 @@ def _cases(assets) -> list:
 @pytest.fixture(scope="module")
 def world4(assets):
     """One 4-rank world: every apply_ulysses case, and the Trainer at (2,2) and (1,4)."""
-    specs = [_trainer_spec(assets, f, f"t_{f}_{dp}{sp}", sp=sp, dp=dp)
-             for f in FAMILIES for dp, sp in LAYOUTS[1:]]  # fmt: skip
+    specs = [dict(_trainer_spec(assets, f, f"t_{f}_{dp}{sp}", sp=sp, dp=dp), capture_stdout=True)
+             for f in FAMILIES for dp, sp in LAYOUTS[1:]]  # the start lines too  # fmt: skip
     specs.append(_trainer_spec(assets, GA["family"], "t_ga", sp=2, dp=2, batch=GA["batch"],
                                ga=GA["ga"]))  # fmt: skip
     dirs = {f: assets["dirs"][f] for f in HF_MODEL}
@@ -99,6 +99,23 @@ def world4(assets):
     for spec, r in zip(specs, runs):
         out["trainer"][os.path.basename(spec["out"])] = r
     return out
+
+
+@pytest.mark.timeout(600)
+def test_start_lines_name_the_kernel_each_layer_kind_runs(world4):
+    """with_ulysses' start line names, per layer kind, the kernel that runs on CPU: a family
+    whose layers have windows, sinks, a softcap or chunks runs them in the exact blockwise
+    kernel (SDPA runs none of them); gpt-oss (sinks on every layer) never says sdpa."""
+    exact_only = {"window", "sinks", "softcap", "chunk"}
+    for family in FAMILIES:
+        [line] = world4["trainer"][f"t_{family}_22"]["stdout"].splitlines()
+        kernels = line.split("attention kernel ")[1].split(", fp32 compute")[0]
+        if exact_only & set(F.FEATURES[family]):
+            assert "blockwise" in kernels, (family, line)
+        else:
+            assert kernels == "sdpa", (family, line)
+    gpt_oss = world4["trainer"]["t_gpt_oss_22"]["stdout"]
+    assert "sdpa" not in gpt_oss and "(window, sinks)" in gpt_oss, gpt_oss
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,7 @@ def test_dp2_sp2_and_sp4_equal_single_device(world4, references, arch):
 def test_refused_architectures_name_layer_and_feature(world2):
     refused = world2["features"][0]["refused"]
     assert "model.layers.0.self_attn" in refused["llama_dropout"]
-    assert "attention dropout (attention_dropout=0.1)" in refused["llama_dropout"]
+    assert "attention dropout (attention_dropout=0.1" in refused["llama_dropout"]
     bidi = refused["gemma3_bidirectional"]
     assert "bidirectional (non-causal) attention" in bidi and "model.layers.1.self_attn" in bidi
 

@@ -300,7 +300,7 @@ def test_start_line_once_from_rank_0(world2):
     [line] = world2["checkpointing"]["stdout"].splitlines()
     assert line.startswith("with_ulysses: sequence parallelism on: mesh dp=1 x sp=2 (2 ranks, "
                            "cpu), LlamaForCausalLM "), line  # fmt: skip
-    assert "attention kernel sdpa" in line and "torch.float32 compute" in line, line
+    assert "attention kernel sdpa, fp32 compute," in line, line
     assert line.endswith("features: activation checkpointing, head chunks 2"), line
     assert world2["checkpointing_rank1"]["stdout"] == ""
 

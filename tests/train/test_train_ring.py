@@ -97,8 +97,32 @@ def test_ring2_sp2_and_dp2_ring2_train_like_one_process(short_docs):
 
 @pytest.mark.timeout(300)
 def test_ring2_alone_trains_like_one_process(short_docs):
-    runs = [dict(CFG, dp=1, ring=2, sp=1, data=short_docs, pack_docs=True, steps=2)]
+    runs = [
+        dict(CFG, dp=1, ring=2, sp=1, data=short_docs, pack_docs=True, steps=2),
+        # the explicit CPU kernel the ring runs (sdpa and flex are refused: see below)
+        dict(CFG, dp=1, ring=2, sp=1, steps=1, backend="blockwise"),
+    ]
     _check(run_local_world(ring_workers.ring_training, 2, runs), runs)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex", "flash_attn"])
+@pytest.mark.parametrize("pack_docs", [False, True])
+def test_ring_refuses_a_kernel_that_cannot_run_its_blocks_before_step_1(kernel, pack_docs):
+    """``--ring 2 --sp 1 --attention-backend sdpa|flex`` (no log-sum-exp to merge the ring's
+    blocks) and ``flash_attn`` on CPU are refused by the checks in one line naming the kernels
+    that can; ``blockwise`` passes them (and trains exactly, above); so does ``--compile``
+    with a ring (dynamo cannot trace its point-to-point exchange), refused up front."""
+    from dtensor_ulysses.train import TrainConfig, UsageError, validate
+
+    base = dict(dp=1, ring=2, sp=1, seq_len=64, batch_size=2, device="cpu", pack_docs=pack_docs)
+    with pytest.raises(UsageError) as e:
+        validate(TrainConfig(**base, attention_backend=kernel), 2)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"--attention-backend {kernel}: "), message
+    assert "'blockwise'" in message, message
+    validate(TrainConfig(**base, attention_backend="blockwise"), 2)
+    with pytest.raises(UsageError, match=r"^--compile with --ring 2: .*P2POp"):
+        validate(TrainConfig(**base, compile="aot_eager"), 2)
 
 
 # ----------------------------------------------------------------------------------------------

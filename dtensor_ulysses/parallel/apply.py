@@ -42,6 +42,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from dtensor_ulysses.attention.kernels import AttnFeatures, KernelChoice, choose_kernel
 from dtensor_ulysses.attention.local import LocalAttention
 from dtensor_ulysses.attention.ring import RingAttention
 from dtensor_ulysses.attention.ulysses import UlyssesAttention, check_head_chunks
@@ -49,7 +50,7 @@ from dtensor_ulysses.memory.offload import fsdp_offload_policy
 from dtensor_ulysses.memory.recompute import checkpoint_module, offload_checkpoints
 from dtensor_ulysses.models.llama import Attention, Transformer
 from dtensor_ulysses.parallel.mesh import MESH_AXES, RING_MESH_AXES, ParallelDims, flatten_dp_sp
-from dtensor_ulysses.plan.splits import check_sp_for_heads
+from dtensor_ulysses.plan.recipe import ParallelOptions
 
 __all__ = ["checkpoint_blocks", "default_mixed_precision", "parallelize", "shard_blocks"]
 
@@ -97,8 +98,11 @@ def parallelize(
             backend name, e.g. ``"aot_eager"``).
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy``, ``None`` for full precision, or
             ``"auto"`` (bf16 compute + fp32 reduce on CUDA, fp32 on CPU).
-        attention_backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"`` (with a ring, ``"sdpa"``
-            selects the ring's blockwise torch kernel: SDPA returns no log-sum-exp).
+        attention_backend: ``"auto"`` or a kernel name
+            (:data:`~dtensor_ulysses.attention.BACKENDS`); chosen here once per layer kind
+            (:func:`~dtensor_ulysses.attention.choose_kernel`, packed documents or not) and
+            stored on the layer; with a ring, the kernel of its blocks (``"auto"``,
+            ``"blockwise"`` or ``"flash_attn"``).
         allow_uneven_heads: accept q heads not divisible by sp (ranks attend with ceil or floor
             of ``N / sp`` heads; a warning reports the imbalance).
 
@@ -109,7 +113,8 @@ def parallelize(
         ValueError: the mesh is not ``("dp", "sp")`` or ``("dp", "ring", "sp")``; the q heads
             are not divisible by sp (without ``allow_uneven_heads``) or fewer than sp;
             ``head_chunks`` does not divide the heads per rank; ``offload_activations`` without
-            checkpointing; the model was parallelized before.
+            checkpointing; the model was parallelized before; an explicit ``attention_backend``
+            that cannot run the layers (:class:`~dtensor_ulysses.attention.AttentionBackendError`).
     """
     if mesh.mesh_dim_names not in (MESH_AXES, RING_MESH_AXES):
         raise ValueError(
@@ -121,28 +126,47 @@ def parallelize(
     shape = model.shape
     dims = ParallelDims.from_mesh(mesh)
     sp, ring = dims.sp, dims.ring
-    check_sp_for_heads(
-        shape.n_heads, sp, what=f"heads of model {shape.name!r}", allow_uneven=allow_uneven_heads
-    )
+    options = ParallelOptions(
+        activation_checkpointing=activation_checkpointing,
+        offload_activations=offload_activations, offload_params=offload_params,
+        head_chunks=head_chunks, overlap_comm=overlap_comm,
+        compile=("inductor" if compile is True else compile) or None,
+        attention_backend=attention_backend, allow_uneven_heads=allow_uneven_heads,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
+    options.check(n_heads=shape.n_heads, sp=sp, ring=ring,
+                  heads_name=f"heads of model {shape.name!r}")  # fmt: skip
     if head_chunks != 1:
         check_head_chunks(shape.n_heads, sp, head_chunks)
-    if offload_activations and not activation_checkpointing:
-        raise ValueError(
-            "offload_activations moves the input a checkpointed block keeps; it needs "
-            "activation_checkpointing=True (--activation-checkpointing)"
-        )
 
-    # 1. Ulysses: attention sees head-sharded, full-length q/k/v (the kernel keeps its choice);
-    #    with a ring axis the kernel is ring attention over it (Ulysses x Ring).
+    # 1. Ulysses: attention sees head-sharded, full-length q/k/v; with a ring axis the kernel
+    #    is ring attention over it (Ulysses x Ring). The kernel is chosen here, once per layer
+    #    kind, and stored on the layer (an explicit one that cannot run it is refused now).
+    if mixed_precision == "auto":
+        mixed_precision = default_mixed_precision(mesh.device_type)
+    param = next(iter(model.parameters()), None)
+    dtype = getattr(mixed_precision, "param_dtype", None) or (
+        param.dtype if param is not None else torch.float32
+    )
+    choices: dict[tuple, KernelChoice] = {}
     for block in model.layers:
         attention: Attention = block.attention  # type: ignore[assignment]
         kernel = attention.inner_attention
+        features = AttnFeatures(causal=getattr(kernel, "causal", True))
+        if isinstance(kernel, LocalAttention):
+            features = AttnFeatures.of(causal=kernel.causal, window=kernel.window,
+                                       chunk=kernel.chunk, softcap=kernel.softcap)  # fmt: skip
+        if features not in choices:
+            choices[features] = choose_kernel(
+                features, device_type=mesh.device_type, dtype=dtype, head_dim=shape.head_dim,
+                requested=attention_backend, compiled=bool(compile), ring=ring > 1,
+            )  # fmt: skip
         if ring > 1:
-            causal = getattr(kernel, "causal", True)
-            kernel = RingAttention(mesh, causal=causal, backend=attention_backend)
+            kernel = RingAttention(mesh, causal=features.causal, backend=attention_backend)
             attention.inner_attention = kernel
-        elif isinstance(kernel, LocalAttention):
+        if isinstance(kernel, (LocalAttention, RingAttention)):
             kernel.backend = attention_backend
+            kernel.kernel_choice = choices[features]
         if sp > 1 or head_chunks > 1:
             attention.inner_attention = UlyssesAttention(
                 kernel, dims.sp_group(mesh), head_chunks=head_chunks, overlap=overlap_comm
