@@ -60,11 +60,11 @@ def make_config(family: str):
             embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
             logits_scaling=1.5,
         )  # fmt: skip
-    if family == "falcon_h1":  # attention and Mamba-2 side by side in every layer; muP
+    if family == "falcon_h1":  # attention and Mamba-2 side by side; muP; the gate without norm
         return tf.FalconH1Config(
             **att, intermediate_size=48, num_hidden_layers=2, mamba_d_ssm=32, mamba_n_heads=8,
             mamba_d_head=4, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
-            mamba_chunk_size=8, mamba_rms_norm=True, ssm_in_multiplier=0.7,
+            mamba_chunk_size=8, mamba_rms_norm=False, ssm_in_multiplier=0.7,
             ssm_out_multiplier=1.3, attention_in_multiplier=0.9, attention_out_multiplier=1.1,
             ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], key_multiplier=0.8,
         )  # fmt: skip
