@@ -194,6 +194,8 @@ def _expand_kv(self: Any, kv_nope_B1sR: torch.Tensor, k_rot_B1sD: torch.Tensor):
     heads: ``k[B, n, S, dqk]``, ``v[B, n, S, dv]`` (the class's ``expand_kv``, its heads only)."""
     route: _Route = self.__dict__[_ROUTE]
     layout: SeqLayout | None = self.__dict__.get(_LAYOUT)
+    if type(self.kv_b_proj) is not nn.Linear:  # wrapped after routing (PEFT): the heads path
+        return type(self).expand_kv(self, kv_nope_B1sR, k_rot_B1sD)
     if layout is None:
         raise RuntimeError(
             f"{type(self).__name__}: the latent path needs the step's ulysses_layout (call the "
