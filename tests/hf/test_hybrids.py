@@ -12,9 +12,8 @@ the exchanged bytes of one layer of each new kind against the closed form writte
 guard with a mixer left unrouted; the refusals; then ``with_ulysses(transformers.Trainer)`` at
 (2,2) and (1,4): two steps' losses equal the stock Trainer's (fp32).
 
-Kimi Linear: its KDA layers run exactly (a Kimi model of KDA layers only, in the same tests);
-with MLA beside them it is refused at construction in one line naming the MLA layer until MLA is
-routed (``MLA_ROUTED``: then the model joins the exactness tests).
+Kimi Linear: a model of KDA layers only, and one with KDA beside multi-head latent attention
+(hf/latent_attention.py), in the same tests.
 """
 
 from __future__ import annotations
@@ -39,10 +38,8 @@ RTOL = 1e-5  # float64 models; the Mamba-2 scan computes in fp32 inside
 TRAINER_RTOL = 1e-4  # fp32
 TRAINED = ("granitemoehybrid", "lfm2")  # one Mamba-2 family, one convolution family
 TRAINER_LAYOUTS = ((2, 2), (1, 4))
-# Kimi Linear's MLA layers are helper "mla"'s: when they are routed, set this True and the
-# Kimi model with KDA beside MLA joins the exactness tests (refused in one line until then)
-MLA_ROUTED = True
-FAMILIES = (*W.FAMILIES, "kimi_linear_mla") if MLA_ROUTED else W.FAMILIES
+# Kimi Linear: its KDA layers beside its multi-head latent attention layers
+FAMILIES = (*W.FAMILIES, "kimi_linear_mla")
 
 
 @pytest.fixture(scope="module")
@@ -203,20 +200,6 @@ def test_refusals(world4):
     assert "sp=4" in msg and "{1, 2, 3, 6}" in msg and "\n" not in msg
     short = res["short_refused"]
     assert "width 3" in short and "[1, 1, 1, 1]" in short and "\n" not in short
-
-
-@pytest.mark.skipif(MLA_ROUTED, reason="Kimi Linear with MLA runs in the exactness tests")
-def test_kimi_linear_mla_refused(assets):
-    """Kimi Linear with KDA beside MLA: until MLA is routed, refused at construction in one line
-    naming the MLA layer (and not the KDA layers, which run exactly above)."""
-    from dtensor_ulysses import hf
-
-    with pytest.raises(hf.UnsupportedModelError) as err:
-        hf.check_supported(W.load(assets["dirs"]["kimi_linear_mla"]))
-    msg = str(err.value)
-    assert "\n" not in msg and "latent attention" in msg
-    assert "model.layers.1.self_attn (KimiLinearAttention)" in msg
-    assert "model.layers.0" not in msg and "model.layers.2" not in msg
 
 
 @pytest.fixture(scope="module")
