@@ -156,7 +156,7 @@ def _is_refusal(e: BaseException) -> bool:
 def _refusals_in_one_line(fn: Any) -> Any:
     """Decorate ``fn`` so that a refusal it raises, if nothing catches it, ends the process with
     one ``error:`` line printed by rank 0 alone (status 2, the message also in torchrun's failure
-    summary) instead of a traceback from every rank. In-process it is raised as before."""
+    summary) instead of a traceback from every rank. In-process (no launcher) it is raised."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
