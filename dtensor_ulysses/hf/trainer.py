@@ -534,7 +534,7 @@ class _UlyssesTrainer:
         if isinstance(model, FSDPModule):
             return model
         o = self._du_options
-        hf = _trainer_state.base_model(model)
+        hf: Any = _trainer_state.base_model(model)
         ParallelOptions(**o).check(hf_model=True)  # gradient_checkpointing may have changed it
         if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
             _plain_head(hf).__class__ = _LossHead
