@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 
 import torch
@@ -135,12 +137,15 @@ def train_counting_compiles(rank: int, world_size: int, runs: list[dict]) -> lis
         torch._dynamo.reset()
         compiled.clear()
         cfg = du_train.validate(du_train.TrainConfig(**kw), world_size)
-        records = du_train.train(cfg)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):  # the start line: the kernel that runs
+            records = du_train.train(cfg)
         results.append(
             {
                 "losses": [(r["step"], r["loss"]) for r in records],
                 "graphs": len(compiled),
                 "calls": dict(flash_double.calls),
+                "start": out.getvalue().splitlines()[0] if out.getvalue() else "",
             }
         )
     return results

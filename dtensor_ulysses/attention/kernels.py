@@ -469,9 +469,10 @@ def choose_kernel(
     label = ", ".join(f for f in features.used() if f != "docs") or "causal"
     if ring:
         source = f"backend={requested!r}"
-        plain, packed, refusal = _ring_choice(features, requested, source, device_type, dtype,
-                                              head_dim, compiled, docs, device_index)  # fmt: skip
-        return KernelChoice(requested, plain, packed, refusal, ring=True, label=label)
+        r_plain, r_packed, r_refusal = _ring_choice(features, requested, source, device_type,
+                                                    dtype, head_dim, compiled, docs,
+                                                    device_index)  # fmt: skip
+        return KernelChoice(requested, r_plain, r_packed, r_refusal, ring=True, label=label)
     kw: dict[str, Any] = dict(
         device_type=device_type, dtype=dtype, head_dim=head_dim, backend=requested,
         compiled=compiled, device_index=device_index,

@@ -345,7 +345,7 @@ def _problems(module: nn.Module, cfg: Any) -> list[str]:
         out.append(_refused("non_causal"))
     if getattr(cfg, "use_bidirectional_attention", False):
         out.append(_refused("non_causal", "use_bidirectional_attention=True"))
-    dropout = attention_dropout(cfg, module)
+    dropout = attention_dropout(cfg) or attention_dropout(None, module)  # the config's first
     if dropout:
         out.append(_refused("dropout", ", ".join(f"{k}={v}" for k, v in dropout.items())))
     if isinstance(getattr(module, "indexer", None), nn.Module):  # DeepSeek-V3.2, GLM-5

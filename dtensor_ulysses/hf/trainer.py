@@ -156,7 +156,7 @@ def _is_refusal(e: BaseException) -> bool:
 def _refusals_in_one_line(fn: Any) -> Any:
     """Decorate ``fn`` so that a refusal it raises, if nothing catches it, ends the process with
     one ``error:`` line printed by rank 0 alone (status 2, the message also in torchrun's failure
-    summary) instead of a traceback from every rank. In-process it is raised as before."""
+    summary) instead of a traceback from every rank. In-process (no launcher) it is raised."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -541,7 +541,7 @@ class _UlyssesTrainer:
         if isinstance(model, FSDPModule):
             return model
         o = self._du_options
-        hf = _trainer_state.base_model(model)
+        hf: Any = _trainer_state.base_model(model)
         ParallelOptions(**o).check(hf_model=True)  # gradient_checkpointing may have changed it
         if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
             _plain_head(hf).__class__ = _LossHead

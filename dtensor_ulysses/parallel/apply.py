@@ -148,7 +148,7 @@ def parallelize(
     dtype = getattr(mixed_precision, "param_dtype", None) or (
         param.dtype if param is not None else torch.float32
     )
-    choices: dict[tuple, KernelChoice] = {}
+    choices: dict[AttnFeatures, KernelChoice] = {}
     for block in model.layers:
         attention: Attention = block.attention  # type: ignore[assignment]
         kernel = attention.inner_attention

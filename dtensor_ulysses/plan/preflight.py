@@ -44,7 +44,7 @@ tokens, ``L`` blocks, ``V`` vocabulary, ``D`` model dim, ``F`` MLP dim:
   with and without checkpointing, tiling, head chunks, overlap and offloading) this is within
   -9% to +6%; ``tests/plan/test_preflight.py`` checks one case against the trace.
 * **runtime**: a fixed allowance for what a rank adds beyond importing torch (the data stream,
-  allocator slack): :data:`RUNTIME_BYTES`.
+  allocator slack): :data:`~dtensor_ulysses.plan._preflight_estimate.RUNTIME_BYTES`.
 
 On CPU, device and host are the same memory: the estimate is their sum, compared with the
 memory the machine has available, shared by the ranks on it. A run is refused when the estimate
@@ -75,12 +75,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtensor_ulysses.plan._preflight_capacity import (
-    HOST_CAPACITY_ENV,  # noqa: F401  (not in __all__, but importable from here as before)
     device_capacity,
     host_capacity,
 )
 from dtensor_ulysses.plan._preflight_estimate import (
-    RUNTIME_BYTES,  # noqa: F401  (not in __all__, but importable from here as before)
     MemoryEstimate,
     estimate_memory,
     format_bytes,

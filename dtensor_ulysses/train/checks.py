@@ -21,6 +21,7 @@ from dtensor_ulysses.attention.kernels import (
     choose_kernel,
 )
 from dtensor_ulysses.attention.ulysses import check_head_chunks
+from dtensor_ulysses.parallel import apply as parallel_apply
 from dtensor_ulysses.parallel.mesh import ParallelDims, default_device_type
 from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
 from dtensor_ulysses.plan.presets import ModelShape, get_shape
@@ -184,7 +185,8 @@ def kernel_choice(cfg: TrainConfig, device_type: str, head_dim: int) -> KernelCh
     ``du.parallelize`` makes again when it builds the layers, made here so a kernel that cannot
     run is refused before any process group exists. ``--hf-model`` layers are chosen per layer
     kind by ``hf.apply_ulysses`` (their features come from the model)."""
-    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    policy = parallel_apply.default_mixed_precision(device_type)  # what parallelize applies
+    dtype = getattr(policy, "param_dtype", None) or torch.float32
     return choose_kernel(
         AttnFeatures(), device_type=device_type, dtype=dtype, head_dim=head_dim,
         requested=cfg.attention_backend, compiled=cfg.compile is not None, ring=cfg.ring > 1,

@@ -250,7 +250,8 @@ def test_compiled_steps_of_every_kernel_compile_can_choose_on_two_ranks(flash_do
     Packed documents run the blockwise custom op (its fake kernel once gave the wrong strides:
     a stride assertion in step 1), plain attention SDPA, and --attention-backend flash_attn the
     double at bf16 (at most one recompile: the count of documents becomes a dynamic
-    dimension)."""
+    dimension). Rank 0's start line names the kernel that runs (eager packed documents: SDPA,
+    one call per document)."""
     docs = dict(TRAIN, pack_docs=True, data=[_docs_file(tmp_path)])
     cases = [
         ("blockwise", dict(docs, steps=4)),
@@ -258,8 +259,8 @@ def test_compiled_steps_of_every_kernel_compile_can_choose_on_two_ranks(flash_do
         ("flash_attn", dict(docs, steps=12, attention_backend="flash_attn", bf16=True)),
     ]  # bf16 last: it changes the ranks' default mixed precision
     runs = [dict(cfg, compile=c) for _, cfg in cases for c in (None, "counting_aot_eager")]
-    for per_rank in run_local_world(flash_workers.train_counting_compiles, 2, runs,
-                                    timeout_s=380):  # fmt: skip
+    results = run_local_world(flash_workers.train_counting_compiles, 2, runs, timeout_s=380)
+    for rank, per_rank in enumerate(results):
         for i, (kernel, cfg) in enumerate(cases):
             eager, compiled = per_rank[2 * i], per_rank[2 * i + 1]
             assert len(compiled["losses"]) == cfg["steps"], kernel
@@ -268,6 +269,9 @@ def test_compiled_steps_of_every_kernel_compile_can_choose_on_two_ranks(flash_do
             for (s1, a), (s2, b) in zip(eager["losses"], compiled["losses"]):
                 assert s1 == s2 and abs(a - b) < tol, (kernel, s1, a, b)
         assert per_rank[3]["calls"] == {"dense": 0, "varlen": 0}  # fp32: not flash-attn
+        if rank == 0:  # its start line names the kernel that runs (the other ranks print none)
+            kernels = [r["start"].split("attention kernel ")[1].split(" |")[0] for r in per_rank]
+            assert kernels == ["sdpa", "blockwise", "sdpa", "sdpa", "flash_attn", "flash_attn"]
         assert per_rank[4]["calls"]["varlen"] > 0
 
 
