@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     old = json.loads(out.read_text()) if out.is_file() else {}
     kept = {r["name"]: r for r in old.get("runs", []) if "name" in r and r["name"] in ROWS}
-    meta = dict(
+    meta: dict[str, Any] = dict(
         note="llama3-8b, bf16 params / fp32 reduce, micro-batch 1, the real train_step traced "
         "with fake tensors (python -m simulations trace); capacity = device memory - 2 GiB "
         "reserve; headroom: the trainer's 90% of it; find-max grid 1024*sp tokens",
