@@ -30,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,16 +235,33 @@ def compare(
     *,
     mmap_threshold: int = MMAP_THRESHOLD,
     timeout: int = 300,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
     """One row per configuration: rank 0's real and traced peak growth from ``S1`` to ``S2``
-    (``timeout``: seconds for each process)."""
-    traced = measure_traced(configs, timeout=timeout)
+    (``timeout``: seconds for each process; ``jobs``: how many of the processes run at once).
+
+    Each measurement is its own process and reads only its own ``VmHWM``, so running ``jobs``
+    of them side by side changes no number, only the wall time (on 2 cores, about half)."""
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs}: give jobs >= 1 (1 runs the processes one at a time)")
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each thread waits on one process
+        traced_future = pool.submit(measure_traced, configs, timeout=timeout)
+        # the longest first: the sp = 2 rows (a world of processes), then the longer lengths
+        order = sorted(
+            ((c, s) for c in configs for s in c.seq_lens), key=lambda cs: (-cs[0].sp, -cs[1])
+        )
+        real_futures = {
+            (c.name, s): pool.submit(
+                measure_real, c, s, mmap_threshold=mmap_threshold, timeout=timeout
+            )
+            for c, s in order
+        }
+        traced = traced_future.result()
+        real_by = {key: f.result() for key, f in real_futures.items()}
     rows = []
     for c in configs:
         s1, s2 = c.seq_lens
-        real = {
-            s: measure_real(c, s, mmap_threshold=mmap_threshold, timeout=timeout) for s in (s1, s2)
-        }
+        real = {s: real_by[(c.name, s)] for s in (s1, s2)}
         real_growth = real[s2][0]["peak"] - real[s1][0]["peak"]
         t = traced[c.name]
         traced_growth = t[str(s2)]["peak_bytes"] - t[str(s1)]["peak_bytes"]
@@ -282,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-lens", type=int, nargs=2, default=None, metavar=("S1", "S2"),
                     help="both lengths, for every configuration (default: its own)")  # fmt: skip
     ap.add_argument("--timeout", type=int, default=300, help="seconds for each process")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="processes measured at once (each reads only its own VmHWM)")  # fmt: skip
     ap.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
                     help="glibc serves allocations of this many bytes or more by mmap")  # fmt: skip
     a = ap.parse_args(argv)
@@ -296,9 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         configs = tuple(dataclasses.replace(c, seq_lens=(s1, s2)) for c in configs)
     if a.mmap_threshold < 4096:
         raise ValueError(f"--mmap-threshold={a.mmap_threshold}: use at least one page (4096)")
+    if a.jobs < 1:
+        raise ValueError(f"--jobs={a.jobs}: give 1 or more, e.g. --jobs 2 on 2 cores")
     if a.timeout < 1:
         raise ValueError(f"--timeout={a.timeout}: give seconds >= 1, e.g. --timeout 900")
-    rows = compare(configs, mmap_threshold=a.mmap_threshold, timeout=a.timeout)
+    rows = compare(configs, mmap_threshold=a.mmap_threshold, timeout=a.timeout, jobs=a.jobs)
     print(format_rows(rows))
     bad = [r["config"] for r in rows if abs(r["ratio"] - 1) > r["tolerance"]]
     held = ", ".join(f"{r['config']} {r['tolerance']:.0%}" for r in rows)

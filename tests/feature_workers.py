@@ -353,3 +353,22 @@ def _summed(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t)
     return t
+
+
+def run_calls(rank: int, world_size: int, calls: list[tuple[str, tuple]]) -> list:
+    """Several per-rank functions in one world, in order (a world start costs seconds of
+    process spawn, imports and gloo setup): each ``(name, args)`` is a function of this module,
+    or ``train_workers.<name>``, called as ``fn(rank, world_size, *args)``; one result each.
+    Dynamo's caches are reset before each call, as in a fresh world (no call's compiled code
+    or recompile count carries over to the next)."""
+    import sys
+
+    from tests import train_workers
+
+    out = []
+    for name, args in calls:
+        module, _, fn = name.rpartition(".")
+        owner = train_workers if module == "train_workers" else sys.modules[__name__]
+        torch._dynamo.reset()
+        out.append(getattr(owner, fn)(rank, world_size, *args))
+    return out

@@ -15,18 +15,51 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu.sh"
 
 
+def _env(**env: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DRY_RUN": "1", **env}
+
+
 def _run(out: Path, *steps: str, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DRY_RUN": "1", **env}
-    return subprocess.run(["bash", str(SCRIPT), str(out), *steps], cwd=ROOT, env=full,
+    return subprocess.run(["bash", str(SCRIPT), str(out), *steps], cwd=ROOT, env=_env(**env),
                           capture_output=True, text=True, timeout=500)  # fmt: skip
+
+
+def _start(out: Path, *steps: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(SCRIPT), str(out), *steps], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+STEPS = ("env", "tests", "mfu", "long", "long4b", "a2a", "hf")
 
 
 @pytest.mark.timeout(520)
 def test_dry_run_executes_every_step_on_cpu(tmp_path):
-    res = _run(tmp_path)
+    # with no STEP the script runs every step in order: seen through a stand-in Python that
+    # prints what it is asked to run and succeeds (the torchrun launches of hf included)
+    echo = tmp_path / "python_echo"
+    echo.write_text('#!/usr/bin/env bash\necho "python $*"\n')
+    echo.chmod(echo.stat().st_mode | stat.S_IEXEC)
+    order = _run(tmp_path / "order", PYTHON=str(echo))
+    assert order.returncode == 0, order.stdout + order.stderr
+    heads = [x[3:] for x in order.stdout.splitlines() if x.startswith("== ")]
+    want = [h for s in STEPS for h in ((f"{s} preflight", s) if s.startswith(("mfu", "long"))
+                                       else (s,))]  # fmt: skip
+    assert heads == [*want, "all steps passed"], order.stdout
+    # every step for real, as two scripts side by side (each step writes its own files; the
+    # multi-process steps a2a and hf beside the single-process ones, 2 cores)
+    procs = [_start(tmp_path, *steps) for steps in (STEPS[:5], STEPS[5:])]
+    try:
+        outs = [p.communicate(timeout=500) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    res = subprocess.CompletedProcess(
+        "gpu.sh", max(p.returncode for p in procs), "".join(o for o, _ in outs),
+        "".join(e for _, e in outs),
+    )  # fmt: skip
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
-    for step in ("env", "tests", "mfu", "long", "long4b", "a2a", "hf"):
+    for step in STEPS:
         assert f"== {step}\n" in res.stdout, log[-4000:]
     assert "!! failed" not in res.stdout
     # the real shapes of the GPU steps, through the trainer's preflight on one H100

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,9 +34,9 @@ CHUNK_CASES = [
 ]
 
 
-@pytest.mark.timeout(300)
-def test_head_chunked_attention_is_exact_with_closed_form_bytes():
-    results = run_local_world(feature_workers.head_chunks_worker, 4, CHUNK_CASES)
+@pytest.mark.timeout(900)  # the first test of the shared 4-rank world starts it
+def test_head_chunked_attention_is_exact_with_closed_form_bytes(world4):
+    results = world4["chunks"]
     for rank, per_rank in enumerate(results):
         for r in per_rank:
             c, label = r["case"], f"rank {rank} {r['case']}"
@@ -78,6 +79,72 @@ FEATURES["all"] = {
 FEATURES["all_params_on_host"] = {**FEATURES["all"], "offload_optimizer": False,
                                   "offload_params": True}  # fmt: skip
 WORLDS = {1: [(1, 1)], 2: [(1, 2)], 4: [(1, 4), (2, 2)]}
+RESUMED = ("all", "all_params_on_host")  # 3 steps straight = 2 steps + a resumed run of 1 more
+
+
+def _cfg():
+    from tests.train.test_train import CFG
+
+    return CFG
+
+
+def _feature_runs(world_size: int) -> list:
+    return [(WORLDS[world_size], dict(_cfg(), **kw)) for kw in FEATURES.values()]
+
+
+def _resume_base(name: str) -> dict:
+    return dict(_cfg(), dp=1, sp=2, **FEATURES[name])
+
+
+# the multi-rank checks share one world per size (a world start is seconds: spawn, imports,
+# gloo); each entry: a name -> (function of feature_workers or train_workers, its arguments)
+def _world4_calls() -> dict:
+    return {
+        "chunks": ("head_chunks_worker", (CHUNK_CASES,)),
+        "features": ("train_workers.one_step_grads_many", (_feature_runs(4),)),
+        "three_steps": ("train_workers.run_training",
+                        ([dict(_cfg(), dp=2, sp=2, steps=3, **kw) for kw in FEATURES.values()],)),
+        "copies": ("copy_count_worker", (COPY_CASES,)),
+    }  # fmt: skip
+
+
+def _world2_calls(checkpoints: Path) -> dict:
+    first = [
+        dict(_resume_base(n), **kw)
+        for n in RESUMED
+        for kw in (dict(steps=3), dict(steps=2, checkpoint_dir=str(checkpoints / n)))
+    ]
+    return {
+        "features": ("train_workers.one_step_grads_many", (_feature_runs(2),)),
+        "resume_first": ("train_workers.run_training", (first,)),
+        "layout1": ("kernel_layout_worker", (1,)),
+        "layout2": ("kernel_layout_worker", (2,)),
+        "overlap": ("overlap_worker", (OVERLAP_CASE,)),
+        "kv_overlap_False": ("kv_overlap_worker", (_kv_case(False),)),
+        "kv_overlap_True": ("kv_overlap_worker", (_kv_case(True),)),
+        "compile": ("compile_worker", (COMPILE_CASES,)),
+        "compiled_model": ("compiled_model_worker", ("aot_eager",)),
+        "trainer_compile": ("train_workers.run_training", ([dict(_cfg(), dp=1, sp=2, steps=3,
+                            compile="aot_eager", activation_checkpointing=True)],)),
+    }  # fmt: skip
+
+
+def _world(world_size: int, calls: dict) -> dict:
+    """Every call in one world: ``{name: [rank 0's result, rank 1's, ...]}``."""
+    per_rank = run_local_world(feature_workers.run_calls, world_size, list(calls.values()),
+                               timeout_s=840)  # fmt: skip
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(calls)}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return _world(4, _world4_calls())
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    checkpoints = tmp_path_factory.mktemp("resume")
+    return {"checkpoints": checkpoints, **_world(2, _world2_calls(checkpoints))}
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +154,16 @@ def reference():
     return _reference(3)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)  # 2 and 4: the first use of a shared world starts it
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_each_feature_gives_the_single_device_loss_and_gradients(world_size, reference):
+def test_each_feature_gives_the_single_device_loss_and_gradients(world_size, reference, request):
     from tests import train_workers
-    from tests.train.test_train import CFG
 
     ref_loss, ref_grads, _ = reference
-    runs = [(WORLDS[world_size], dict(CFG, **kw)) for kw in FEATURES.values()]
-    results = run_local_world(train_workers.one_step_grads_many, world_size, runs)
+    if world_size == 1:
+        results = run_local_world(train_workers.one_step_grads_many, 1, _feature_runs(1))
+    else:
+        results = request.getfixturevalue(f"world{world_size}")["features"]
     for rank, per_rank in enumerate(results):
         for name, per_run in zip(FEATURES, per_rank):
             for r in per_run:
@@ -109,46 +177,42 @@ def test_each_feature_gives_the_single_device_loss_and_gradients(world_size, ref
                     )
 
 
-@pytest.mark.timeout(400)
-def test_three_steps_and_resume_with_every_feature(reference, tmp_path):
+@pytest.mark.timeout(900)
+def test_three_steps_and_resume_with_every_feature(reference, world4, world2):
     """Three steps of losses equal the plain run for each feature set at (dp, sp) = (2, 2);
-    with everything on, 3 steps straight equal 2 steps + a new run resumed for 1 more."""
+    with everything on, 3 steps straight equal 2 steps + a new run (a new world) resumed for
+    1 more."""
     from tests import train_workers
-    from tests.train.test_train import CFG
 
     _, _, ref_losses = reference
-    runs = [dict(CFG, dp=2, sp=2, steps=3, **kw) for kw in FEATURES.values()]
-    for kw, losses in zip(FEATURES, run_local_world(train_workers.run_training, 4, runs)[0]):
+    for kw, losses in zip(FEATURES, world4["three_steps"][0]):
         for (step, got), want in zip(losses, ref_losses):
             assert abs(got - want) < 1e-4, f"{kw} step {step}: {got} vs {want}"
-    for name in ("all", "all_params_on_host"):
-        base = dict(CFG, dp=1, sp=2, **FEATURES[name])
-        ck = str(tmp_path / name)
-        straight, first = run_local_world(
-            train_workers.run_training,
-            2,
-            [dict(base, steps=3), dict(base, steps=2, checkpoint_dir=ck)],
-        )[0]
-        [second] = run_local_world(
-            train_workers.run_training, 2, [dict(base, steps=3, checkpoint_dir=ck, resume=True)]
-        )[0]
+    resumed = [dict(_resume_base(n), steps=3, checkpoint_dir=str(world2["checkpoints"] / n),
+                    resume=True) for n in RESUMED]  # fmt: skip
+    seconds = run_local_world(train_workers.run_training, 2, resumed)[0]
+    firsts = world2["resume_first"][0]
+    for i, (name, second) in enumerate(zip(RESUMED, seconds)):
+        straight, first = firsts[2 * i], firsts[2 * i + 1]
         assert first + second == straight, f"{name}: resumed losses differ from the straight run"
 
 
-@pytest.mark.timeout(200)
-def test_all_to_all_copies_each_byte_once_each_way():
+COPY_CASES = [
+    dict(B=2, s=6, H=4, heads=[8, 4, 4], seed=1),  # q, k, v fused (GQA)
+    dict(B=1, s=5, H=3, heads=[6, 6, 6], seed=2, uneven_heads=True),  # 6 heads on 4 ranks
+    dict(B=2, s=4, H=2, heads=[8, 4], seed=3, heads_major=True),  # stored [B, n, s, H]
+    dict(B=1, s=4, H=2, heads=[8], seed=4),  # B = 1: S is the outermost dim (below)
+]
+
+
+@pytest.mark.timeout(900)
+def test_all_to_all_copies_each_byte_once_each_way(world4):
     """Forward: every byte is copied once into the send buffer and once out of the receive
     buffer into the result; backward the same for the gradients: nothing else is copied (no
     per-piece reshape, no concatenation of pieces), evenly or unevenly split. Each gradient
     comes back in the memory layout of its input (a kernel's head-major ``o`` gets a head-major
     ``d o``, which the kernel's backward reads without a copy)."""
-    cases = [
-        dict(B=2, s=6, H=4, heads=[8, 4, 4], seed=1),  # q, k, v fused (GQA)
-        dict(B=1, s=5, H=3, heads=[6, 6, 6], seed=2, uneven_heads=True),  # 6 heads on 4 ranks
-        dict(B=2, s=4, H=2, heads=[8, 4], seed=3, heads_major=True),  # stored [B, n, s, H]
-        dict(B=1, s=4, H=2, heads=[8], seed=4),  # B = 1: S is the outermost dim (below)
-    ]
-    for r in run_local_world(feature_workers.copy_count_worker, 4, cases)[0]:
+    for r in world4["copies"][0]:
         label = str(r["case"])
         if r["case"]["B"] == 1 and len(r["case"]["heads"]) == 1:
             # one tensor, B = 1: the result gathered along S is the receive buffer itself, and
@@ -161,29 +225,31 @@ def test_all_to_all_copies_each_byte_once_each_way():
         assert r["grad_strides_match"], label
 
 
-@pytest.mark.timeout(300)
+COMPILE_CASES = [
+    dict(B=1, S=16, N=4, K=2, H=8, seed=1, backend="aot_eager"),
+    dict(B=2, S=8, N=8, K=2, H=4, C=2, seed=2, backend="aot_eager"),  # head chunks
+]
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_engine_compiles_without_graph_break():
+def test_engine_compiles_without_graph_break(world2):
     """torch.compile(fullgraph=True) of the engine (so a graph break at the collective would be
     an error): under dynamo the all-to-all runs through functional collectives; outputs and
     gradients equal the eager call's. aot_eager: the graph capture, without C++ codegen."""
-    cases = [
-        dict(B=1, S=16, N=4, K=2, H=8, seed=1, backend="aot_eager"),
-        dict(B=2, S=8, N=8, K=2, H=4, C=2, seed=2, backend="aot_eager"),  # head chunks
-    ]
-    for rank, per_rank in enumerate(run_local_world(feature_workers.compile_worker, 2, cases)):
+    for rank, per_rank in enumerate(world2["compile"]):
         for r in per_rank:
             for name, err in r["errors"].items():
                 assert err <= 1e-6, f"rank {rank} {r['case']}: {name} differs by {err:.2e}"
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_parallelize_compile_gives_the_eager_loss_and_gradients():
+def test_parallelize_compile_gives_the_eager_loss_and_gradients(world2):
     """du.parallelize(compile=...) compiles each block (after checkpointing, before FSDP2): one
     step's loss and every gradient equal the uncompiled model's at sp=2, with --overlap-comm
     too."""
-    for r in run_local_world(feature_workers.compiled_model_worker, 2, "aot_eager"):
+    for r in world2["compiled_model"]:
         eager, *compiled = r["loss"]
         assert all(abs(eager - c) <= 1e-5 * abs(eager) for c in compiled), r["loss"]
         assert r["grad_err"] <= 1e-5, r["grad_err"]
@@ -270,26 +336,22 @@ def test_rmsnorm_keeps_its_input_in_bf16_and_is_exact():
     torch.testing.assert_close(gw, rgw, rtol=0, atol=1e-12)
 
 
-@pytest.mark.timeout(120)
-def test_sdpa_receives_its_layout_from_the_exchange():
+@pytest.mark.timeout(900)
+def test_sdpa_receives_its_layout_from_the_exchange(world2):
     """The exchange writes q, k, v straight into the [B, N, S, H] memory SDPA reads, so the
     kernel gets contiguous inputs without copying them itself (plain and head-chunked)."""
     for chunks in (1, 2):
-        for r in run_local_world(feature_workers.kernel_layout_worker, 2, chunks):
+        for r in world2[f"layout{chunks}"]:
             assert r["bnsh"] and all(r["bnsh"]), (chunks, r)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_trainer_compile_gives_the_single_device_losses(reference):
+def test_trainer_compile_gives_the_single_device_losses(reference, world2):
     """``--compile aot_eager`` (each block compiled, fullgraph): three steps of losses equal the
     plain single-process run at (dp, sp) = (1, 2)."""
-    from tests import train_workers
-    from tests.train.test_train import CFG
-
     _, _, ref = reference
-    runs = [dict(CFG, dp=1, sp=2, steps=3, compile="aot_eager", activation_checkpointing=True)]
-    for (step, got), want in zip(run_local_world(train_workers.run_training, 2, runs)[0][0], ref):
+    for (step, got), want in zip(world2["trainer_compile"][0][0], ref):
         assert abs(got - want) < 1e-4, f"step {step}: {got} vs {want}"
 
 
@@ -358,14 +420,16 @@ def test_tiled_backward_holds_one_input_gradient(monkeypatch):
     assert _backward_peak(norm(xb), [xb, norm.weight]) <= T * D * 2 + 8 * c * D * 4 + 8 * D
 
 
-@pytest.mark.timeout(120)
-def test_head_stages_overlap_communication_with_attention():
+OVERLAP_CASE = dict(B=1, S=16, N=8, K=2, H=4, C=4, seed=5)
+
+
+@pytest.mark.timeout(900)
+def test_head_stages_overlap_communication_with_attention(world2):
     """``overlap=True``: stage c + 1's q (forward) or q and d o (backward) start before stage
     c's kernel runs, and stage c's o or d q is sent back while stage c + 1 runs; outputs and
     gradients equal, bit for bit, the default one-exchange-at-a-time schedule's."""
-    C = 4
-    case = dict(B=1, S=16, N=8, K=2, H=4, C=C, seed=5)
-    for r in run_local_world(feature_workers.overlap_worker, 2, case):
+    C = OVERLAP_CASE["C"]
+    for r in world2["overlap"]:
         assert r["equal"] == dict(o=True, dq=True, dk=True, dv=True), r["equal"]
         # per direction: stage 0's inputs; then for each stage c, stage c + 1's inputs start
         # before stage c's kernel, whose result starts back right after it (k and v move
@@ -410,15 +474,18 @@ def test_trace_breakdown_names_what_is_alive_at_the_peak():
     assert any("tiling.py" in x["where"] for x in chunk), rows  # memory/tiling.py
 
 
-@pytest.mark.timeout(120)
+def _kv_case(qk_norm: bool) -> dict:
+    return dict(B=2, S=16, N=8, K=2, seed=7, qk_norm=qk_norm)
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_kv_move_while_q_is_projected(qk_norm):
+def test_kv_move_while_q_is_projected(qk_norm, world2):
     """``overlap=True`` without head chunks (DeepSpeed-Ulysses' ``sp_stream`` overlap): the
     model hands q over deferred, the k/v all-to-all starts (asynchronous) before the q
     projection runs, q follows in its own all-to-all; output, input and weight gradients equal
     the fused engine's bit for bit and the single-device layer's; the same bytes each way."""
-    case = dict(B=2, S=16, N=8, K=2, seed=7, qk_norm=qk_norm)
-    for r in run_local_world(feature_workers.kv_overlap_worker, 2, case):
+    for r in world2[f"kv_overlap_{qk_norm}"]:
         assert all(r["equal"].values()), r["equal"]
         assert all(r["close"].values()), r["close"]
         q, kv = r["elements"]["q"], r["elements"]["kv"]

@@ -15,14 +15,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(code: str, timeout: int = 120) -> str:
-    # a fresh interpreter: the trace owns the (fake) default process group
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=timeout)  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
-
-
 CPU_TRACE = """
 import json
 from dtensor_ulysses import memtrace as mt
@@ -49,15 +41,45 @@ print("ok")
 """
 
 
-def test_cpu_trace_is_fp32_and_sums_host_and_device():
-    _run(CPU_TRACE)
+CLI_JSON = (
+    "from simulations.cli import main; import sys; sys.exit(main(['trace', '--model', "
+    "'tiny', '--seq-len', '4096', '--dp', '1', '--sp', '1', '--device', 'cpu', '--json']))"
+)
+FIND_MAX = (
+    "from simulations.cli import main; import sys; sys.exit(main(['trace', '--model', "
+    "'tiny', '--sp', '2', '--offload-activations', '--find-max', '--host-memory', '0.01', "
+    "'--headroom', '1', '--json']))"
+)
 
 
-def test_cli_trace_device_cpu_json():
-    out = _run(
-        "from simulations.cli import main; import sys; sys.exit(main(['trace', '--model', "
-        "'tiny', '--seq-len', '4096', '--dp', '1', '--sp', '1', '--device', 'cpu', '--json']))"
-    )
+@pytest.fixture(scope="module")
+def started():
+    """The three short traces, each in a fresh interpreter (the trace owns the fake default
+    process group), started together (one process each: side by side on 2 cores); each test
+    reads its own output."""
+    procs = {
+        name: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        for name, code in (("cpu", CPU_TRACE), ("cli", CLI_JSON), ("find_max", FIND_MAX))
+    }  # fmt: skip
+    yield procs
+    for p in procs.values():
+        p.kill()
+        p.wait()
+
+
+def _output(started: dict, name: str, timeout: int = 120) -> str:
+    out, err = started[name].communicate(timeout=timeout)
+    assert started[name].returncode == 0, out + err
+    return out
+
+
+def test_cpu_trace_is_fp32_and_sums_host_and_device(started):
+    assert _output(started, "cpu").strip().endswith("ok")
+
+
+def test_cli_trace_device_cpu_json(started):
+    out = _output(started, "cli")
     obj = json.loads(out)
     assert obj["traced_device"] == "cpu" and obj["dtype"] == "fp32" and obj["gpu"] is None
     assert obj["fits"] is None and obj["capacity_bytes"] is None
@@ -72,8 +94,22 @@ def test_cli_trace_device_cpu_json():
 @pytest.mark.timeout(900)
 def test_real_cpu_step_peak_growth_matches_trace():
     # the real step in fresh processes (glibc mmap for >= 64 KiB, VmHWM) against the CPU trace:
-    # plain, checkpointing + tiled loss and MLP, head chunks at sp=2, offloaded activations
-    rows = trace_check.compare(trace_check.CONFIGS)
+    # plain, checkpointing + tiled loss and MLP, head chunks at sp=2, offloaded activations;
+    # two processes at a time (each reads only its own VmHWM), the GPU trace (below) beside them
+    plain = trace_check.CONFIGS[0]
+    code = (
+        "from dtensor_ulysses import memtrace as mt; "
+        f"a, b = (mt.trace_train_step('tiny', s, ac=False).peak_bytes for s in {plain.seq_lens}); "
+        "print(b - a)"
+    )
+    gpu_trace = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        rows = trace_check.compare(trace_check.CONFIGS, jobs=2)
+        out, err = gpu_trace.communicate(timeout=120)
+    finally:
+        gpu_trace.kill()
+    assert gpu_trace.returncode == 0, out + err
     assert [r["config"] for r in rows] == [c.name for c in trace_check.CONFIGS]
     for r in rows:
         assert r["traced_growth_bytes"] >= 16 * 2**20, r  # large enough to measure
@@ -84,29 +120,18 @@ def test_real_cpu_step_peak_growth_matches_trace():
     tiled = next(r for r in rows if r["config"] == "ac+tiled")
     assert tiled["ratio"] < 1, trace_check.format_rows(rows)
     # the check can tell the runs apart: the GPU trace (bf16) of the plain case grows far less
-    plain = trace_check.CONFIGS[0]
-    code = (
-        "from dtensor_ulysses import memtrace as mt; "
-        f"a, b = (mt.trace_train_step('tiny', s, ac=False).peak_bytes for s in {plain.seq_lens}); "
-        "print(b - a)"
-    )
-    gpu_growth = int(_run(code).strip().splitlines()[-1])
+    gpu_growth = int(out.strip().splitlines()[-1])
     assert abs(rows[0]["real_growth_bytes"] / gpu_growth - 1) > 3 * trace_check.TOLERANCE
 
 
-def test_cli_find_max_bounded_by_host_memory_on_a_small_preset():
+def test_cli_find_max_bounded_by_host_memory_on_a_small_preset(started):
     """``trace --find-max --host-memory`` on the real (traced) step of ``tiny`` with offloaded
     activations: the host holds the ``L`` block inputs ``[s, D]`` in bf16, ``2 L D S / sp``
     bytes, so with a budget of 0.01 GiB the longest length is the last grid point within it,
     far below what the GPU fits, and the report says the host binds."""
     from dtensor_ulysses.plan import get_shape
 
-    out = _run(
-        "from simulations.cli import main; import sys; sys.exit(main(['trace', '--model', "
-        "'tiny', '--sp', '2', '--offload-activations', '--find-max', '--host-memory', '0.01', "
-        "'--headroom', '1', '--json']))"
-    )
-    obj = json.loads(out)
+    obj = json.loads(_output(started, "find_max"))
     m, sp, budget = get_shape("tiny"), 2, int(0.01 * 2**30)
     g = obj["granularity"]
     per_token = 2 * m.n_layers * m.dim // sp  # host bytes per token of the sequence
