@@ -80,7 +80,8 @@ def make_config(family: str):
                  "linear_attention", "linear_attention"]  # fmt: skip
         # MLA expands every head from the latent (no kv groups), as Kimi Linear's own configs
         return tf.KimiLinearConfig(
-            **{**att, "num_key_value_heads": 4}, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            **{**att, "num_key_value_heads": 4}, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=3,
             num_local_experts=4, num_experts_per_tok=2, q_lora_rank=None, kv_lora_rank=16,
             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, layer_types=types,
             linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4, pad_token_id=0,
