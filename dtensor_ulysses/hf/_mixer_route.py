@@ -1,5 +1,6 @@
-"""What every routed sequence mixer (Mamba-2, short convolution) shares: its error, the checks
-of a call, the install on the instance, and packed documents run one by one.
+"""What every routed sequence mixer (Gated DeltaNet, Mamba-2, KDA, short convolution) shares: its
+error, the sp-vs-heads check, the install on the instance, the checks of a call, and packed
+documents run one by one.
 
 Legend: ``B`` batch, ``S`` sequence, ``s`` this rank's slice of it, ``L`` a piece's length.
 """
@@ -14,15 +15,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtensor_ulysses.plan.splits import SeqLayout
+from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads, head_split
 
-__all__ = ["MixerRoute", "SequenceMixerError", "check_call", "install", "per_document"]
+__all__ = [
+    "MixerRoute",
+    "SequenceMixerError",
+    "check_call",
+    "install",
+    "per_document",
+    "split_heads",
+]
 
 ROUTED = "_du_mixer_route"
 
 
 class SequenceMixerError(ValueError):
-    """A sequence mixer (Mamba-2, short convolution) that cannot run under Ulysses exactly."""
+    """A sequence mixer (Gated DeltaNet, Mamba-2, KDA, short convolution), or a call of one, that
+    cannot run under Ulysses exactly."""
 
 
 @dataclass(frozen=True)
@@ -30,13 +39,41 @@ class MixerRoute:
     """What a routed mixer needs at call time."""
 
     group: dist.ProcessGroup
-    heads: tuple[int, ...]  # heads per sp rank (contiguous, in rank order); () for a halo mixer
+    heads: tuple[int, ...]  # (key) heads per sp rank (contiguous, in rank order); () for a halo
     on_call: Callable[[nn.Module], None]  # the guard's record of this call
+
+
+def split_heads(
+    name: str, m: nn.Module, heads: int, sp: int, *, what: str, allow_uneven: bool
+) -> tuple[int, ...]:
+    """The heads of mixer ``name`` per sp rank (contiguous, in rank order), after the one
+    sp-vs-heads check (:func:`~dtensor_ulysses.plan.check_sp_for_heads`).
+
+    Args:
+        name: the mixer's name in the model.
+        m: the mixer.
+        heads: how many heads it splits.
+        sp: the sp degree.
+        what: how the message names the heads (``"Mamba heads"``).
+        allow_uneven: accept ``sp`` not dividing ``heads`` (``ceil`` or ``floor`` per rank).
+
+    Raises:
+        SequenceMixerError: sp and the heads do not fit (the message names the valid sp).
+    """
+    try:
+        check_sp_for_heads(
+            heads, sp, what=f"{what} of {name} ({type(m).__name__})",
+            allow_uneven=allow_uneven, uneven_option="allow_uneven_heads=True",
+        )  # fmt: skip
+    except ValueError as e:
+        raise SequenceMixerError(str(e)) from None
+    return tuple(head_split(heads, sp))
 
 
 def install(m: nn.Module, route: MixerRoute, forward: Callable) -> None:
     """Replace ``m.forward`` on the instance (the class and its code are untouched)."""
     m.__dict__[ROUTED] = route
+    # an instance attribute: nn.Module.__call__ finds it before the class's forward
     m.forward = forward.__get__(m, type(m))
 
 

@@ -42,12 +42,12 @@ from torch import nn
 from dtensor_ulysses.attention.ulysses import to_heads, to_seq
 from dtensor_ulysses.hf._mixer_route import (
     MixerRoute,
-    SequenceMixerError,
     check_call,
     install,
     per_document,
+    split_heads,
 )
-from dtensor_ulysses.plan.splits import check_sp_for_heads, head_split
+from dtensor_ulysses.plan.splits import head_split
 
 __all__ = ["KDA_CLASSES", "is_kda", "kda_bytes", "route_kda"]
 
@@ -92,14 +92,8 @@ def route_kda(
     sp = dist.get_world_size(group)
     for name, m in modules:
         H = int(m.num_heads)  # type: ignore[arg-type]
-        try:
-            check_sp_for_heads(
-                H, sp, what=f"KDA heads of {name} ({type(m).__name__})",
-                allow_uneven=allow_uneven_heads, uneven_option="allow_uneven_heads=True",
-            )  # fmt: skip
-        except ValueError as e:
-            raise SequenceMixerError(str(e)) from None
-        install(m, MixerRoute(group, tuple(head_split(H, sp)), on_call), _routed_forward)
+        sizes = split_heads(name, m, H, sp, what="KDA heads", allow_uneven=allow_uneven_heads)
+        install(m, MixerRoute(group, sizes, on_call), _routed_forward)
 
 
 def _routed_forward(

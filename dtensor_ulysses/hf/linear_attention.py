@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +47,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_ulysses.attention.ulysses import to_heads, to_seq
-from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads, head_split
+from dtensor_ulysses.hf._mixer_route import (
+    MixerRoute,
+    SequenceMixerError,
+    check_call,
+    install,
+    per_document,
+    split_heads,
+)
+from dtensor_ulysses.plan.splits import head_split
 
 __all__ = [
     "LinearAttentionError",
@@ -57,13 +64,12 @@ __all__ = [
     "route_gated_deltanet",
 ]
 
-_ROUTED = "_du_gdn_route"
 # the model file's kernels the layer calls (transformers binds a native kernel when installed)
 _CONV_FN, _RULE_FN = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
 
 
-class LinearAttentionError(ValueError):
-    """A Gated DeltaNet layer (or call) that cannot run under Ulysses exactly."""
+# the name this module's refusals had before every routed mixer shared one error (the same class)
+LinearAttentionError = SequenceMixerError
 
 
 def is_gated_deltanet(module: nn.Module) -> bool:
@@ -85,15 +91,6 @@ def is_gated_deltanet(module: nn.Module) -> bool:
     qwen35 = all(hasattr(module, a) for a in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
     qwen3_next = all(hasattr(module, a) for a in ("in_proj_qkvz", "in_proj_ba"))
     return qwen35 or qwen3_next
-
-
-@dataclass(frozen=True)
-class _Route:
-    """What a routed layer needs at call time."""
-
-    group: dist.ProcessGroup
-    key_heads: tuple[int, ...]  # key heads per sp rank (contiguous ranges, in rank order)
-    on_call: Callable[[nn.Module], None]  # the guard's record of this call
 
 
 def gdn_bytes(
@@ -147,27 +144,20 @@ def route_gated_deltanet(
             ``floor(K / sp)`` key heads).
 
     Raises:
-        LinearAttentionError: sp and the key heads do not fit (the message names the valid sp),
+        SequenceMixerError: sp and the key heads do not fit (the message names the valid sp),
             or the value heads are not a multiple of the key heads.
     """
     sp = dist.get_world_size(group)
     for name, m in modules:
         K, V = int(m.num_k_heads), int(m.num_v_heads)  # type: ignore[arg-type]
         if V % K:
-            raise LinearAttentionError(
+            raise SequenceMixerError(
                 f"{name} ({type(m).__name__}): {V} value heads are not a multiple of its {K} "
                 f"key heads, so value heads cannot follow their key heads over the sp ranks"
             )
-        try:
-            check_sp_for_heads(
-                K, sp, what=f"linear-attention key heads of {name} ({type(m).__name__})",
-                allow_uneven=allow_uneven_heads, uneven_option="allow_uneven_heads=True",
-            )  # fmt: skip
-        except ValueError as e:
-            raise LinearAttentionError(str(e)) from None
-        m.__dict__[_ROUTED] = _Route(group, tuple(head_split(K, sp)), on_call)
-        # an instance attribute: nn.Module.__call__ finds it before the class's forward
-        m.forward = _routed_forward.__get__(m, type(m))
+        what = "linear-attention key heads"
+        sizes = split_heads(name, m, K, sp, what=what, allow_uneven=allow_uneven_heads)
+        install(m, MixerRoute(group, sizes, on_call), _routed_forward)
 
 
 def _kernels(m: nn.Module) -> tuple[Callable, Callable]:
@@ -185,48 +175,16 @@ def _routed_forward(
     **kwargs: Any,
 ) -> torch.Tensor:
     """The Gated DeltaNet layer on this rank's slice ``x[B, s, D]`` -> ``y[B, s, D]``."""
-    route: _Route = self.__dict__[_ROUTED]
-    name = type(self).__name__
-    layout: SeqLayout | None = kwargs.get("ulysses_layout")
-    if cache is not None or kwargs.get("cache_params") is not None:
-        raise LinearAttentionError(
-            f"{name}: a cache (conv and recurrent state) cannot be used under Ulysses; generate "
-            f"on one device with the saved checkpoint"
-        )
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise LinearAttentionError(
-            f"{name}: a padding attention_mask cannot be applied to one sequence slice; pass the "
-            f"padded batch through du.hf.shard_batch and call the model without attention_mask"
-        )
-    if kwargs.get("cu_seq_lens_q") is not None:
-        raise LinearAttentionError(
-            f"{name}: flash-attention packing kwargs (cu_seq_lens_q) describe the local slice; "
-            f"pass packed documents as position ids restarting at 0, or as ulysses_layout"
-        )
-    if layout is None:
-        raise LinearAttentionError(
-            f"{name} is routed through Ulysses but got no ulysses_layout: call the model whose "
-            f"apply_ulysses routed it (its pre-hook passes the step's layout)"
-        )
-    if layout.ring != 1:
-        raise LinearAttentionError(
-            f"{name}: linear attention under ring={layout.ring} would need the recurrent state "
-            f"and the convolution's last inputs passed along the ring; use ring=1"
-        )
-    P, me = dist.get_world_size(route.group), dist.get_rank(route.group)
+    route, layout, _, me = check_call(self, hidden_states, cache, attention_mask, kwargs)
     B, s, _ = hidden_states.shape
     seq_sizes = list(layout.seq_sizes)
-    if len(seq_sizes) != P or seq_sizes[me] != s:
-        raise ValueError(
-            f"{name}: sp rank {me} holds {s} tokens but the layout gives {seq_sizes} for sp={P}"
-        )
     K, V, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
     r = V // K
 
     # per token: the projections of all heads, grouped by key head
     q_BsKH, k_BsKH, v_BsKR, z_BsVH, b_BsKr, a_BsKr = _project(self, hidden_states)
     # [B, S_sp, K, .] -> [B, S, K_sp, .]: q, k, v, b, a in one all-to-all
-    sizes = list(route.key_heads)
+    sizes = list(route.heads)
     q_BSkH, k_BSkH, v_BSkR, b_BSkr, a_BSkr = to_heads(
         [q_BsKH, k_BsKH, v_BsKR, b_BsKr, a_BsKr], route.group, seq_sizes, [sizes] * 5
     )
@@ -244,20 +202,8 @@ def _routed_forward(
     bias_c = None if bias is None else torch.cat([bias[lo:hi] for lo, hi in chans])
     heads = slice(k0 * r, (k0 + kh) * r)
     mix = _Mixer(self, w_cW, bias_c, self.A_log[heads], self.dt_bias[heads])
-    docs = layout.doc_starts
-    if docs is None or all(len(row) == 1 for row in docs):
-        o_BSvH = mix(q_BSkH, k_BSkH, v_BSvH, b_BSv, a_BSv)
-    else:  # packed documents: conv and recurrence restart at each one (zero state)
-        rows = []
-        for i, starts in enumerate(docs):
-            ends = [*starts[1:], S]
-            row = (t[i : i + 1] for t in (q_BSkH, k_BSkH, v_BSvH, b_BSv, a_BSv))
-            qi, ki, vi, bi, ai = row
-            rows.append(torch.cat([
-                mix(qi[:, lo:hi], ki[:, lo:hi], vi[:, lo:hi], bi[:, lo:hi], ai[:, lo:hi])
-                for lo, hi in zip(starts, ends)
-            ], dim=1))  # fmt: skip
-        o_BSvH = torch.cat(rows, dim=0)
+    # packed documents: conv and recurrence restart at each one (zero state)
+    o_BSvH = per_document(mix, [q_BSkH, k_BSkH, v_BSvH, b_BSv, a_BSv], layout)
     # [B, S, K_sp, r*dv] -> [B, S_sp, K, r*dv]
     o_BsKR = to_seq(o_BSvH.reshape(B, S, kh, r * dv), route.group, seq_sizes, sizes)
     # the gated RMSNorm per token and value head, on the slice (z never travels)

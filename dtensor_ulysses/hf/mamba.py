@@ -52,8 +52,9 @@ from dtensor_ulysses.hf._mixer_route import (
     check_call,
     install,
     per_document,
+    split_heads,
 )
-from dtensor_ulysses.plan.splits import check_sp_for_heads, head_split
+from dtensor_ulysses.plan.splits import head_split
 
 __all__ = ["MAMBA2_CLASSES", "is_mamba2", "mamba_bytes", "rank_groups", "route_mamba2"]
 
@@ -133,14 +134,8 @@ def route_mamba2(
             raise SequenceMixerError(
                 f"{name} ({type(m).__name__}): {N} Mamba heads are not a multiple of its {G} groups"
             )
-        try:
-            check_sp_for_heads(
-                N, sp, what=f"Mamba heads of {name} ({type(m).__name__})",
-                allow_uneven=allow_uneven_heads, uneven_option="allow_uneven_heads=True",
-            )  # fmt: skip
-        except ValueError as e:
-            raise SequenceMixerError(str(e)) from None
-        install(m, MixerRoute(group, tuple(head_split(N, sp)), on_call), _routed_forward)
+        sizes = split_heads(name, m, N, sp, what="Mamba heads", allow_uneven=allow_uneven_heads)
+        install(m, MixerRoute(group, sizes, on_call), _routed_forward)
 
 
 def _kernels(m: nn.Module):

@@ -66,8 +66,8 @@ def route_mixers(
     """Route every mixer of ``modules`` (:func:`is_sequence_mixer` true for each) by its kind.
 
     Raises:
-        SequenceMixerError, LinearAttentionError: sp and the mixer's heads do not fit (the
-            message names the valid sp).
+        SequenceMixerError: sp and the mixer's heads do not fit (the message names the valid
+            sp).
     """
     gdn = [(n, m) for n, m in modules if is_gated_deltanet(m)]
     mamba = [(n, m) for n, m in modules if is_mamba2(m)]
