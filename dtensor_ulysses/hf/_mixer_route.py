@@ -1,12 +1,13 @@
 """What every routed sequence mixer (Gated DeltaNet, Mamba-2, KDA, short convolution) shares: its
-error, the sp-vs-heads check, the install on the instance, the checks of a call, and packed
-documents run one by one.
+error, the sp-vs-heads check, the install on the instance, the checks of a call, the model file's
+own kernels, and packed documents run one by one.
 
 Legend: ``B`` batch, ``S`` sequence, ``s`` this rank's slice of it, ``L`` a piece's length.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "SequenceMixerError",
     "check_call",
     "install",
+    "model_kernels",
     "per_document",
     "split_heads",
 ]
@@ -117,6 +119,13 @@ def check_call(
             f"{list(layout.seq_sizes)} for sp={P}"
         )
     return route, layout, P, me
+
+
+def model_kernels(m: nn.Module, *names: str) -> tuple[Callable, ...]:
+    """The functions ``names`` of ``m``'s own modeling file, looked up on each call (a native
+    kernel there when transformers bound one, its PyTorch reference otherwise)."""
+    mod = sys.modules[type(m).__module__]
+    return tuple(getattr(mod, n) for n in names)
 
 
 def per_document(

@@ -31,7 +31,6 @@ Bytes per layer and rank (``e`` bytes per element): forward ``B*s*H*(4*d + 1)*e`
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +43,7 @@ from dtensor_ulysses.hf._mixer_route import (
     MixerRoute,
     check_call,
     install,
+    model_kernels,
     per_document,
     split_heads,
 )
@@ -126,8 +126,7 @@ def _routed_forward(
     bias_c = None if bias is None else torch.cat([bias[lo:hi] for lo, hi in chans])
     dt_bias_hd = fg.dt_bias[h0 * d : (h0 + h) * d].float().view(1, 1, h, d)
     decay_h1 = torch.exp(fg.A_log.float()[:, :, h0 : h0 + h])  # [1, 1, h, 1]
-    mod = sys.modules[type(self).__module__]
-    conv, rule = mod.causal_conv1d_fn, mod.chunk_kimi_delta_attention
+    conv, rule = model_kernels(self, "causal_conv1d_fn", "chunk_kimi_delta_attention")
 
     def mix(q_BLhd, k_BLhd, v_BLhd, f_BLhd, b_BLh1):
         b_, L = q_BLhd.shape[:2]

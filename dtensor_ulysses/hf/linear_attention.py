@@ -37,7 +37,6 @@ other way round (``B*S*k*(2*dk + r*dv + 2*r)*e`` and ``B*s*V*dv*e``): :func:`gdn
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +51,7 @@ from dtensor_ulysses.hf._mixer_route import (
     SequenceMixerError,
     check_call,
     install,
+    model_kernels,
     per_document,
     split_heads,
 )
@@ -160,13 +160,6 @@ def route_gated_deltanet(
         install(m, MixerRoute(group, sizes, on_call), _routed_forward)
 
 
-def _kernels(m: nn.Module) -> tuple[Callable, Callable]:
-    """The convolution and chunked delta-rule functions of ``m``'s own modeling file (a native
-    kernel there when transformers found one, its PyTorch reference otherwise)."""
-    mod = sys.modules[type(m).__module__]
-    return getattr(mod, _CONV_FN), getattr(mod, _RULE_FN)
-
-
 def _routed_forward(
     self: Any,
     hidden_states: torch.Tensor,
@@ -245,7 +238,7 @@ class _Mixer:
     def __init__(self, m: Any, w_cW, bias_c, A_log_v, dt_bias_v) -> None:
         self.m, self.w_cW, self.bias_c = m, w_cW, bias_c
         self.A_log_v, self.dt_bias_v = A_log_v, dt_bias_v
-        self.conv, self.rule = _kernels(m)
+        self.conv, self.rule = model_kernels(m, _CONV_FN, _RULE_FN)
 
     def __call__(self, q_BLkH, k_BLkH, v_BLvH, b_BLv, a_BLv) -> torch.Tensor:
         B, L, kh, dk = q_BLkH.shape

@@ -36,7 +36,6 @@ forward ``B*s*(N*P + N + 2*n*sum_r g_r)*e`` in and ``B*S*h*P*e`` out; backward
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +50,7 @@ from dtensor_ulysses.hf._mixer_route import (
     SequenceMixerError,
     check_call,
     install,
+    model_kernels,
     per_document,
     split_heads,
 )
@@ -138,11 +138,6 @@ def route_mamba2(
         install(m, MixerRoute(group, sizes, on_call), _routed_forward)
 
 
-def _kernels(m: nn.Module):
-    mod = sys.modules[type(m).__module__]
-    return getattr(mod, _CONV_FN), getattr(mod, _SCAN_FN)
-
-
 def _routed_forward(
     self: Any,
     hidden_states: torch.Tensor,
@@ -192,7 +187,7 @@ def _routed_forward(
     g = len(mine)
     even = g and h % g == 0 and group_of == [j // (h // g) for j in range(h)]
     head_idx = None if even else torch.tensor(group_of, device=proj.device)
-    conv, scan = _kernels(self)
+    conv, scan = model_kernels(self, _CONV_FN, _SCAN_FN)
     A_h = -torch.exp(self.A_log[heads].float())
 
     def mix(x_BLhP, dt_BLh1, B_BLgn, C_BLgn):

@@ -24,7 +24,6 @@ the same to the previous rank (none from rank 0): :func:`~dtensor_ulysses.comm.h
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +32,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dtensor_ulysses.comm.halo import halo_exchange
-from dtensor_ulysses.hf._mixer_route import MixerRoute, SequenceMixerError, check_call, install
+from dtensor_ulysses.hf._mixer_route import (
+    MixerRoute,
+    SequenceMixerError,
+    check_call,
+    install,
+    model_kernels,
+)
 
 __all__ = ["SHORT_CONV_CLASSES", "is_short_conv", "route_short_conv"]
 
@@ -75,7 +80,7 @@ def _routed_forward(
     s = hidden_states.shape[1]
     b_BDs, c_BDs, x_BDs = self.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
     u_BDs = b_BDs * x_BDs
-    conv = sys.modules[type(self).__module__].causal_conv1d_fn
+    (conv,) = model_kernels(self, "causal_conv1d_fn")
     w, bias = self.conv.weight.squeeze(1), self.conv.bias
     if k == 0:
         y_BDs = conv(u_BDs, w, bias)
