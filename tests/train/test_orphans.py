@@ -150,17 +150,14 @@ def test_a_second_ctrl_c_to_the_launcher_kills_everything_and_says_so(tmp_path):
         proc.send_signal(signal.SIGINT)
         time.sleep(2.0)
         assert proc.poll() is None and not _gone(worker), "the first Ctrl-C only forwards"
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=30)
-        took = time.monotonic() - t0
+        _, stderr = proc.communicate(timeout=30)  # a hang guard: torchrun alone waits 600 s
     finally:
         for pid in [proc.pid, *_descendants(proc.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert "launch: second interrupt: killing torchrun and its workers now" in stderr, stderr
     assert _gone(worker), "the worker outlived the second Ctrl-C"
-    assert took < 30, took
 
 
 def test_launch_help_says_what_it_adds_to_torchrun():
