@@ -74,6 +74,7 @@ FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 from __future__ import annotations
 
 import functools
+import importlib
 import linecache
 import os
 import sys
@@ -120,6 +121,9 @@ OPTIONS = {
 # trainers whose inputs come from generation, or whose loss is not the token cross entropy
 _GENERATION = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "GKDTrainer",
                "NashMDTrainer", "XPOTrainer", "GOLDTrainer")  # fmt: skip
+# TRL trainers whose loss is not the token cross entropy, made exact by a mixin of their own
+# (one module per trainer family's loss): class name in the MRO -> (module, mixin)
+_FAMILIES: dict[str, tuple[str, str]] = {}
 # batch keys the slicing reads, and keys it replaces (varlen kwargs of the local slice)
 _READ = {"input_ids", "labels", "attention_mask", "position_ids"}
 _DROPPED = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
@@ -248,15 +252,20 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
             f"token cross entropy; with_ulysses supports transformers.Trainer and TRL's "
             f"SFTTrainer (and their subclasses)"
         )
+    family = next((n for n in names if n in _FAMILIES), None)
     is_trl = any(c.__module__.split(".")[0] == "trl" for c in cls.__mro__)
-    if is_trl and "SFTTrainer" not in names:
+    if is_trl and family is None and "SFTTrainer" not in names:
         raise UnsupportedTrainerError(
             f"{cls.__name__} computes its own loss (not the token-weighted cross entropy that "
-            f"with_ulysses makes exact across sequence slices); supported: transformers.Trainer "
-            f"and trl.SFTTrainer"
+            f"with_ulysses makes exact across sequence slices); supported: transformers.Trainer, "
+            f"trl.SFTTrainer{''.join(', trl.' + n for n in _FAMILIES)}"
         )
+    bases: tuple[type, ...] = (_UlyssesTrainer, cls)
+    if family is not None:  # the family's loss, placed before the shared mixin
+        module, mixin = _FAMILIES[family]
+        bases = (getattr(importlib.import_module(module), mixin), *bases)
     attrs = {"_du_sp": sp, "_du_options": {**OPTIONS, **options}, "__module__": __name__}
-    return type(f"Ulysses{cls.__name__}", (_UlyssesTrainer, cls), attrs)
+    return type(f"Ulysses{cls.__name__}", bases, attrs)
 
 
 def _refuse_args(args: Any, sp: int) -> None:
