@@ -2,8 +2,8 @@
 and the tiny vision-language models and image + text rows they use (random init, no downloads).
 
 Rows: ``G = 4`` rows of ``S = 30`` tokens (uneven over sp=4: [8, 8, 8, 6]), with one or two
-images of different sizes each (4 or 8 image tokens: grids (1, 4, 4) and (1, 4, 8) patches,
-merged 2 x 2), placed so that images span the sp cuts.
+images of different sizes each (4, 8 or 12 image tokens: grids of (1, 4, 4) to (1, 8, 6)
+patches, merged 2 x 2), placed so that images span the sp cuts.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
             head_dim=8, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
                                          "rope_theta": 10000.0})  # fmt: skip
-# per row: (start of the image tokens, grid (t, h, w) in patches)
+# per row: (start of the image tokens, grid (t, h, w) in patches); every row has 12 image
+# tokens (so the same number of targets: any split of the rows over dp ranks gives equal
+# halves), in one or two images of different sizes that span the sp cuts
 IMAGES = [
-    [(3, (1, 4, 4))],  # 4 tokens
-    [(2, (1, 4, 4)), (11, (1, 4, 8))],  # 4 + 8: the second spans the sp=2 / sp=4 cuts
-    [(6, (1, 4, 8))],  # 8, spans sp=4's first cut
-    [(4, (1, 4, 8)), (20, (1, 4, 4))],
+    [(3, (1, 4, 12))],  # 12 tokens
+    [(2, (1, 4, 4)), (11, (1, 4, 8))],  # 4 + 8
+    [(6, (1, 8, 6))],  # 12, another shape
+    [(4, (1, 4, 8)), (20, (1, 4, 4))],  # 8 + 4
 ]
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
@@ -257,3 +259,68 @@ def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int 
     images = mine["image_grid_thw"].tolist()
     return {"loss": total.item(), "grads": grads, "seen": seen, "images": images,
             "dp_rank": mesh.get_local_rank("dp")}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# the Trainer door
+# ----------------------------------------------------------------------------------------------
+class RowsDataset(torch.utils.data.Dataset):
+    """The global batch's rows, one example each (its own images)."""
+
+    def __init__(self, family: str, copies: int = 2):
+        batch = global_batch(family)
+        n = len(batch["input_ids"])
+        self.rows = [rows_of(batch, i, i + 1) for i in range(n)] * copies
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def collate(rows: list) -> dict:
+    """Rows stacked, images concatenated in row order (what a Qwen-VL processor gives)."""
+    out = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+    return out
+
+
+def trainer_run(rank: int, world: int, model_dir: str, out_dir: str, sp: int | None,
+                batch: int, steps: int = 3) -> dict:  # fmt: skip
+    """``transformers.Trainer`` (``sp`` None: the stock class) on the image + text rows: the
+    logged losses and gradient norms, and the images the vision tower saw."""
+    import os
+
+    import transformers as tf
+
+    from dtensor_ulysses.hf import with_ulysses
+
+    # the group is up already (launch.run_local_world); accelerate still reads these
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29513")
+    torch.set_num_threads(1)
+    model = load_model(model_dir)
+    family = model.config.model_type
+    seen: list = []  # (step, image grids) of each vision tower call
+    held: dict = {}
+    model.model.visual.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append(
+            (held["trainer"].state.global_step, kwargs["grid_thw"].tolist())
+        ),
+        with_kwargs=True,
+    )
+    args = tf.TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps,
+        learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, lr_scheduler_type="linear",
+        weight_decay=0.1, seed=0, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, dataloader_drop_last=True, remove_unused_columns=False,
+    )  # fmt: skip
+    cls = tf.Trainer if sp is None else with_ulysses(tf.Trainer, sp)
+    torch.manual_seed(0)
+    trainer = cls(model=model, args=args, train_dataset=RowsDataset(family),
+                  data_collator=collate)  # fmt: skip
+    held["trainer"] = trainer
+    trainer.train()
+    h = trainer.state.log_history
+    return {"loss": [e["loss"] for e in h if "loss" in e],
+            "grad_norm": [e["grad_norm"] for e in h if "grad_norm" in e], "seen": seen}  # fmt: skip
