@@ -22,7 +22,9 @@ pytest.importorskip("transformers")
 
 from dtensor_ulysses.hf.vision import assign_images  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
+from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_vision_workers as V  # noqa: E402
+from tests import hf_workers as W  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-6)
 FAMILIES = V.FAMILIES
@@ -39,9 +41,15 @@ def _trainer_job(assets, family: str, dp: int, sp: int | None) -> tuple:
     return ("trainer_run", (str(assets / family), out, sp, BATCH // dp))
 
 
+def _sft_job(assets, sp: int) -> tuple:
+    out = str(assets / f"sft-{sp}")
+    return ("sft_run", (str(assets / "qwen2_5_vl"), str(assets / "tok"), out, sp, 4))
+
+
 def _jobs2(assets) -> list:
     return (
-        [("split_check", (f,)) for f in FAMILIES]
+        [_sft_job(assets, 2)]
+        + [("split_check", (f,)) for f in FAMILIES]
         + [("model_check", (f, 1, 2)) for f in FAMILIES]
         + [_trainer_job(assets, f, 1, 2) for f in FAMILIES]
         + [_trainer_job(assets, f, 2, None) for f in FAMILIES]  # the stock Trainer at dp=2
@@ -50,7 +58,8 @@ def _jobs2(assets) -> list:
 
 def _jobs4(assets) -> list:
     return (
-        [("split_check", (f, 0, FEW)) for f in FAMILIES]
+        [_sft_job(assets, 4)]
+        + [("split_check", (f, 0, FEW)) for f in FAMILIES]
         + [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS4]
         + [_trainer_job(assets, f, dp, sp) for f in FAMILIES for dp, sp in LAYOUTS4]
     )
@@ -68,6 +77,7 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
     for f in FAMILIES:
         V.save_model(f, root / f)
+    W.make_tokenizer(root / "tok", " ".join(T.TEXTS) * 5)
     return root
 
 
@@ -217,3 +227,30 @@ def test_trainer_dp2_sp2_and_sp4_equal_stock_trainer(
         stock = _job(world2, *_trainer_job(assets, family, 2, None))[0]
         assert results[0]["loss"] == pytest.approx(stock["loss"], rel=1e-4)
         assert results[0]["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("sp", (2, 4))
+def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, world4, assets, sp):
+    """TRL's vision-language format (images + messages) through a Qwen2.5-VL processor and
+    TRL's collator (right padding, one or two images a row): losses, gradient norms and TRL's
+    metrics equal the stock SFTTrainer on one process."""
+    pytest.importorskip("trl")
+    ref = V.sft_run(0, 1, *_sft_job(assets, 2)[1][:2], str(assets / "sft-ref"), None, 4)
+    got = _job(world2 if sp == 2 else world4, *_sft_job(assets, sp))[0]
+    assert len(got["loss"]) == 2
+    for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-4), key
+
+
+def test_refusals_name_the_input_and_the_family():
+    from types import SimpleNamespace
+
+    from dtensor_ulysses.hf.vision import refuse_video, vision_family, vision_model_inputs
+
+    with pytest.raises(ValueError, match=r"video inputs \(pixel_values_videos\)"):
+        refuse_video({"input_ids": torch.zeros(1, 4), "pixel_values_videos": torch.zeros(4, 12)})
+    with pytest.raises(ValueError, match="video inputs"):
+        vision_model_inputs({"video_grid_thw": torch.ones(1, 3)}, None)
+    llava = SimpleNamespace(config=SimpleNamespace(model_type="llava"))
+    with pytest.raises(ValueError, match=r"model_type 'llava'.*supported .*qwen2_5_vl"):
+        vision_family(llava)
