@@ -416,3 +416,18 @@ def sft_run(rank: int, world: int, model_dir: str, tok_dir: str, out_dir: str, s
     h = trainer.state.log_history
     keys = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
     return {k: [e[k] for e in h if "loss" in e and k in e] for k in keys}
+
+
+def example_run(rank: int, world: int, out_dir: str) -> dict:
+    """examples/vlm_trainer.py's ``main`` on this world (what torchrun would launch)."""
+    import importlib.util
+    import os
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29515")
+    path = Path(__file__).resolve().parent.parent / "examples" / "vlm_trainer.py"
+    spec = importlib.util.spec_from_file_location("vlm_trainer_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(["--sp", str(world), "--steps", "2", "--out", out_dir])
