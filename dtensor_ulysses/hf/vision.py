@@ -269,6 +269,14 @@ def _qwen_image_features(base: Any, state: VisionSplitState) -> Callable[..., An
     return get_image_features
 
 
+# family -> the factory of its split ``get_image_features(pixel_values, ...)`` (built on
+# :func:`encode_split`; a family's adapter says how to cut its inputs per image, how many
+# feature rows each image gives, and how to rebuild the output its model's forward reads)
+_ADAPTERS: dict[str, Callable[[Any, VisionSplitState], Callable[..., Any]]] = {
+    "qwen": _qwen_image_features,
+}
+
+
 def _no_video(*args: Any, **kwargs: Any) -> Any:
     raise _unsupported(
         "video inputs (pixel_values_videos) are not supported under Ulysses yet: pass images, "
@@ -342,7 +350,7 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
         for h in old.hooks:
             h.remove()
     state = VisionSplitState(group)
-    base.get_image_features = _qwen_image_features(base, state)
+    base.get_image_features = _ADAPTERS[vision_family(model)](base, state)
     base.get_video_features = _no_video
     params = list(inspect.signature(lm.forward).parameters)
     state.hooks = [
