@@ -9,11 +9,13 @@ A Qwen2.5-VL vision tower (random init, ``--hidden`` wide, ``--depth`` blocks) e
   features all-gathered, gradients reduce-scattered back);
 * ``every rank``: the stock ``get_image_features`` on all images on every rank.
 
-The table gives, per ``P``, the patches each rank encodes (the largest share), the median time
-of the slowest rank for forward+backward, the peak of the process's resident memory growth
-during the step (``ru_maxrss`` is monotonic: each variant runs in its own world), the bytes of
-the split's collectives per rank (forward all-gather / backward reduce-scatter), and the
-features checked equal. CPU numbers on a shared machine: the ratio matters, not the times.
+The table gives, per ``P``, the patches each rank encodes (the largest share), the median time of
+the slowest rank for forward+backward, the same work timed in one process alone (all images vs the
+largest rank's share: the compute saved, without ``P`` ranks competing for the cores), the peak of
+the process's resident memory growth during the step (``ru_maxrss`` is monotonic: each variant runs
+in its own world), the bytes of the split's collectives per rank (forward all-gather / backward
+reduce-scatter), and the features checked equal. CPU numbers on a shared machine: the ratio matters,
+not the times.
 
     python -m benchmarks.bench_vision_split --json benchmarks/results/bench_vision_split_cpu.json
     python -m benchmarks.bench_vision_split --world-sizes 2 --iters 2   # a quick look
@@ -98,6 +100,37 @@ def _worker(rank: int, world: int, cfg: dict, variant: str) -> dict:
             "comm": comm, "feats_sum": float(feats.detach().double().sum())}  # fmt: skip
 
 
+def _one_process(cfg: dict, P: int) -> dict:
+    """Forward+backward of all images vs of the largest rank's share, in this one process (no
+    other rank competing for the cores): the compute the split saves, without the scheduler."""
+    from dtensor_ulysses.hf.vision import assign_images
+
+    torch.set_num_threads(cfg["threads"])
+    model = _model(cfg)
+    grids = [GRIDS[i % len(GRIDS)] for i in range(cfg["images"])]
+    patches = [t * h * w for t, h, w in grids]
+    owner = assign_images(patches, P)
+    loads = [sum(p for p, o in zip(patches, owner) if o == q) for q in range(P)]
+    share = [i for i, o in enumerate(owner) if o == loads.index(max(loads))]
+    g = torch.Generator().manual_seed(1)
+
+    def step(idx: list[int]) -> float:
+        grid = torch.tensor([grids[i] for i in idx])
+        pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 14 * 14, generator=g)
+        t0 = time.perf_counter()
+        out = model.model.get_image_features(pixels, grid, return_dict=True)
+        torch.cat(list(out.pooler_output)).sum().backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    def median(idx: list[int]) -> float:
+        for _ in range(cfg["warmup"]):
+            step(idx)
+        return 1e3 * statistics.median(step(idx) for _ in range(cfg["iters"]))
+
+    return {"ms_all_images": median(list(range(len(grids)))), "ms_largest_share": median(share)}
+
+
 def _row(cfg: dict, P: int) -> dict:
     out = {}
     for variant in ("every_rank", "split"):
@@ -110,8 +143,10 @@ def _row(cfg: dict, P: int) -> dict:
             "feats_sum": res[0]["feats_sum"],
         }
     a, b = out["every_rank"], out["split"]
+    one = _one_process(cfg, P)
     return {
-        "P": P, **out,
+        "P": P, **out, "one_process": one,
+        "one_process_speedup": one["ms_all_images"] / one["ms_largest_share"],
         "speedup": a["ms_fwd_bwd"] / b["ms_fwd_bwd"],
         "patch_ratio": b["max_patches_per_rank"] / a["max_patches_per_rank"],
         "features_equal": abs(a["feats_sum"] - b["feats_sum"]) <= 1e-4 * abs(a["feats_sum"]),
@@ -133,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
                threads=a.threads)  # fmt: skip
     rows = [_row(cfg, P) for P in a.world_sizes]
     cols = [f"{'P':>2}", "patches/rank every / split", "ms every", "ms split", "speedup",
-            "RSS growth MiB every / split", "split bytes f / b", "eq"]  # fmt: skip
+            "1-proc ms all / share", "RSS growth MiB every / split", "split bytes f / b",
+            "eq"]  # fmt: skip
     head = " | ".join(cols)
     print(head)
     print("-" * len(head))
@@ -142,9 +178,11 @@ def main(argv: list[str] | None = None) -> dict:
         ag = s["comm_rank0"].get("all_gather", {}).get("bytes", 0)
         rs = s["comm_rank0"].get("reduce_scatter", {}).get("bytes", 0)
         mib = (e["max_rss_growth_bytes"] / 2**20, s["max_rss_growth_bytes"] / 2**20)
+        one = r["one_process"]
         print(" | ".join([
             f"{r['P']:>2}", f"{e['max_patches_per_rank']:>12} / {s['max_patches_per_rank']:<11}",
             f"{e['ms_fwd_bwd']:>8.1f}", f"{s['ms_fwd_bwd']:>8.1f}", f"{r['speedup']:>6.2f}x",
+            f"{one['ms_all_images']:>9.1f} / {one['ms_largest_share']:<9.1f}",
             f"{mib[0]:>14.1f} / {mib[1]:<11.1f}", f"{ag:>8} / {rs:<8}", str(r["features_equal"]),
         ]))  # fmt: skip
     result = {
