@@ -23,8 +23,10 @@ model: the same tensors, in the same order.
 
 The reference model is a second copy of the architecture, built and sharded by the same
 ``build`` (Ulysses + FSDP2 over ``dp x sp``), with ``requires_grad`` off: no gradients and no
-optimizer state; its FSDP2 units are resharded after its forward (its output head keeps its
-gathered weight after a forward otherwise, as the policy's does for its backward).
+optimizer state, and its shards in the compute dtype (bf16 on a GPU: no master weights to
+keep; :func:`reference_model`); its FSDP2 units are resharded after its forward (its output
+head keeps its gathered weight after a forward otherwise, as the policy's does for its
+backward).
 
 Per-token log-probabilities come from ``models.loss``'s tiled primitive when it is there
 (``tiled_token_logps``), else from the same chunked computation here (:func:`token_logps`):
@@ -58,6 +60,7 @@ __all__ = [
     "grpo_step",
     "reference_model",
     "sequence_logps",
+    "step_runner",
     "token_logps",
 ]
 
@@ -207,10 +210,14 @@ def sequence_logps(
     return _group_sum(token_logps(model, batch).sum(1), sp_group)
 
 
-def reference_model(net: torch.nn.Module) -> torch.nn.Module:
+def reference_model(net: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """``net`` as a reference: no parameter requires a gradient (no gradient, no optimizer
-    state), evaluation mode."""
+    state), evaluation mode, its (sharded) weights in ``dtype`` when given: a frozen model
+    needs no fp32 master weights, so on a GPU its shards are kept in the compute dtype (bf16,
+    half the policy's fp32 shards; FSDP2 then gathers them without a cast)."""
     net.requires_grad_(False)
+    if dtype is not None:
+        net.to(dtype)
     return net.eval()
 
 
@@ -346,3 +353,43 @@ def grpo_step(
     loss = (per_tok * valid_Bs).sum() / n_valid
     grad_norm = _finish(policy, optimizer, scheduler, loss, grad_clip)
     return PostTrainStepResult(float(loss.detach()), grad_norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# one step of a kind, for the tracer and for the real run it is checked against
+# ----------------------------------------------------------------------------------------------
+def step_runner(
+    spec: StepSpec,
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    mesh: Any,
+    *,
+    grad_clip: float = 1.0,
+) -> Callable[[Batch], Any]:
+    """``run(batch)``: one step of ``spec``'s kind on this rank's slice ``batch`` (the trainer's
+    :func:`~dtensor_ulysses.train.train_step` for SFT; GRPO's advantages are ones: their values
+    do not change the bytes). ``mesh``: the ``("dp", "sp")`` mesh."""
+    from dtensor_ulysses.parallel import flatten_dp_sp
+    from dtensor_ulysses.train import train_step
+
+    group = flatten_dp_sp(mesh).get_group()
+    if spec.kind == "sft":
+        return lambda b: train_step(
+            policy, b, optimizer, scheduler, group=group, grad_clip=grad_clip
+        )
+    if spec.kind == "dpo":
+        if reference is None:
+            raise ValueError("a DPO step needs a reference model")
+        sp_group, dp = mesh["sp"].get_group(), mesh["dp"].size()
+        return lambda b: dpo_step(policy, reference, b, optimizer, scheduler, sp_group=sp_group,
+                                  dp=dp, beta=spec.loss_beta, grad_clip=grad_clip)  # fmt: skip
+
+    def grpo(b: Batch) -> PostTrainStepResult:
+        advantages_B = torch.ones(b.input_ids.shape[0])
+        return grpo_step(policy, reference, b, advantages_B, optimizer, scheduler, group=group,
+                         beta=spec.loss_beta, epsilon=spec.epsilon,
+                         num_iterations=spec.num_iterations, grad_clip=grad_clip)  # fmt: skip
+
+    return grpo

@@ -80,10 +80,10 @@ from dtensor_ulysses.memtrace._setup import (
     rank0_batch,
     trace_config,
 )
-from dtensor_ulysses.memtrace.steps import StepSpec, dpo_step, grpo_step, reference_model
+from dtensor_ulysses.memtrace.steps import StepSpec, reference_model, step_runner
 from dtensor_ulysses.parallel import default_mixed_precision, flatten_dp_sp
 from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS
-from dtensor_ulysses.train import build, train_step
+from dtensor_ulysses.train import build
 
 __all__ = [
     "extrapolate",
@@ -294,7 +294,7 @@ def trace_train_step(
             tl = rec.timeline
             tl.where_min_bytes = 2**20 if breakdown else None
             mesh = dims.build_mesh("cpu")
-            group = flatten_dp_sp(mesh).get_group()
+            flatten_dp_sp(mesh)  # made on real tensors, before the fake mode (steps reuse it)
             with fake_mode, rec, schedule:
                 cpu = torch.device("cpu")
                 net, optimizer, scheduler = build(
@@ -303,10 +303,12 @@ def trace_train_step(
                 hooks = _phase_hooks(net, optimizer, rec, offload_params)
                 reference = None
                 if spec.has_reference:  # sharded like the policy; no gradients, no optimizer
-                    reference = reference_model(build(cfg, mesh, cpu, init=False,
-                                                      mixed_precision=policy)[0])  # fmt: skip
+                    frozen = torch.bfloat16 if device == "cuda" else None  # no master copy
+                    ref_net = build(cfg, mesh, cpu, init=False, mixed_precision=policy)[0]
+                    reference = reference_model(ref_net, frozen)
                     hooks += _phase_hooks(reference, None, rec, offload_params, "reference")
-                run = _step_runner(spec, net, reference, optimizer, scheduler, mesh, group, cfg)
+                run = step_runner(spec, net, reference, optimizer, scheduler, mesh,
+                                  grad_clip=cfg.grad_clip)  # fmt: skip
                 run(rank0_batch(warm, sp, spec.rows))
                 _classify_states(net, optimizer, tl, offload_params)
                 if reference is not None:
@@ -325,23 +327,3 @@ def trace_train_step(
         n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used,
         breakdown=top, device=device, peak_bytes=both, step=spec.describe(),
     )  # fmt: skip
-
-
-def _step_runner(spec: StepSpec, net, reference, optimizer, scheduler, mesh, group, cfg):
-    """``run(batch)``: one step of ``spec``'s kind on this rank's slice ``batch``."""
-    kw: dict[str, Any] = dict(grad_clip=cfg.grad_clip)
-    if spec.kind == "sft":
-        return lambda b: train_step(net, b, optimizer, scheduler, group=group, **kw)
-    if spec.kind == "dpo":
-        sp_group = mesh["sp"].get_group()
-        dp = mesh["dp"].size()
-        return lambda b: dpo_step(net, reference, b, optimizer, scheduler, sp_group=sp_group,
-                                  dp=dp, beta=spec.loss_beta, **kw)  # fmt: skip
-
-    def grpo(b):
-        advantages_B = torch.ones(b.input_ids.shape[0])  # values do not change the bytes
-        return grpo_step(net, reference, b, advantages_B, optimizer, scheduler, group=group,
-                         beta=spec.loss_beta, epsilon=spec.epsilon,
-                         num_iterations=spec.num_iterations, **kw)  # fmt: skip
-
-    return grpo
