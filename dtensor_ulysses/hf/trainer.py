@@ -554,6 +554,18 @@ class _UlyssesTrainer:
         ParallelOptions(**o).check(hf_model=True)  # gradient_checkpointing may have changed it
         if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
             _plain_head(hf).__class__ = _LossHead
+        # every rank starts from rank 0's weights, as under DDP
+        moved = _trainer_state.start_from_rank0(
+            model, flatten_dp_sp(self._du_mesh).get_group(), self.args.device
+        )
+        if moved and dist.get_rank() == 0:
+            more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
+            print(
+                f"with_ulysses: {len(moved)} tensor(s) differed between ranks "
+                f"({', '.join(moved[:3])}{more}); every rank now starts from rank 0's, as "
+                f"under DDP",
+                flush=True,
+            )
         return _parallelize_root(
             model, hf, self._du_mesh, activation_checkpointing=o["activation_checkpointing"],
             offload_activations=o["offload_activations"], offload_params=o["offload_params"],

@@ -126,10 +126,11 @@ def world2(assets):
         ),  # fmt: skip
         _spec(assets, "trainer", "tl2", sp=2, options=TILED, count_logit_rows=True, **EVAL),
         _spec(assets, "sft_packed", "tlp2", sp=2, options=TILED),
+        _spec(assets, "trainer", "nz2", sp=2, rank_noise=True, capture_stdout=True),
     ]
     names = ["trainer", "sft_chat", "sft_packed", "ga", "ckpt", "resume", "lora", "masked",
              "uneven", "sp3", "lora_ckpt", "lora_resume", "checkpointing", "tiled",
-             "tiled_packed"]  # fmt: skip
+             "tiled_packed", "rank_noise"]  # fmt: skip
     ranks = run_local_world(T.run_specs, 2, specs, timeout_s=400)
     out = dict(zip(names, ranks[0]))
     out["checkpointing_rank1"] = ranks[1][names.index("checkpointing")]
@@ -174,6 +175,15 @@ def test_sp2_equals_one_process(world2, refs, kind):
 def test_world4_equals_one_process(world4, refs, kind, layout):
     """(2, 2) and (1, 4) (sp=4 > 2 kv heads: GQA replication): as above."""
     _close(world4[(kind, *layout)], refs[kind])
+
+
+@pytest.mark.timeout(600)
+def test_every_rank_starts_from_rank0_weights(world2, refs):
+    """Rank 1 built other weights than rank 0 (as a head initialized per rank would be): the
+    run is rank 0's, as under DDP, and the start says which tensors differed."""
+    got = world2["rank_noise"]
+    _close(got, refs["trainer"])
+    assert "tensor(s) differed between ranks" in got["stdout"], got["stdout"]
 
 
 @pytest.mark.timeout(600)
