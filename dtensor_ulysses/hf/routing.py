@@ -170,8 +170,7 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         for name, m in base.named_modules()
         if isinstance(m, nn.ModuleList) and (n_layers is None or len(m) == n_layers)
     ]
-    # the text decoder's, before a vision tower's list of as many layers
-    preferred = [c for c in candidates if c[0] in ("layers", "language_model.layers")]
+    preferred = [c for c in candidates if c[0] == "layers"]
     if not (preferred or candidates):
         raise UnsupportedModelError(
             f"{type(hf).__name__}: found no list of {n_layers} decoder layers under "
@@ -528,10 +527,7 @@ def apply_ulysses(
         m.__dict__[_STATE] = state
     AttentionInterface.register(ATTN_IMPLEMENTATION, _ulysses_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
-    if getattr(hf.config, "vision_config", None) is not None:  # the vision tower's stays local
-        hf.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
-    else:
-        hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+    hf.set_attn_implementation(ATTN_IMPLEMENTATION)
     params = list(inspect.signature(base.forward).parameters)
     state.hooks = [
         base.register_forward_pre_hook(
