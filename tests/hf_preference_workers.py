@@ -117,7 +117,6 @@ def primitive(spec: dict) -> dict:
     """``hf.token_rows`` / ``hf.sequence_logps`` on a model parallelized at (1, world): values,
     the gradient of a non-linear loss of the sums (full tensors), and the collectives."""
     import torch.distributed as dist
-    import torch.nn.functional as F
     import transformers as tf
     from torch.distributed.tensor import DTensor
 
@@ -141,7 +140,6 @@ def primitive(spec: dict) -> dict:
     reduce_fwd = [c.bytes for c in fwd.calls if c.kind == "all_reduce"
                   and c.group_name == sp_group.group_name]  # fmt: skip
     reduce_bwd = [c for c in bwd.calls if c.kind == "all_reduce"]
-    del F
     return {"rows": rows.detach(), "sums": sums.detach(), "loss": loss.item(), "grads": grads,
             "reduce_fwd": reduce_fwd, "reduce_bwd": len(reduce_bwd)}  # fmt: skip
 
