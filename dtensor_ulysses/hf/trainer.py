@@ -65,7 +65,8 @@ RNG files) is the stock one.
 
 Refused at construction, with the reason: models the engine cannot run exactly (bidirectional
 attention, ...), trainers that build their inputs by generation (GRPO, RLOO, online DPO, ...) or
-whose loss is not the token cross entropy (DPO, KTO, reward, ...), DeepSpeed or accelerate's
+whose loss is not the token cross entropy and has no family mixin (reward, ...; DPO and KTO have
+theirs: :mod:`~dtensor_ulysses.hf.preference`), DeepSpeed or accelerate's
 FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 ``sp_size`` or ``tp_size > 1``, a ``compute_loss_func``, label smoothing, optimizers passed in
 (built before sharding), iterable datasets, ``save_on_each_node``.
@@ -123,7 +124,10 @@ _GENERATION = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "
                "NashMDTrainer", "XPOTrainer", "GOLDTrainer")  # fmt: skip
 # TRL trainers whose loss is not the token cross entropy, made exact by a mixin of their own
 # (one module per trainer family's loss): class name in the MRO -> (module, mixin)
-_FAMILIES: dict[str, tuple[str, str]] = {}
+_FAMILIES: dict[str, tuple[str, str]] = {
+    "DPOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesDPO"),
+    "KTOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesKTO"),
+}
 # batch keys the slicing reads, and keys it replaces (varlen kwargs of the local slice)
 _READ = {"input_ids", "labels", "attention_mask", "position_ids"}
 _DROPPED = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
@@ -268,7 +272,9 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     return type(f"Ulysses{cls.__name__}", bases, attrs)
 
 
-def _refuse_args(args: Any, sp: int) -> None:
+def _refuse_args(args: Any, sp: int, *, own_loss: bool = False) -> None:
+    """The training arguments with_ulysses cannot make exact; ``own_loss``: a trainer family
+    whose mixin checks its own ``loss_type``."""
     from transformers import Trainer
 
     problems = []
@@ -296,7 +302,7 @@ def _refuse_args(args: Any, sp: int) -> None:
             f"plain token cross entropy; set it to 0"
         )
     loss_type = getattr(args, "loss_type", None)
-    if loss_type not in (None, "nll"):
+    if loss_type not in (None, "nll") and not own_loss:
         problems.append(f"loss_type={loss_type!r}: only 'nll' is made exact; set loss_type='nll'")
     tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
     if tokens_seen not in ("no", False, None) and not hasattr(Trainer, "_track_num_input_tokens"):
@@ -460,6 +466,7 @@ class _UlyssesTrainer:
     _du_options: dict[str, Any]
     _du_mesh: Any
     _du_router: tuple[float, bool] | None = None
+    _du_family_loss: bool = False  # a family mixin computes the loss (and checks loss_type)
     # provided by transformers.Trainer
     args: Any
     model: Any
@@ -516,7 +523,7 @@ class _UlyssesTrainer:
     # construction
     # ------------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        _refuse_args(self.args, self._du_sp)
+        _refuse_args(self.args, self._du_sp, own_loss=self._du_family_loss)
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         kind = str(getattr(self.accelerator, "distributed_type", ""))
         if "DEEPSPEED" in kind or kind.endswith("FSDP"):

@@ -330,8 +330,11 @@ def test_generation_and_other_loss_trainers_refused():
 
     with pytest.raises(UnsupportedTrainerError, match="GRPOTrainer.*generation"):
         with_ulysses(trl.GRPOTrainer, sp=2)
-    with pytest.raises(UnsupportedTrainerError, match="DPOTrainer computes its own loss"):
-        with_ulysses(trl.DPOTrainer, sp=2)
+    with pytest.raises(UnsupportedTrainerError, match="DistillationTrainer computes its own loss"):
+        with_ulysses(trl.DistillationTrainer, sp=2)
+    # DPO and KTO have their family's mixin (tests/hf/test_preference.py)
+    for cls, mixin in ((trl.DPOTrainer, "_UlyssesDPO"), (trl.KTOTrainer, "_UlyssesKTO")):
+        assert mixin in [c.__name__ for c in with_ulysses(cls, sp=2).__mro__]
     with pytest.raises(ValueError, match="unknown with_ulysses options"):
         with_ulysses(trl.SFTTrainer, sp=2, tiled=True)
     with pytest.raises(ValueError, match="sp=0"):
