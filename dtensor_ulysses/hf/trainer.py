@@ -123,7 +123,9 @@ _GENERATION = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "
                "NashMDTrainer", "XPOTrainer", "GOLDTrainer")  # fmt: skip
 # TRL trainers whose loss is not the token cross entropy, made exact by a mixin of their own
 # (one module per trainer family's loss): class name in the MRO -> (module, mixin)
-_FAMILIES: dict[str, tuple[str, str]] = {}
+_FAMILIES: dict[str, tuple[str, str]] = {
+    "RewardTrainer": ("dtensor_ulysses.hf.reward", "_UlyssesReward"),
+}
 # batch keys the slicing reads, and keys it replaces (varlen kwargs of the local slice)
 _READ = {"input_ids", "labels", "attention_mask", "position_ids"}
 _DROPPED = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
