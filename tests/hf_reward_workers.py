@@ -15,18 +15,20 @@ import torch
 # longest row of a step's batch is what the collator pads to
 LENGTHS = [(9, 5), (1, 7), (13, 2), (6, 6), (3, 11), (8, 1), (2, 12), (10, 4),
            (5, 9), (7, 3), (11, 2), (4, 8), (1, 6), (12, 5), (6, 10), (3, 2)]  # fmt: skip
+# evaluation pairs: the longest row has 3 tokens, fewer than sp = 4
+EVAL_LENGTHS = [(1, 2), (3, 1), (2, 2), (1, 3)]
 PAD = 0  # the tokenizer's pad token ("<unk>"): no row contains it
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens")
 
 
-def pairs(n: int = len(LENGTHS), seed: int = 3, margin: bool = False):
+def pairs(lengths: list = LENGTHS, seed: int = 3, margin: bool = False):
     """Tokenized preference pairs (TRL's processed columns ``chosen_ids`` / ``rejected_ids``,
     and ``margin`` if asked)."""
     from datasets import Dataset
 
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for i, (c, r) in enumerate(LENGTHS[:n]):
+    for i, (c, r) in enumerate(lengths):
         row: dict[str, Any] = {
             "chosen_ids": torch.randint(1, 90, (c,), generator=g).tolist(),
             "rejected_ids": torch.randint(1, 90, (r,), generator=g).tolist(),
@@ -90,7 +92,7 @@ def build(spec: dict, grads: _Grads | None = None) -> Any:
         kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                        lora_dropout=0.0, task_type="SEQ_CLS")  # fmt: skip
     if spec.get("eval"):
-        kw["eval_dataset"] = pairs(spec["eval"], seed=5, margin=spec.get("margin", False))
+        kw["eval_dataset"] = pairs(EVAL_LENGTHS, seed=5, margin=spec.get("margin", False))
     if grads is not None:
         kw["callbacks"] = [grads.callback()]
     # a model name: TRL loads it as AutoModelForSequenceClassification (num_labels=1, a score
@@ -112,9 +114,36 @@ def run(spec: dict) -> dict:
         "grads": grads.steps,
     }
     if spec.get("eval"):
-        out["eval"] = trainer.evaluate()
+        out["eval"] = {k: v for k, v in trainer.evaluate().items() if "runtime" not in k
+                       and "per_second" not in k}  # fmt: skip
+    if spec.get("comm"):
+        out["comm"] = _comm(trainer)
     assert len(out["loss"]) == 3 and all(math.isfinite(x) for x in out["loss"]), out["loss"]
     return out
+
+
+def _comm(trainer: Any) -> dict:
+    """The collectives of one more reward step on the sp group: forward (the step's
+    all-to-alls and the one all-reduce of the rewards) and backward (no all-reduce: each rank
+    keeps the gradient of its own piece)."""
+    from dtensor_ulysses.debug import CommCounter
+
+    sp_group = trainer._du_dims.sp_group(trainer._du_mesh).get_group()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    trainer.model.train()
+    with CommCounter() as fwd:
+        loss = trainer.compute_loss(trainer.model, batch)
+    with CommCounter() as bwd:
+        loss.backward()
+    trainer.model.zero_grad(set_to_none=True)
+    return {
+        "rows": int(batch["input_ids"].shape[0]),
+        "fwd_all_reduce": fwd.count("all_reduce", sp_group),
+        "fwd_all_reduce_bytes": fwd.bytes("all_reduce", sp_group),
+        "fwd_all_to_all": fwd.count("all_to_all", sp_group),
+        "bwd_all_reduce": bwd.count("all_reduce", sp_group),
+        "bwd_all_to_all": bwd.count("all_to_all", sp_group),
+    }
 
 
 def run_specs(rank: int, world: int, specs: list) -> list | None:

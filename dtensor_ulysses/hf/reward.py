@@ -112,6 +112,22 @@ def sum_over_group(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _SumOverGroup.apply(x, group)
 
 
+def _padded(ids_BS: torch.Tensor, mask_BS: torch.Tensor | None, pad_id: int | None,
+            sp: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The batch with padding columns appended up to a multiple of ``sp`` (mask 0, the pad
+    id): every rank's slice then holds ``S' / sp >= 1`` columns (the model's own read of its
+    score position needs one), and no real token changes (causal attention; padding is never
+    attended to; the score position, found before, is unchanged)."""
+    B, S = ids_BS.shape
+    mask_BS = torch.ones_like(ids_BS) if mask_BS is None else mask_BS
+    extra = -S % sp
+    if extra:
+        fill = 0 if pad_id is None else pad_id
+        ids_BS = nn.functional.pad(ids_BS, (0, extra), value=fill)
+        mask_BS = nn.functional.pad(mask_BS, (0, extra), value=0)
+    return {"input_ids": ids_BS, "attention_mask": mask_BS}
+
+
 class _Pick:
     """A forward hook on the score head: while ``index`` is set, the head's ``[B, s, L]``
     output becomes ``[B, s, L]`` holding, at every position of a row, the score at the row's
@@ -144,7 +160,7 @@ def _score_head(hf: nn.Module) -> nn.Module:
             f"Llama, Qwen or Mistral checkpoint); with_ulysses reads the reward from its score "
             f"head at each row's last non-padding token"
         )
-    return hf.score  # type: ignore[return-value]
+    return hf.score
 
 
 class _UlyssesReward:
@@ -169,6 +185,9 @@ class _UlyssesReward:
                 "tiled_loss=True: a reward model has no [B, S, vocab] logits (its score head "
                 "gives one number per token); drop tiled_loss"
             )
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, nn.Module):  # a loaded model (a name: checked once TRL loads it)
+            _score_head(_trainer_state.base_model(model))
         super().__init__(*args, **kwargs)
 
     def _du_parallelize(self, model: nn.Module) -> nn.Module:
@@ -193,10 +212,11 @@ class _UlyssesReward:
             )
         ids_BS, mask_BS = inputs["input_ids"], inputs.get("attention_mask")
         hf: Any = _trainer_state.base_model(model)
-        index_B = last_token(ids_BS, hf.config.get_text_config().pad_token_id)
+        pad_id = hf.config.get_text_config().pad_token_id
+        index_B = last_token(ids_BS, pad_id)
         mesh = self._du_mesh
         sp_mesh = self._du_dims.sp_group(mesh)
-        sb = shard_batch({"input_ids": ids_BS, "attention_mask": mask_BS}, mesh,
+        sb = shard_batch(_padded(ids_BS, mask_BS, pad_id, sp_mesh.size()), mesh,
                          count_valid=False)  # fmt: skip
         lo, s = sb.layout.offset(sp_mesh.get_local_rank()), sb.input_ids.shape[1]
         pick = self._du_pick
