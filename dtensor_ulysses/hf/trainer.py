@@ -127,6 +127,7 @@ _GENERATION = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "
 _FAMILIES: dict[str, tuple[str, str]] = {
     "DPOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesDPO"),
     "KTOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesKTO"),
+    "RewardTrainer": ("dtensor_ulysses.hf.reward", "_UlyssesReward"),
 }
 # batch keys the slicing reads, and keys it replaces (varlen kwargs of the local slice)
 _READ = {"input_ids", "labels", "attention_mask", "position_ids"}
