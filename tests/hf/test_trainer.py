@@ -315,11 +315,13 @@ def test_sp_not_dividing_world(world2):
 # ---------------------------------------------------------------------------------------------
 def test_generation_and_other_loss_trainers_refused():
     import trl
+    from trl.experimental.online_dpo import OnlineDPOTrainer
 
     from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
 
-    with pytest.raises(UnsupportedTrainerError, match="GRPOTrainer.*generation"):
-        with_ulysses(trl.GRPOTrainer, sp=2)
+    with pytest.raises(UnsupportedTrainerError, match="OnlineDPOTrainer.*generation"):
+        with_ulysses(OnlineDPOTrainer, sp=2)
+    assert with_ulysses(trl.GRPOTrainer, sp=2).__mro__[1].__name__ == "_UlyssesRL"
     with pytest.raises(UnsupportedTrainerError, match="DPOTrainer computes its own loss"):
         with_ulysses(trl.DPOTrainer, sp=2)
     with pytest.raises(ValueError, match="unknown with_ulysses options"):
