@@ -32,12 +32,13 @@ def reward_the(completions: list, **_: Any) -> list[float]:
     return [c.split().count("the") - 0.1 * len(c.split()) for c in completions]
 
 
-def reward_counted(completions: list, **_: Any) -> list[float]:
-    """A second reward (shorter is better) that records each call: rank and completions."""
+def reward_counted(completions: list, completion_ids: list, **_: Any) -> list[float]:
+    """A second reward (shorter is better) that records each call on its rank: how many
+    completions, and the longest in tokens."""
     path = os.environ.get("DU_RL_COUNT")
     if path:
         with open(f"{path}.{os.environ.get('RANK', '0')}", "a") as f:
-            f.write(json.dumps(len(completions)) + "\n")
+            f.write(json.dumps([len(completions), max(len(c) for c in completion_ids)]) + "\n")
     return [-len(c) / 10.0 for c in completions]
 
 
@@ -78,6 +79,8 @@ def build(spec: dict) -> Any:
     tok = tf.AutoTokenizer.from_pretrained(spec["tok"])
     tok.padding_side = "left"
     model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    # many stop tokens: completions of unequal lengths, dp groups that finish at different steps
+    model.generation_config.eos_token_id = [tok.eos_token_id, *range(10, 40)]
     common = dict(
         output_dir=spec["out"], use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
         save_strategy="no", learning_rate=spec.get("lr", 3e-2), bf16=False, seed=0,
@@ -138,10 +141,10 @@ def run_specs(rank: int, world: int, specs: list) -> list:
     return results if rank == 0 else [None] * len(results)
 
 
-def counts(path: str) -> dict[int, list[int]]:
-    """The counting reward's calls per rank: ``{rank: [completions per call, ...]}``."""
+def counts(path: str) -> dict[int, list[list[int]]]:
+    """The counting reward's calls per rank: ``{rank: [[completions, longest], ...]}``."""
     p = Path(path)
-    out: dict[int, list[int]] = {}
+    out: dict[int, list[list[int]]] = {}
     for f in sorted(p.parent.glob(p.name + ".*")):
-        out[int(f.suffix[1:])] = [json.loads(x) for x in f.read_text().split()]
+        out[int(f.suffix[1:])] = [json.loads(x) for x in f.read_text().splitlines()]
     return out

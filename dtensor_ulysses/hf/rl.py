@@ -249,16 +249,14 @@ class _UlyssesRL:
         hf._is_fsdp_managed_module = True  # generate(synced_gpus=True): every rank steps
         try:
             with plain_attention(hf):
-                completion_ids, logprobs = super()._generate_single_turn(  # type: ignore[misc]
-                    *args, **kwargs
-                )
+                out = super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
         finally:
             del hf._is_fsdp_managed_module
-        if self._du_sp > 1:  # one set of rollouts per sp group: sp rank 0's
-            box = [completion_ids, logprobs]
+        if self._du_sp > 1:  # one set of rollouts per sp group: sp rank 0's (GRPO returns
+            box = [out]  # (completion_ids, logprobs), RLOO completion_ids)
             dist.broadcast_object_list(box, src=self._du_sp_root(), group=self._du_sp_group())
-            completion_ids, logprobs = box
-        return completion_ids, logprobs
+            out = box[0]
+        return out
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any,
                            completion_ids_list: Any) -> torch.Tensor:  # fmt: skip
