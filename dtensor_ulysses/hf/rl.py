@@ -165,7 +165,7 @@ class _UlyssesRL:
     """Mixin placed before the shared :class:`~dtensor_ulysses.hf.trainer._UlyssesTrainer` for
     TRL's ``GRPOTrainer`` and ``RLOOTrainer`` (see the module docstring)."""
 
-    _du_own_loss_type = True  # every GRPO loss_type runs as stock (on the sp-summed rows)
+    _du_family_loss = True  # every loss_type runs as stock (on the sp-summed rows)
     _du_sp: int
     _du_mesh: Any
     _du_dims: Any

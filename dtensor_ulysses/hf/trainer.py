@@ -272,7 +272,9 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     return type(f"Ulysses{cls.__name__}", bases, attrs)
 
 
-def _refuse_args(args: Any, sp: int, *, own_loss_type: bool = False) -> None:
+def _refuse_args(args: Any, sp: int, *, own_loss: bool = False) -> None:
+    """The training arguments with_ulysses cannot make exact; ``own_loss``: a trainer family
+    whose mixin checks its own ``loss_type``."""
     from transformers import Trainer
 
     problems = []
@@ -300,7 +302,7 @@ def _refuse_args(args: Any, sp: int, *, own_loss_type: bool = False) -> None:
             f"plain token cross entropy; set it to 0"
         )
     loss_type = getattr(args, "loss_type", None)
-    if loss_type not in (None, "nll") and not own_loss_type:
+    if loss_type not in (None, "nll") and not own_loss:
         problems.append(f"loss_type={loss_type!r}: only 'nll' is made exact; set loss_type='nll'")
     tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
     if tokens_seen not in ("no", False, None) and not hasattr(Trainer, "_track_num_input_tokens"):
@@ -464,7 +466,7 @@ class _UlyssesTrainer:
     _du_options: dict[str, Any]
     _du_mesh: Any
     _du_router: tuple[float, bool] | None = None
-    _du_own_loss_type = False  # a family mixin whose loss_type values it checks itself
+    _du_family_loss: bool = False  # a family mixin computes the loss (and checks loss_type)
     # provided by transformers.Trainer
     args: Any
     model: Any
@@ -521,7 +523,7 @@ class _UlyssesTrainer:
     # construction
     # ------------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        _refuse_args(self.args, self._du_sp, own_loss_type=self._du_own_loss_type)
+        _refuse_args(self.args, self._du_sp, own_loss=self._du_family_loss)
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         kind = str(getattr(self.accelerator, "distributed_type", ""))
         if "DEEPSPEED" in kind or kind.endswith("FSDP"):

@@ -34,6 +34,10 @@ CASES = {
     "dapo_kl": dict(kind="grpo", loss_type="dapo", beta=0.1),
     "rloo": dict(kind="rloo", beta=0.05),
 }
+# at (1, 2) only: the options that reduce over sequences or over the batch's tokens
+FEATURES = dict(kind="grpo", loss_type="bnpo", beta=0.0, num_iterations=2,
+                importance_sampling_level="sequence", mask_truncated_completions=True,
+                top_entropy_quantile=0.5)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +51,28 @@ def assets(tmp_path_factory):
 def _spec(assets, case: str, name: str, per_device: int = 4, **kw) -> dict:
     out = str(assets["root"] / name)
     spec = dict(model=assets["model"], tok=assets["tok"], out=out, per_device=per_device)
-    return {**spec, **CASES[case], "count": out + ".count", **kw}
+    case_kw = FEATURES if case == "features" else CASES[case]
+    return {**spec, **case_kw, "count": out + ".count", **kw}
 
 
 @pytest.fixture(scope="module")
 def refs(assets):
     """The stock trainers at dp = 1, in this process."""
     torch.set_num_threads(1)
-    return {case: R.run(_spec(assets, case, f"ref1_{case}")) for case in CASES}
+    return {case: R.run(_spec(assets, case, f"ref1_{case}")) for case in (*CASES, "features")}
 
 
 @pytest.fixture(scope="module")
 def world2(assets):
     """One 2-rank world: the stock trainers at dp = 2, then Ulysses at (dp, sp) = (1, 2)."""
     specs = [_spec(assets, c, f"ref2_{c}", per_device=2) for c in CASES]
-    specs += [_spec(assets, c, f"u12_{c}", sp=2) for c in CASES]
+    specs += [_spec(assets, c, f"u12_{c}", sp=2) for c in (*CASES, "features")]
     res = run_local_world(R.run_specs, 2, specs, timeout_s=400)[0]
     n = len(CASES)
-    return {"stock_dp2": dict(zip(CASES, res[:n])), "u12": dict(zip(CASES, res[n:]))}
+    return {
+        "stock_dp2": dict(zip(CASES, res[:n])),
+        "u12": dict(zip((*CASES, "features"), res[n:])),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +102,7 @@ def _close(got: dict, ref: dict) -> None:
             assert (x - y).abs().max().item() <= tol, (step, name)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "features"])
 def test_sp2_equals_stock_dp1(case, refs, world2):
     _close(world2["u12"][case], refs[case])
 
