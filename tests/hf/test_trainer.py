@@ -325,15 +325,19 @@ def test_sp_not_dividing_world(world2):
 # ---------------------------------------------------------------------------------------------
 def test_generation_and_other_loss_trainers_refused():
     import trl
+    from trl.experimental.online_dpo import OnlineDPOTrainer
 
     from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
 
-    with pytest.raises(UnsupportedTrainerError, match="GRPOTrainer.*generation"):
-        with_ulysses(trl.GRPOTrainer, sp=2)
+    with pytest.raises(UnsupportedTrainerError, match="OnlineDPOTrainer.*generation"):
+        with_ulysses(OnlineDPOTrainer, sp=2)
     with pytest.raises(UnsupportedTrainerError, match="DistillationTrainer computes its own loss"):
         with_ulysses(trl.DistillationTrainer, sp=2)
-    # DPO and KTO have their family's mixin (tests/hf/test_preference.py)
-    for cls, mixin in ((trl.DPOTrainer, "_UlyssesDPO"), (trl.KTOTrainer, "_UlyssesKTO")):
+    # the families with a mixin of their own (tests/hf/test_preference.py, test_reward.py,
+    # test_rl.py)
+    for cls, mixin in ((trl.DPOTrainer, "_UlyssesDPO"), (trl.KTOTrainer, "_UlyssesKTO"),
+                       (trl.RewardTrainer, "_UlyssesReward"), (trl.GRPOTrainer, "_UlyssesRL"),
+                       (trl.RLOOTrainer, "_UlyssesRL")):  # fmt: skip
         assert mixin in [c.__name__ for c in with_ulysses(cls, sp=2).__mro__]
     with pytest.raises(ValueError, match="unknown with_ulysses options"):
         with_ulysses(trl.SFTTrainer, sp=2, tiled=True)
