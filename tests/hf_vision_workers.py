@@ -204,3 +204,56 @@ def run_jobs(rank: int, world: int, jobs: list) -> list:
         out.append(globals()[name](rank, world, *args))
         dist.barrier()
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole model: apply_ulysses / parallelize + shard_batch
+# ----------------------------------------------------------------------------------------------
+def model_reference(family: str, seed: int = 0, rows: list | None = None) -> dict:
+    """The stock model on one process: its own loss (token mean) on the global batch, and
+    every gradient."""
+    torch.set_num_threads(1)
+    model = make_model(family, seed)
+    batch = global_batch(family, rows=rows)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.item(), "grads": grads}
+
+
+def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int = 0,
+                rows: list | None = None) -> dict:  # fmt: skip
+    """``parallelize`` (Ulysses + FSDP2) and ``shard_batch`` on this dp rank's rows: the global
+    loss, every full gradient, and the images the vision tower saw on each rank."""
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_ulysses import hf
+    from dtensor_ulysses.hf.vision import vision_model_inputs
+    from dtensor_ulysses.models import cross_entropy_sum
+    from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_mesh(dp, sp, device_type="cpu")
+    model = make_model(family, seed)
+    seen: list[list[int]] = []
+    model.model.visual.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append(kwargs["grid_thw"].tolist()), with_kwargs=True
+    )
+    hf.parallelize(model, mesh)
+    batch = global_batch(family, rows=rows)
+    b = len(batch["input_ids"]) // dp
+    lo = mesh.get_local_rank("dp") * b
+    mine = rows_of(batch, lo, lo + b)
+    sb = hf.shard_batch(mine, mesh)
+    out = model(**vision_model_inputs(mine, sb))
+    local = cross_entropy_sum(out.logits, sb.labels) / sb.n_valid
+    local.backward()
+    total = local.detach().clone()
+    dist.all_reduce(total, group=flatten_dp_sp(mesh).get_group())
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+    images = mine["image_grid_thw"].tolist()
+    return {"loss": total.item(), "grads": grads, "seen": seen, "images": images,
+            "dp_rank": mesh.get_local_rank("dp")}  # fmt: skip

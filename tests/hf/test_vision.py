@@ -30,16 +30,32 @@ FAMILIES = V.FAMILIES
 FEW = [V.IMAGES[0], V.IMAGES[1]]
 
 
+LAYOUTS4 = ((2, 2), (1, 4))
+JOBS2 = [("split_check", (f,)) for f in FAMILIES] + [("model_check", (f, 1, 2)) for f in FAMILIES]
+JOBS4 = [("split_check", (f, 0, FEW)) for f in FAMILIES] + [
+    ("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS4
+]
+
+
+def _job(results: list, jobs: list, name: str, args: tuple) -> list:
+    """Every rank's result of job ``(name, args)``."""
+    i = jobs.index((name, args))
+    return [r[i] for r in results]
+
+
 @pytest.fixture(scope="module")
 def world2():
-    jobs = [("split_check", (f,)) for f in FAMILIES]
-    return run_local_world(V.run_jobs, 2, jobs, timeout_s=600)
+    return run_local_world(V.run_jobs, 2, JOBS2, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    jobs = [("split_check", (f, 0, FEW)) for f in FAMILIES]
-    return run_local_world(V.run_jobs, 4, jobs, timeout_s=600)
+    return run_local_world(V.run_jobs, 4, JOBS4, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {f: V.model_reference(f) for f in FAMILIES}
 
 
 def test_assign_images_balances_whole_images_deterministically():
@@ -50,11 +66,10 @@ def test_assign_images_balances_whole_images_deterministically():
         assign_images([1], 0)
 
 
-def _check_split(results, family: str, rows, world: int, index: int):
+def _check_split(results, family: str, rows):
     ref = V.split_reference(family, rows=rows)
     encoded: list[int] = []
-    for rank, res in enumerate(results):
-        out = res[index]
+    for rank, out in enumerate(results):
         torch.testing.assert_close(out["feats"], ref["feats"], **TOL)
         assert set(out["grads"]) == set(ref["grads"])
         for name, g in ref["grads"].items():
@@ -73,11 +88,56 @@ def _check_split(results, family: str, rows, world: int, index: int):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vision_split_sp2_equals_stock_tower(world2, family):
-    _check_split(world2, family, None, 2, FAMILIES.index(family))
+    _check_split(_job(world2, JOBS2, "split_check", (family,)), family, None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vision_split_sp4_with_an_idle_rank(world4, family):
-    _check_split(world4, family, FEW, 4, FAMILIES.index(family))
-    owners = world4[0][FAMILIES.index(family)]["owner"]
-    assert len(set(owners)) == 3  # 3 images on 4 ranks: one rank encoded none, yet matched
+    results = _job(world4, JOBS4, "split_check", (family, 0, FEW))
+    _check_split(results, family, FEW)
+    assert len(set(results[0]["owner"])) == 3  # 3 images on 4 ranks: one encoded none
+
+
+def test_reference_uses_mrope_and_deepstack():
+    """The features the decoder tests rely on change the stock result: M-RoPE positions
+    (from mm_token_type_ids) and Qwen3-VL's deepstack features (their mergers get gradients)."""
+    for family in FAMILIES:
+        model = V.make_model(family)
+        batch = V.global_batch(family)
+        with torch.no_grad():
+            with_mrope = model(**batch).loss
+            pos = torch.arange(V.S).expand(len(batch["input_ids"]), V.S)
+            plain = model(**batch, position_ids=pos).loss  # 1-D positions, no M-RoPE
+        assert abs(with_mrope.item() - plain.item()) > 1e-4, family
+    ref = V.model_reference("qwen3_vl")
+    deep = [n for n in ref["grads"] if "deepstack_merger_list" in n]
+    assert deep and all(ref["grads"][n].abs().sum() > 0 for n in deep)
+
+
+def _check_model(results, ref, dp: int, sp: int):
+    encoded_by_group: dict[int, list] = {}
+    for out in results:
+        assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert set(out["grads"]) >= set(ref["grads"])
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][name], g, **TOL, msg=name)
+        encoded_by_group.setdefault(out["dp_rank"], []).extend(
+            grid for call in out["seen"] for grid in call
+        )
+        assert len(out["seen"]) <= 1  # one vision tower call per rank
+    for dp_rank, grids in encoded_by_group.items():  # each image on one rank of its sp group
+        images = next(o["images"] for o in results if o["dp_rank"] == dp_rank)
+        assert sorted(grids) == sorted(images)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_apply_ulysses_sp2_equals_stock_model(world2, references, family):
+    _check_model(_job(world2, JOBS2, "model_check", (family, 1, 2)), references[family], 1, 2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS4, ids=lambda x: f"dp{x[0]}sp{x[1]}")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_apply_ulysses_dp2_sp2_and_sp4_equal_stock_model(world4, references, family, layout):
+    dp, sp = layout
+    results = _job(world4, JOBS4, "model_check", (family, dp, sp))
+    _check_model(results, references[family], dp, sp)
