@@ -1,12 +1,15 @@
 """Per-rank functions for tests/hf/test_vision_gemma.py (spawned processes import them by module
-path), and the tiny Gemma 3 multimodal model and image + text rows they use (random init, no
-downloads).
+path), and the tiny Gemma 3 / Gemma 4 multimodal models and image + text rows they use (random
+init, no downloads).
 
-Rows: ``G = 4`` rows of ``S = 29`` tokens (uneven over sp=2: [15, 14], sp=4: [8, 7, 7, 7]);
-Gemma 3's images are all one size: 9 tokens each (12 x 12 pixels, 36 patches pooled 2 x 2),
-longer than the sliding window of 5, so an image's bidirectional block reaches past it. Row 0
+Rows: ``G = 4`` rows of ``S = 29`` tokens (uneven over sp=2: [15, 14], sp=4: [8, 7, 7, 7]). Row 0
 has two images, rows 1 and 2 one (row 1's spans the sp=2 cut), row 3 one image and right
-padding.
+padding. Gemma 3's images are all one size: 9 tokens each (12 x 12 pixels, 36 patches pooled
+2 x 2), longer than the sliding window of 5, so an image's bidirectional block reaches past it.
+Gemma 4's images have different sizes (patch grids of 6 x 6 and 4 x 4 pooled 2 x 2: 9 or 4
+tokens, padded to 36 patches); its bidirectional blocks are on its sliding layers only, its
+global layers have another head shape (head dim 16, one kv head), per-layer input embeddings,
+and its last two layers attend with the keys and values of the first two (KV sharing).
 """
 
 from __future__ import annotations
@@ -20,12 +23,37 @@ S, G, PAD = 29, 4, 4  # row 3 ends in PAD padding tokens
 TOKENS = 9  # per image
 WINDOW = 5
 IMAGES = [[2, 16], [10], [19], [3]]  # per row, where each image's tokens start
-FAMILIES = ("gemma3",)
+FAMILIES = ("gemma3", "gemma4")
+# Gemma 4: per image (in row order) its patch grid (x, y); 36 patches at most
+GRIDS = [(6, 6), (4, 4), (6, 6), (4, 4), (6, 6)]
+PATCHES, PATCH_DIM = 36, 12
+
+
+def _tokens(family: str) -> list[int]:
+    """Tokens of each image, in row order."""
+    if family == "gemma3":
+        return [TOKENS] * sum(len(r) for r in IMAGES)
+    return [x * y // 4 for x, y in GRIDS]
 
 
 def make_config(family: str = "gemma3"):
     import transformers as tf
 
+    if family == "gemma4":
+        text4 = dict(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_hidden_layers=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+            num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+            hidden_size_per_layer_input=4, vocab_size_per_layer_input=VOCAB,
+            use_bidirectional_attention="vision", max_position_embeddings=128, pad_token_id=0,
+        )  # fmt: skip
+        vision4 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=2,
+                       pooling_kernel_size=2, position_embedding_size=16)  # fmt: skip
+        return tf.Gemma4Config(text_config=text4, vision_config=vision4, image_token_id=IMAGE,
+                               boi_token_id=BOI, eoi_token_id=EOI, video_token_id=92,
+                               audio_token_id=91)  # fmt: skip
     if family != "gemma3":
         raise ValueError(family)
     text = tf.Gemma3TextConfig(
@@ -47,7 +75,9 @@ def make_model(family: str = "gemma3", seed: int = 0):
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.Gemma3ForConditionalGeneration(make_config(family)).float()
+    cls = {"gemma3": tf.Gemma3ForConditionalGeneration,
+           "gemma4": tf.Gemma4ForConditionalGeneration}[family]  # fmt: skip
+    model = cls(make_config(family)).float()
     model.set_attn_implementation("eager")
     with torch.no_grad():
         for p in model.parameters():
@@ -57,31 +87,45 @@ def make_model(family: str = "gemma3", seed: int = 0):
 
 def global_batch(family: str = "gemma3", seed: int = 1) -> dict:
     """``G`` rows with their images: input_ids (each image wrapped in BOI / EOI), labels (-100
-    on image tokens and padding), token_type_ids (1 on image tokens), attention_mask,
-    pixel_values (every image, in row order)."""
+    on image tokens and padding), the token types (1 on image tokens: Gemma 3's
+    ``token_type_ids``, Gemma 4's ``mm_token_type_ids``), attention_mask, pixel_values (every
+    image, in row order; Gemma 4: patches and ``image_position_ids``)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, BOI, (G, S), generator=g)
+    ids = torch.randint(1, BOI, (G, S), generator=g)
     types = torch.zeros_like(ids)
-    n_images = sum(len(r) for r in IMAGES)
+    tokens = iter(_tokens(family))
     for b, starts in enumerate(IMAGES):
         for start in starts:
-            ids[b, start - 1], ids[b, start + TOKENS] = BOI, EOI
-            ids[b, start : start + TOKENS] = IMAGE
-            types[b, start : start + TOKENS] = 1
+            n = next(tokens)
+            ids[b, start - 1], ids[b, start + n] = BOI, EOI
+            ids[b, start : start + n] = IMAGE
+            types[b, start : start + n] = 1
     mask = torch.ones_like(ids)
     mask[G - 1, S - PAD :] = 0
     labels = ids.clone()
     labels[(types == 1) | (mask == 0)] = -100
-    pixels = torch.randn(n_images, 3, 12, 12, generator=g)
-    return {"input_ids": ids, "labels": labels, "token_type_ids": types,
-            "attention_mask": mask, "pixel_values": pixels}  # fmt: skip
+    out = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    if family == "gemma3":
+        out["token_type_ids"] = types
+        out["pixel_values"] = torch.randn(len(_tokens(family)), 3, 12, 12, generator=g)
+        return out
+    out["mm_token_type_ids"] = types
+    out["pixel_values"] = torch.rand(len(GRIDS), PATCHES, PATCH_DIM, generator=g)
+    pos = torch.full((len(GRIDS), PATCHES, 2), -1)
+    for i, (x, y) in enumerate(GRIDS):
+        pos[i, : x * y] = torch.tensor([(a, c) for c in range(y) for a in range(x)])
+    out["image_position_ids"] = pos
+    return out
 
 
 def rows_of(batch: dict, lo: int, hi: int) -> dict:
     """Rows ``lo:hi`` of a batch, with their images."""
     first, last = sum(len(r) for r in IMAGES[:lo]), sum(len(r) for r in IMAGES[:hi])
-    out = {k: v[lo:hi] for k, v in batch.items() if k != "pixel_values"}
-    out["pixel_values"] = batch["pixel_values"][first:last]
+    per_image = ("pixel_values", "image_position_ids")
+    out = {k: v[lo:hi] for k, v in batch.items() if k not in per_image}
+    for k in per_image:
+        if k in batch:
+            out[k] = batch[k][first:last]
     return out
 
 
@@ -93,7 +137,7 @@ def model_reference(family: str = "gemma3", seed: int = 0, blocks: bool = True) 
     model = make_model(family, seed)
     batch = global_batch(family)
     if not blocks:
-        batch.pop("token_type_ids")
+        batch.pop("token_type_ids" if family == "gemma3" else "mm_token_type_ids")
     loss = model(**batch).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -66,11 +66,17 @@ __all__ = [
 ]
 
 # batch keys of the image inputs the model takes whole (never cut into sequence slices)
-VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids")
+VISION_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "mm_token_type_ids",
+    "token_type_ids",
+    "image_position_ids",
+)
 _VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 _STATE = "_du_vision_state"
 # model_type -> what the split needs to know of the family's vision tower
-_FAMILIES = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen", "gemma3": "gemma3"}
+_FAMILIES = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen", "gemma3": "gemma3", "gemma4": "gemma4"}
 
 
 def assign_images(costs: Sequence[int], P: int) -> tuple[int, ...]:
@@ -301,7 +307,56 @@ def _gemma3_image_features(base: Any, state: VisionSplitState) -> Callable[..., 
     return get_image_features
 
 
-_ADAPTERS = {"qwen": _qwen_image_features, "gemma3": _gemma3_image_features}
+def _gemma4_image_features(base: Any, state: VisionSplitState) -> Callable[..., Any]:
+    """The split ``get_image_features`` of Gemma 4: ``pixel_values[n, p, 3 * patch**2]`` padded
+    to ``p`` patches and ``image_position_ids[n, p, 2]`` (``-1``: padding); image ``i`` gives
+    its real patches over ``pooling_kernel_size**2`` feature rows (images of any size)."""
+    original = type(base).get_image_features.__get__(base)
+    width = int(base.config.get_text_config().hidden_size)
+    pool = int(base.config.vision_config.pooling_kernel_size) ** 2
+    towers = (base.vision_tower, base.embed_vision)
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    def get_image_features(pixel_values: torch.Tensor, image_position_ids: Any = None,
+                           **kwargs: Any) -> Any:  # fmt: skip
+        kwargs.pop("ulysses_layout", None)
+        kwargs["return_dict"] = True
+        if image_position_ids is None:
+            raise ValueError("Gemma 4's images need image_position_ids (the image processor's)")
+        patches = [int(n) for n in (image_position_ids != -1).all(-1).sum(-1).tolist()]
+        rows = [n // pool for n in patches]
+
+        def encode(idx: list[int]) -> torch.Tensor:
+            sel = torch.tensor(idx, device=pixel_values.device)
+            out = original(pixel_values[sel], image_position_ids[sel], **kwargs)
+            state.calls += 1
+            state.encoded = list(idx)
+            return torch.cat(list(out.pooler_output))
+
+        state.encoded = []
+        dev = pixel_values.device.type
+        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                 else next(base.vision_tower.parameters()).dtype)  # fmt: skip
+        feats = encode_split(encode, rows, patches, state.group, width, dtype,
+                             pixel_values.device,
+                             lambda: [p for t in towers for p in t.parameters()])  # fmt: skip
+        return BaseModelOutputWithPooling(pooler_output=tuple(feats.split(rows)))
+
+    return get_image_features
+
+
+_ADAPTERS = {
+    "qwen": _qwen_image_features,
+    "gemma3": _gemma3_image_features,
+    "gemma4": _gemma4_image_features,
+}
+
+
+def _no_audio(*args: Any, **kwargs: Any) -> Any:
+    raise _unsupported(
+        "audio inputs (input_features) are not supported under Ulysses yet: the audio tower "
+        "has no split over sp; train on image + text rows"
+    )
 
 
 def _no_video(*args: Any, **kwargs: Any) -> Any:
@@ -358,6 +413,9 @@ def _slice_pre_forward(lm: nn.Module, args: tuple, kwargs: dict, params: list[st
         deep = kwargs.get("deepstack_visual_embeds")
         if deep is not None:
             kwargs["deepstack_visual_embeds"] = [d[sel] for d in deep]
+    per_layer = kwargs.get("per_layer_inputs")  # Gemma 4's per-layer token embeddings
+    if per_layer is not None:
+        kwargs["per_layer_inputs"] = per_layer[:, lo : lo + n]
     kwargs["ulysses_layout"] = layout
     return (), kwargs
 
@@ -379,6 +437,8 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
     state = VisionSplitState(group)
     base.get_image_features = _ADAPTERS[family](base, state)
     base.get_video_features = _no_video
+    if hasattr(type(base), "get_audio_features"):  # Gemma 4
+        base.get_audio_features = _no_audio
     params = list(inspect.signature(lm.forward).parameters)
     state.hooks = [
         lm.register_forward_pre_hook(
