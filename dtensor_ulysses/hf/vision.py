@@ -340,7 +340,8 @@ def _gemma4_image_features(base: Any, state: VisionSplitState) -> Callable[..., 
         feats = encode_split(encode, rows, patches, state.group, width, dtype,
                              pixel_values.device,
                              lambda: [p for t in towers for p in t.parameters()])  # fmt: skip
-        return BaseModelOutputWithPooling(pooler_output=tuple(feats.split(rows)))
+        per_image: Any = tuple(feats.split(rows))  # what the stock method returns: a tuple
+        return BaseModelOutputWithPooling(pooler_output=per_image)
 
     return get_image_features
 
