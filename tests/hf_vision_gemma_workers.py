@@ -192,3 +192,33 @@ def run_jobs(rank: int, world: int, jobs: list) -> list:
         out.append(globals()[name](rank, world, *args))
         dist.barrier()
     return out
+
+
+def refusal_check(rank: int, world: int) -> dict:
+    """Gemma 4 under ``apply_ulysses``: the one-line refusals of video and audio inputs, and of
+    a padding mask without the batch's layout."""
+    from dtensor_ulysses import hf
+    from dtensor_ulysses.parallel import init_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_mesh(1, world, device_type="cpu")
+    model = make_model("gemma4")
+    hf.apply_ulysses(model, mesh)
+    batch = global_batch("gemma4")
+    ids = batch["input_ids"][:1]
+    calls = {
+        "video": dict(input_ids=ids, pixel_values_videos=torch.rand(1, PATCHES, PATCH_DIM),
+                      video_position_ids=batch["image_position_ids"][:1],
+                      num_frames_per_video=torch.tensor([1])),
+        "audio": dict(input_ids=ids, input_features=torch.rand(1, 8, 4),
+                      input_features_mask=torch.ones(1, 8, dtype=torch.bool)),
+        "padding": {k: v[-1:] for k, v in rows_of(batch, G - 1, G).items() if k != "labels"},
+    }  # fmt: skip
+    out = {}
+    for name, kwargs in calls.items():
+        try:
+            model(**kwargs)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out

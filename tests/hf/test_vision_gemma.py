@@ -44,7 +44,8 @@ LAYOUTS = {2: ((1, 2),), 4: ((2, 2), (1, 4))}
 
 
 def _jobs(world: int) -> list:
-    return [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS[world]]
+    jobs = [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS[world]]
+    return jobs + ([("refusal_check", ())] if world == 2 else [])
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +102,33 @@ def test_the_image_blocks_matter(references, family):
     name = next(n for n in ref["grads"] if "vision_tower" in n)
     with pytest.raises(AssertionError):
         _close(causal["grads"][name], ref["grads"][name], name)
+
+
+def test_refusals_name_the_input_and_the_reason(world2):
+    """Video and audio inputs of Gemma 4, and a padding mask without the batch's layout: one
+    line each, before any attention runs; another multimodal family: named, with the reason."""
+    for res in world2:
+        out = res[-1]
+        assert out["video"].startswith("video inputs (pixel_values_videos) are not supported")
+        assert out["audio"].startswith("audio inputs (input_features) are not supported")
+        assert "attention_mask with padding needs the batch's layout" in out["padding"]
+        assert all("\n" not in why for why in out.values())
+
+
+def test_other_multimodal_families_are_refused_by_name():
+    import transformers as tf
+
+    from dtensor_ulysses.hf.routing import check_supported
+
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=8, patch_size=4)  # fmt: skip
+    cfg = tf.PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=95)
+    model = tf.PaliGemmaForConditionalGeneration(cfg)
+    with pytest.raises(
+        ValueError,
+        match=r"^PaliGemmaForConditionalGeneration \(model_type "
+        r"'paligemma'\): its vision tower has no adapter .*'gemma3', 'gemma4'",
+    ):
+        check_supported(model)  # fmt: skip
