@@ -103,6 +103,12 @@ from dtensor_ulysses.hf.routing import (
     attention_modules,
     check_supported,
 )
+from dtensor_ulysses.hf.vision import (
+    VISION_KEYS,
+    is_vision_language,
+    refuse_video,
+    vision_model_inputs,
+)
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.parallel import flatten_dp_sp
 from dtensor_ulysses.parallel.mesh import ParallelDims
@@ -599,14 +605,18 @@ class _UlyssesTrainer:
         """This rank's slice through the model: the loss (its value the global one, its gradient
         this rank's part), the slice's logits (``None`` with the tiled loss unless ``logits``),
         and the sharded batch."""
+        vision = is_vision_language(_trainer_state.base_model(model))
+        read = _READ | set(VISION_KEYS) if vision else _READ  # images: the model takes them whole
+        if vision:
+            refuse_video(inputs)
         extra = sorted(
             k for k, v in inputs.items()
-            if k not in _READ | _DROPPED and isinstance(v, torch.Tensor)
+            if k not in read | _DROPPED and isinstance(v, torch.Tensor)
         )  # fmt: skip
         if extra:
             raise UnsupportedTrainerError(
                 f"batch keys {extra} cannot be cut into sequence slices by with_ulysses (it "
-                f"reads {sorted(_READ)}); remove them from the collator's output"
+                f"reads {sorted(read)}); remove them from the collator's output"
             )
         mesh = self._du_mesh
         sb = shard_batch(inputs, mesh, count_valid=False)
@@ -624,9 +634,13 @@ class _UlyssesTrainer:
                 sb.labels.numel()
             )
         extra_kw = {"output_router_logits": True} if self._du_router else {}
+        if vision:  # the full rows and their images; the model slices after the merge
+            call = vision_model_inputs(inputs, sb)
+        else:
+            call = dict(input_ids=sb.input_ids, position_ids=sb.position_ids,
+                        ulysses_layout=sb.layout)  # fmt: skip
         try:
-            out = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
-                        ulysses_layout=sb.layout, use_cache=False, **extra_kw)  # fmt: skip
+            out = model(**call, use_cache=False, **extra_kw)
         finally:
             if head is not None:
                 head.labels = None

@@ -60,6 +60,7 @@ __all__ = [
     "encode_split",
     "is_vision_language",
     "language_model",
+    "refuse_video",
     "route_vision",
     "vision_family",
     "vision_model_inputs",
@@ -453,6 +454,16 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
     return state
 
 
+def refuse_video(batch: Mapping[str, Any]) -> None:
+    """Video inputs are not split yet: a ``ValueError`` naming the keys found in ``batch``."""
+    videos = [k for k in _VIDEO_KEYS if batch.get(k) is not None]
+    if videos:
+        raise _unsupported(
+            f"video inputs ({', '.join(videos)}) are not supported under Ulysses yet: pass "
+            f"images, or frames as images"
+        )
+
+
 def vision_model_inputs(batch: Mapping[str, Any], sharded: Any) -> dict[str, Any]:
     """Keyword arguments for a vision-language model prepared by ``apply_ulysses``: the full
     rows (``input_ids``, ``attention_mask`` for the M-RoPE positions, ``position_ids`` if
@@ -462,12 +473,7 @@ def vision_model_inputs(batch: Mapping[str, Any], sharded: Any) -> dict[str, Any
     Raises:
         ValueError: video inputs in the batch.
     """
-    videos = [k for k in _VIDEO_KEYS if batch.get(k) is not None]
-    if videos:
-        raise _unsupported(
-            f"video inputs ({', '.join(videos)}) are not supported under Ulysses yet: pass "
-            f"images, or frames as images"
-        )
+    refuse_video(batch)
     out: dict[str, Any] = {"input_ids": batch["input_ids"], "ulysses_layout": sharded.layout}
     for key in ("attention_mask", "position_ids", *VISION_KEYS):
         if batch.get(key) is not None:
