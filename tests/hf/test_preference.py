@@ -84,7 +84,6 @@ def world4(assets):
     specs = {
         (2, 2, "sigmoid"): _spec(assets, "sigmoid", "u22_sigmoid", sp=2, dp=2),
         (2, 2, "kto"): _spec(assets, "kto", "u22_kto", sp=2, dp=2),
-        (1, 4, "sigmoid"): _spec(assets, "sigmoid", "u14_sigmoid", sp=4),
         (1, 4, "combined"): _spec(assets, "combined", "u14_combined", sp=4),
         (1, 4, "lora_ga"): _spec(assets, "lora_ga", "u14_lora_ga", sp=4),
         (1, 4, "kto"): _spec(assets, "kto", "u14_kto", sp=4),
@@ -130,9 +129,10 @@ def test_sp2_equals_one_process(world2, refs, case):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", ["sigmoid", "combined", "lora_ga", "kto"])
+@pytest.mark.parametrize("case", ["combined", "lora_ga", "kto"])
 def test_sp4_equals_one_process(world4, refs, case):
-    """(1, 4): sp = 4 > the 2 kv heads, slices of 2-5 tokens."""
+    """(1, 4): sp = 4 > the 2 kv heads, slices of 2-5 tokens (the combined loss holds the
+    sigmoid term)."""
     _close(world4[(1, 4, case)], refs[case])
 
 
