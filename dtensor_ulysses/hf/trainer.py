@@ -64,9 +64,11 @@ Every other piece of the Trainer's loop (schedules, logging, callbacks, checkpoi
 RNG files) is the stock one.
 
 Refused at construction, with the reason: models the engine cannot run exactly (bidirectional
-attention, ...), trainers that build their inputs by generation (GRPO, RLOO, online DPO, ...) or
-whose loss is not the token cross entropy and has no family mixin (reward, ...; DPO and KTO have
-theirs: :mod:`~dtensor_ulysses.hf.preference`), DeepSpeed or accelerate's
+attention, ...), trainers that build their inputs by generation (online DPO, PPO, GKD, ...;
+GRPO and RLOO are made exact by :mod:`~dtensor_ulysses.hf.rl`) or whose loss is not the token
+cross entropy and has no family mixin (DPO and KTO have theirs:
+:mod:`~dtensor_ulysses.hf.preference`; reward: :mod:`~dtensor_ulysses.hf.reward`), DeepSpeed or
+accelerate's
 FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 ``sp_size`` or ``tp_size > 1``, a ``compute_loss_func``, label smoothing, optimizers passed in
 (built before sharding), iterable datasets, ``save_on_each_node``.
@@ -120,13 +122,16 @@ OPTIONS = {
                  "allow_uneven_heads", "mixed_precision")
 }  # fmt: skip
 # trainers whose inputs come from generation, or whose loss is not the token cross entropy
-_GENERATION = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "GKDTrainer",
-               "NashMDTrainer", "XPOTrainer", "GOLDTrainer")  # fmt: skip
+_GENERATION = ("OnlineDPOTrainer", "PPOTrainer", "GKDTrainer", "NashMDTrainer", "XPOTrainer",
+               "GOLDTrainer")  # fmt: skip
 # TRL trainers whose loss is not the token cross entropy, made exact by a mixin of their own
 # (one module per trainer family's loss): class name in the MRO -> (module, mixin)
 _FAMILIES: dict[str, tuple[str, str]] = {
     "DPOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesDPO"),
     "KTOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesKTO"),
+    "RewardTrainer": ("dtensor_ulysses.hf.reward", "_UlyssesReward"),
+    "GRPOTrainer": ("dtensor_ulysses.hf.rl", "_UlyssesRL"),
+    "RLOOTrainer": ("dtensor_ulysses.hf.rl", "_UlyssesRL"),
 }
 # batch keys the slicing reads, and keys it replaces (varlen kwargs of the local slice)
 _READ = {"input_ids", "labels", "attention_mask", "position_ids"}
@@ -563,6 +568,18 @@ class _UlyssesTrainer:
         ParallelOptions(**o).check(hf_model=True)  # gradient_checkpointing may have changed it
         if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
             _plain_head(hf).__class__ = _LossHead
+        # every rank starts from rank 0's weights, as under DDP
+        moved = _trainer_state.start_from_rank0(
+            model, flatten_dp_sp(self._du_mesh).get_group(), self.args.device
+        )
+        if moved and dist.get_rank() == 0:
+            more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
+            print(
+                f"with_ulysses: {len(moved)} tensor(s) differed between ranks "
+                f"({', '.join(moved[:3])}{more}); every rank now starts from rank 0's, as "
+                f"under DDP",
+                flush=True,
+            )
         return _parallelize_root(
             model, hf, self._du_mesh, activation_checkpointing=o["activation_checkpointing"],
             offload_activations=o["offload_activations"], offload_params=o["offload_params"],
