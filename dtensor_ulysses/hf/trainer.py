@@ -220,8 +220,9 @@ def _leave_refused(e: BaseException) -> None:
 
 @_refusals_in_one_line
 def with_ulysses(cls: type, sp: int, **options: Any) -> type:
-    """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer`` or a subclass of
-    either) that trains with Ulysses sequence parallelism of degree ``sp`` on FSDP2.
+    """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer``, ``DPOTrainer``,
+    ``KTOTrainer`` or a subclass of one) that trains with Ulysses sequence parallelism of
+    degree ``sp`` on FSDP2.
 
     Args:
         cls: the trainer class.
@@ -242,7 +243,8 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
 
     Raises:
         UnsupportedTrainerError: a trainer whose inputs come from generation or whose loss is
-            not the token cross entropy.
+            not the token cross entropy without a family mixin (DPO and KTO have theirs:
+            :mod:`~dtensor_ulysses.hf.preference`).
         ValueError: bad ``sp`` or an unknown option.
     """
     from transformers import Trainer
