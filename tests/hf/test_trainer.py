@@ -322,6 +322,10 @@ def test_generation_and_other_loss_trainers_refused():
     with pytest.raises(UnsupportedTrainerError, match="OnlineDPOTrainer.*generation"):
         with_ulysses(OnlineDPOTrainer, sp=2)
     assert with_ulysses(trl.GRPOTrainer, sp=2).__mro__[1].__name__ == "_UlyssesRL"
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    with pytest.raises(UnsupportedTrainerError, match="AsyncGRPOTrainer.*generation"):
+        with_ulysses(AsyncGRPOTrainer, sp=2)
     with pytest.raises(UnsupportedTrainerError, match="DPOTrainer computes its own loss"):
         with_ulysses(trl.DPOTrainer, sp=2)
     with pytest.raises(ValueError, match="unknown with_ulysses options"):
