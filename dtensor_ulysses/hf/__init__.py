@@ -43,6 +43,11 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         get_batch,
         load_corpus,
     )
+    from dtensor_ulysses.hf.logps import (
+        logp_head,
+        sequence_logps,
+        token_rows,
+    )
     from dtensor_ulysses.hf.model import (
         HFCausalLM,
         check_model_dir,

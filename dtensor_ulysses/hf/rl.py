@@ -28,9 +28,13 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
   :func:`~dtensor_ulysses.hf.shard_batch` (labels shifted over the full row first, padding as
   documents, global positions ``0..S-1`` as the stock forward uses); the policy, old policy and
   reference models run this rank's slice, and TRL's own fused head returns the per-token
-  log-probabilities (and entropies) of the slice in chunks, never ``[B, s, V]`` logits. The
-  ``[B, S]`` rows of every slice are summed over sp (:func:`_sp_sum`: forward all-reduce, the
-  gradient of this rank's slice passes through) so that each rank holds the completion's
+  log-probabilities (and entropies) of the slice in chunks, never ``[B, s, V]`` logits (TRL's
+  head, not :func:`~dtensor_ulysses.hf.logps.token_rows`' plain one: GRPO's log-probabilities
+  are those of the logits divided by the sampling temperature, with the model's logit scale and
+  softcap). The
+  ``[B, S]`` rows of every slice are summed over sp
+  (:func:`~dtensor_ulysses.comm.all_reduce_sum`: forward all-reduce, the gradient of this rank's
+  slice passes through) so that each rank holds the completion's
   ``[B, C]`` log-probabilities; the stock loss (ratios, clipping, KL, entropy masks, every
   ``loss_type`` and ``importance_sampling_level``) then runs unchanged on them. Each token's
   gradient flows through the one rank that computed it, so the normalisations count every
@@ -61,6 +65,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.hf import _trainer_state
 from dtensor_ulysses.hf._trainer_accel import dp_gather
 from dtensor_ulysses.hf.batch import shard_batch
@@ -78,27 +83,6 @@ __all__: list[str] = []
 
 _SP_AXIS = "sp"
 _RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
-
-
-# ----------------------------------------------------------------------------------------------
-# the sp-reduced rows (the gradient of each rank's slice passes through)
-# ----------------------------------------------------------------------------------------------
-class _SpSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def _sp_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``x`` summed over ``group``; every rank computes the same loss from the sum, so the
-    gradient of this rank's ``x`` is the sum's gradient (no second reduction)."""
-    return _SpSum.apply(x, group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,10 +291,10 @@ class _UlyssesRL:
             left = sb.layout.offset(me)
             right = S - left - sb.input_ids.shape[1]
             # [B, S]: the log-probability at t is that of token t + 1 (the shifted labels)
-            full_BS = _sp_sum(F.pad(out.log_probs.float(), (left, right)), group)
+            full_BS = all_reduce_sum(F.pad(out.log_probs.float(), (left, right)), group)
             logps.append(full_BS[:, -logits_to_keep - 1 : -1])
             if compute_entropy:
-                ent_BS = _sp_sum(F.pad(out.entropy.float(), (left, right)), group)
+                ent_BS = all_reduce_sum(F.pad(out.entropy.float(), (left, right)), group)
                 entropies.append(ent_BS[:, -logits_to_keep - 1 : -1])
         return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None)
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -72,6 +72,8 @@ from dtensor_ulysses.attention.ulysses import (
     gather_doc_starts,
     sp_group,
 )
+from dtensor_ulysses.hf.image_blocks import image_blocks
+from dtensor_ulysses.hf.image_blocks import install as install_image_blocks
 from dtensor_ulysses.hf.latent_attention import (
     is_latent_attention,
     route_latent_attention,
@@ -135,6 +137,7 @@ class _State:
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # id(module) -> features
     calls: dict[int, int] = field(default_factory=dict)
     chunked: dict[int, tuple[SeqLayout, SeqLayout]] = field(default_factory=dict)
+    causal_only: tuple[SeqLayout, SeqLayout] | None = None  # the layout without image blocks
     latent: dict[str, str] = field(default_factory=dict)  # MLA layer -> "latent" / "heads"
     shares_kv: bool = False  # some layer attends with an earlier layer's k, v (Gemma 4)
     kv_shared: dict[int, tuple] = field(default_factory=dict)  # id(k) -> (k, v, k_ex, v_ex)
@@ -245,6 +248,11 @@ class LayerFeatures:
             ``s_aux``).
         nope_temperature: Llama 4's attention temperature on a layer without RoPE: its q scale
             depends on the token's row index, which the model computes on the local slice.
+        blocks: the tokens of one image attend to each other both ways (Gemma 3 on every
+            layer, Gemma 4 on its sliding layers): the kernel feature of bidirectional blocks,
+            from the step layout's ``blocks``. transformers' sliding mask is then
+            ``(causal or same image) and kv_idx > q_idx - W``: the window bounds the left side
+            only.
     """
 
     sliding_window: int | None = None
@@ -252,11 +260,14 @@ class LayerFeatures:
     softcap: float | None = None
     sinks: bool = False
     nope_temperature: bool = False
+    blocks: bool = False
 
     @property
     def window(self) -> tuple[int, int] | None:
         """The kernel's ``(left, right)`` window (flash-attn convention), or ``None``."""
-        return None if self.sliding_window is None else (self.sliding_window - 1, 0)
+        if self.sliding_window is None:
+            return None
+        return (self.sliding_window - 1, -1 if self.blocks else 0)
 
     def describe(self) -> str:
         """A short description (``"window 8, softcap 50.0"``), ``"plain"`` when none."""
@@ -269,18 +280,24 @@ class LayerFeatures:
             parts.append(f"softcap={self.softcap}")
         if self.sinks:
             parts.append("sinks")
+        if self.blocks:
+            parts.append("bidirectional image blocks")
         return ", ".join(parts) or "plain"
 
 
-def layer_features(module: nn.Module, cfg: Any, layer_type: str | None) -> LayerFeatures:
+def layer_features(
+    module: nn.Module, cfg: Any, layer_type: str | None, blocks: bool = False
+) -> LayerFeatures:
     """The features of attention ``module`` (see :class:`LayerFeatures`).
 
     Read as each family's code applies them: a module's own ``sliding_window`` attribute
     (Qwen2, Qwen3-MoE, Gemma 2/3, gpt-oss, OLMo 3 set it per layer from ``layer_types``), else
     the config's (Mistral and Mixtral read ``config.sliding_window`` at call time for every
     layer); ``attention_chunk_size`` on ``"chunked_attention"`` layers (Llama 4);
-    ``attn_logit_softcapping``; a ``sinks`` parameter. The attention call's own arguments are
-    checked against these on every call (:func:`_ulysses_attention`).
+    ``attn_logit_softcapping``; a ``sinks`` parameter; ``blocks``, the model's bidirectional
+    image blocks on this layer (:func:`~dtensor_ulysses.hf.image_blocks.block_layers`). The
+    attention call's own arguments are checked against these on every call
+    (:func:`_ulysses_attention`).
 
     Raises:
         UnsupportedModelError: a setting these rules cannot place (a window or chunk size that
@@ -314,7 +331,7 @@ def layer_features(module: nn.Module, cfg: Any, layer_type: str | None) -> Layer
     nope_t = bool(getattr(module, "attn_temperature_tuning", False)) and (
         getattr(module, "use_rope", True) in (False, 0)
     )
-    return LayerFeatures(window, chunk, float(cap) if cap else None, sinks, nope_t)  # type: ignore[arg-type]
+    return LayerFeatures(window, chunk, float(cap) if cap else None, sinks, nope_t, blocks)  # type: ignore[arg-type]
 
 
 # the config keys that turn attention dropout on across families, and a module's own attributes
@@ -348,8 +365,9 @@ def _problems(module: nn.Module, cfg: Any) -> list[str]:
     out = []
     if getattr(module, "is_causal", True) is False or getattr(cfg, "is_causal", True) is False:
         out.append(_refused("non_causal"))
-    if getattr(cfg, "use_bidirectional_attention", False):
-        out.append(_refused("non_causal", "use_bidirectional_attention=True"))
+    bidirectional = getattr(cfg, "use_bidirectional_attention", False)
+    if bidirectional and bidirectional != "vision":  # "vision": Gemma 4's image blocks
+        out.append(_refused("non_causal", f"use_bidirectional_attention={bidirectional!r}"))
     dropout = attention_dropout(cfg) or attention_dropout(None, module)  # the config's first
     if dropout:
         out.append(_refused("dropout", ", ".join(f"{k}={v}" for k, v in dropout.items())))
@@ -388,6 +406,7 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
     classes = _attention_classes(hf)
     prefix, layers = decoder_layers(hf)
     layer_types = getattr(cfg, "layer_types", None)
+    blocks = image_blocks(hf)  # Gemma 3/4 multimodal: an image's tokens see each other
     problems: list[str] = []
     found: list[tuple[str, nn.Module, LayerFeatures | None]] = []
     for i, layer in enumerate(layers):
@@ -415,7 +434,7 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
             name = f"{prefix}.{i}.{n}"
             found_problems = [f"{name} ({type(m).__name__}): {f}" for f in _problems(m, cfg)]
             try:
-                feats = layer_features(m, cfg, lt)
+                feats = layer_features(m, cfg, lt, blocks is not None and blocks.on_layer(lt))
             except UnsupportedModelError as e:
                 found_problems.append(f"{name} ({type(m).__name__}): {e}")
                 feats = LayerFeatures()
@@ -508,6 +527,7 @@ def apply_ulysses(
         [(n, m) for n, m, f in found if f is not None and is_latent_attention(m)], group
     )
     state.shares_kv = any(getattr(m, "is_kv_shared_layer", False) for _, m, _ in found)
+    install_image_blocks(hf, group)  # the step's image blocks from the model's token types
     base.__dict__[_STATE] = state
     for _, m, _ in found:
         m.__dict__[_STATE] = state
@@ -527,7 +547,7 @@ def apply_ulysses(
 def _attn_features(feats: LayerFeatures, docs: bool) -> AttnFeatures:
     return AttnFeatures.of(causal=True, window=feats.window, chunk=feats.chunk,
                            softcap=feats.softcap, sinks=True if feats.sinks else None,
-                           docs=docs)  # fmt: skip
+                           docs=docs, blocks=True if feats.blocks else None)  # fmt: skip
 
 
 def _choose_kernels(
@@ -757,6 +777,8 @@ def _ulysses_attention(
         dev = query.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
         query, key, value = (t.to(dtype) for t in (query, key, value))
+    if layout is not None and layout.blocks is not None and not feats.blocks:
+        layout = _without_blocks(state, layout)  # a layer that stays causal over images
     if feats.nope_temperature:
         query = _global_temperature(module, query, layout, state.group)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -829,6 +851,17 @@ def _global_temperature(
     return (query * ratio.view(1, 1, -1, 1)).to(query.dtype)
 
 
+def _without_blocks(state: _State, layout: SeqLayout) -> SeqLayout:
+    """``layout`` without its bidirectional image blocks (Gemma 4's global layers), once per
+    forward."""
+    cached = state.causal_only
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    plain = replace(layout, blocks=None, block_ids=None)
+    state.causal_only = (layout, plain)
+    return plain
+
+
 def _chunk_layout(state: _State, layout: SeqLayout, chunk: int) -> SeqLayout:
     """``layout`` with each document cut into chunks of ``chunk`` tokens from its own start.
 
@@ -848,7 +881,7 @@ def _chunk_layout(state: _State, layout: SeqLayout, chunk: int) -> SeqLayout:
         ends = [*starts[1:], S]
         rows.append(tuple(p for a, b in zip(starts, ends) for p in range(a, b, chunk)))
     device = layout.doc_tensors.doc_ids.device if layout.doc_tensors is not None else None
-    finer = SeqLayout(layout.seq_sizes, tuple(rows), layout.ring)
+    finer = replace(layout, doc_starts=tuple(rows), doc_tensors=None)
     if device is not None:
         finer = with_doc_tensors(finer, device)
     state.chunked[key] = (layout, finer)

@@ -65,8 +65,10 @@ RNG files) is the stock one.
 
 Refused at construction, with the reason: models the engine cannot run exactly (bidirectional
 attention, ...), trainers that build their inputs by generation (online DPO, PPO, GKD, ...;
-GRPO and RLOO are made exact by :mod:`~dtensor_ulysses.hf.rl`) or
-whose loss is not the token cross entropy (DPO, KTO, reward, ...), DeepSpeed or accelerate's
+GRPO and RLOO are made exact by :mod:`~dtensor_ulysses.hf.rl`) or whose loss is not the token
+cross entropy and has no family mixin (DPO and KTO have theirs:
+:mod:`~dtensor_ulysses.hf.preference`; reward: :mod:`~dtensor_ulysses.hf.reward`), DeepSpeed or
+accelerate's
 FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 ``sp_size`` or ``tp_size > 1``, a ``compute_loss_func``, label smoothing, optimizers passed in
 (built before sharding), iterable datasets, ``save_on_each_node``.
@@ -125,6 +127,9 @@ _GENERATION = ("OnlineDPOTrainer", "PPOTrainer", "GKDTrainer", "NashMDTrainer", 
 # TRL trainers whose loss is not the token cross entropy, made exact by a mixin of their own
 # (one module per trainer family's loss): class name in the MRO -> (module, mixin)
 _FAMILIES: dict[str, tuple[str, str]] = {
+    "DPOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesDPO"),
+    "KTOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesKTO"),
+    "RewardTrainer": ("dtensor_ulysses.hf.reward", "_UlyssesReward"),
     "GRPOTrainer": ("dtensor_ulysses.hf.rl", "_UlyssesRL"),
     "RLOOTrainer": ("dtensor_ulysses.hf.rl", "_UlyssesRL"),
 }
@@ -561,6 +566,18 @@ class _UlyssesTrainer:
         ParallelOptions(**o).check(hf_model=True)  # gradient_checkpointing may have changed it
         if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
             _plain_head(hf).__class__ = _LossHead
+        # every rank starts from rank 0's weights, as under DDP
+        moved = _trainer_state.start_from_rank0(
+            model, flatten_dp_sp(self._du_mesh).get_group(), self.args.device
+        )
+        if moved and dist.get_rank() == 0:
+            more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
+            print(
+                f"with_ulysses: {len(moved)} tensor(s) differed between ranks "
+                f"({', '.join(moved[:3])}{more}); every rank now starts from rank 0's, as "
+                f"under DDP",
+                flush=True,
+            )
         return _parallelize_root(
             model, hf, self._du_mesh, activation_checkpointing=o["activation_checkpointing"],
             offload_activations=o["offload_activations"], offload_params=o["offload_params"],
