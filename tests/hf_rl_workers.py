@@ -131,13 +131,37 @@ def run(spec: dict) -> dict:
     return out
 
 
+def comm(spec: dict) -> dict:
+    """The collectives of one rollout-and-score and of one log-prob pass, counted on the sp
+    group (:class:`~dtensor_ulysses.debug.CommCounter`)."""
+    from dtensor_ulysses.debug import CommCounter
+
+    trainer = build(spec)
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    group = trainer._du_mesh["sp"].get_group()
+    with CommCounter() as score:
+        out = trainer._generate_and_score_completions(batch)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    C = out["completion_ids"].shape[1]
+    with CommCounter() as logps:
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C,
+                                                   compute_entropy=True)  # fmt: skip
+    return {
+        "rows": list(ids.shape),
+        "score_broadcasts": score.count("broadcast", group),
+        "logps_all_reduce": [logps.count("all_reduce", group), logps.bytes("all_reduce", group)],
+    }
+
+
 def run_specs(rank: int, world: int, specs: list) -> list:
     """Several runs in one spawned world; rank 0's results."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29513")
     os.environ["RANK"] = str(rank)
     torch.set_num_threads(1)
-    results = [run(spec) for spec in specs]
+    results = [comm(spec) if spec.get("comm") else run(spec) for spec in specs]
     return results if rank == 0 else [None] * len(results)
 
 

@@ -333,13 +333,26 @@ def _init_names(cls: type) -> list[str]:
 
 def _dp_generation_batch(args: Any, sp: int) -> None:
     """GRPO's config resolved ``generation_batch_size`` over every process; the stock trainer
-    at this dp resolves it over ``dp = world / sp``."""
+    at this dp resolves it over ``dp = world / sp``.
+
+    Raises:
+        ValueError: the batch over dp does not hold whole groups of ``num_generations``.
+    """
     world = int(getattr(args, "world_size", 1) or 1)
     if world % sp:
         return  # the mesh check names it
     dp = world // sp
     steps = args.steps_per_generation
-    args.generation_batch_size = args.per_device_train_batch_size * dp * steps
+    batch = args.per_device_train_batch_size * dp * steps
+    groups = int(getattr(args, "num_generations", 1) or 1)
+    if batch % groups:
+        raise ValueError(
+            f"the generation batch per_device_train_batch_size x dp x steps_per_generation = "
+            f"{args.per_device_train_batch_size} x {dp} x {steps} = {batch} rows does not hold "
+            f"whole groups of num_generations={groups} (dp = {world} ranks / sp={sp}); raise "
+            f"per_device_train_batch_size or steps_per_generation"
+        )
+    args.generation_batch_size = batch
 
 
 def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
@@ -379,10 +392,9 @@ def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
         if coef:
             problems.append(f"router_aux_loss_coef={coef}: the router loss of a sharded "
                             f"sequence is not wired into the RL loss; set it to 0.0")  # fmt: skip
-        if getattr(args, "eval_strategy", "no") not in ("no", None) and str(
-            getattr(args, "eval_strategy", "no")
-        ) not in ("IntervalStrategy.NO", "no"):
-            problems.append(f"eval_strategy={args.eval_strategy}: evaluation is not yet covered")
+        strategy = getattr(args, "eval_strategy", "no")
+        if strategy not in ("no", None):  # IntervalStrategy is a str enum
+            problems.append(f"eval_strategy={strategy}: evaluation is not yet covered")
     if problems:
         raise UnsupportedTrainerError(
             f"with_ulysses({name}) cannot run this exactly: " + "; ".join(problems)
