@@ -97,13 +97,16 @@ def build(spec: dict) -> Any:
                 common[k] = spec[k]
     else:
         cls, cfg_cls = trl.RLOOTrainer, trl.RLOOConfig
+    if spec.get("eval"):  # evaluation at step 2, on the prompts
+        common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     args = cfg_cls(**common)
     if spec.get("sp"):
         cls = with_ulysses(cls, sp=spec["sp"])
     data = Dataset.from_list([{"prompt": p} for p in PROMPTS])
     grads = _Grads()
     trainer = cls(model=model, reward_funcs=[reward_the, reward_counted], args=args,
-                  train_dataset=data, processing_class=tok, callbacks=[grads])  # fmt: skip
+                  train_dataset=data, processing_class=tok, callbacks=[grads],
+                  eval_dataset=data if spec.get("eval") else None)  # fmt: skip
     trainer._du_test_grads = grads
     return trainer
 
@@ -113,6 +116,10 @@ LOGGED = ("loss", "reward", "reward_std", "rewards/reward_the/mean", "rewards/re
           "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length",
           "completions/max_length", "completions/min_length", "frac_reward_zero_std",
           "grad_norm", "num_tokens")  # fmt: skip
+
+
+EVAL_LOGGED = ("eval_loss", "eval_reward", "eval_rewards/reward_the/mean", "eval_entropy",
+               "eval_completions/mean_length")  # fmt: skip
 
 
 def run(spec: dict) -> dict:
@@ -127,6 +134,8 @@ def run(spec: dict) -> dict:
     adv = list(trainer._logs["advantages"])
     out["advantages"] = [sum(adv) / len(adv), max(adv), min(adv)] if adv else []
     out["grads"] = [{k: v.tolist() for k, v in row.items()} for row in trainer._du_test_grads.steps]
+    out["eval"] = [{k: v for k, v in h.items() if k in EVAL_LOGGED}
+                   for h in trainer.state.log_history if "eval_loss" in h]  # fmt: skip
     assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
     return out
 

@@ -46,8 +46,9 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
 
 Refused at construction, with the reason: tool calling, environments and ``rollout_func``
 (multi-turn), vLLM generation (no GPU test here yet), transformers' continuous batching,
-vision-language processors, PEFT adapters, an entropy bonus, a router (MoE) auxiliary loss,
-``sync_ref_model`` and evaluation during training. The generation batch is
+vision-language processors, PEFT adapters, an entropy bonus, a router (MoE) auxiliary loss and
+``sync_ref_model``. Evaluation runs the stock trainer's ``prediction_step`` (rollouts and loss
+as in training). The generation batch is
 ``per_device_train_batch_size x dp x steps_per_generation`` (the config resolves it over all
 ``dp x sp`` processes; it is re-resolved over dp, so set ``steps_per_generation``, not an
 explicit ``generation_batch_size``).
@@ -318,6 +319,13 @@ class _UlyssesRL:
         # the value is the stock rank's loss; FSDP2 sums gradients over dp where DDP averages
         return loss.detach() + (loss - loss.detach()) / dp
 
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: Any = None):  # fmt: skip
+        # the stock trainer's (rollouts and loss as in training, through the methods above)
+        return super(_UlyssesTrainer, self).prediction_step(  # type: ignore[misc]
+            model, inputs, prediction_loss_only, ignore_keys
+        )
+
     def _track_num_input_tokens(self, inputs: Any) -> None:
         # the RL trainers count their tokens themselves (prompt + completion, over dp)
         super(_UlyssesTrainer, self)._track_num_input_tokens(inputs)  # type: ignore[misc]
@@ -365,7 +373,6 @@ def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
         ("environment_factory", "environments (multi-turn rollouts)"),
         ("rollout_func", "a custom rollout_func (its generation runs outside with_ulysses)"),
         ("peft_config", "a PEFT adapter (not yet covered by the exactness tests)"),
-        ("eval_dataset", "evaluation (its generation batches are not yet covered by tests)"),
     ):
         if bound.get(key):
             problems.append(f"{key}: {why}")
@@ -392,9 +399,6 @@ def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
         if coef:
             problems.append(f"router_aux_loss_coef={coef}: the router loss of a sharded "
                             f"sequence is not wired into the RL loss; set it to 0.0")  # fmt: skip
-        strategy = getattr(args, "eval_strategy", "no")
-        if strategy not in ("no", None):  # IntervalStrategy is a str enum
-            problems.append(f"eval_strategy={strategy}: evaluation is not yet covered")
     if problems:
         raise UnsupportedTrainerError(
             f"with_ulysses({name}) cannot run this exactly: " + "; ".join(problems)

@@ -34,10 +34,11 @@ CASES = {
     "dapo_kl": dict(kind="grpo", loss_type="dapo", beta=0.1),
     "rloo": dict(kind="rloo", beta=0.05),
 }
-# at (1, 2) only: the options that reduce over sequences or over the batch's tokens
+# at (1, 2) only: the options that reduce over sequences or over the batch's tokens, and
+# evaluation (its own rollouts) at step 2
 FEATURES = dict(kind="grpo", loss_type="bnpo", beta=0.0, num_iterations=2,
                 importance_sampling_level="sequence", mask_truncated_completions=True,
-                top_entropy_quantile=0.5)  # fmt: skip
+                top_entropy_quantile=0.5, eval=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,11 @@ def _close(got: dict, ref: dict) -> None:
             x, y = torch.tensor(g[name]), torch.tensor(r[name])
             tol = RTOL * y.abs().max().item() + 1e-7
             assert (x - y).abs().max().item() <= tol, (step, name)
+    assert len(got["eval"]) == len(ref["eval"])
+    for g, r in zip(got["eval"], ref["eval"]):
+        assert g.keys() == r.keys()
+        for k in r:
+            assert g[k] == pytest.approx(r[k], rel=RTOL, abs=ATOL), (k, g, r)
 
 
 @pytest.mark.parametrize("case", [*CASES, "features"])
