@@ -25,6 +25,8 @@ PROMPTS = [
 ]
 GRAD_PARAMS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                "model.layers.1.mlp.down_proj.weight", "lm_head.weight")  # fmt: skip
+_LORA = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.default.weight"
+LORA_GRAD_PARAMS = (_LORA.format(0, "q_proj", "A"), _LORA.format(1, "v_proj", "B"))
 
 
 def reward_the(completions: list, **_: Any) -> list[float]:
@@ -57,7 +59,7 @@ class _Grads:
 
                 named = dict(model.named_parameters())
                 row = {}
-                for name in GRAD_PARAMS:
+                for name in GRAD_PARAMS if "lm_head.weight" in named else LORA_GRAD_PARAMS:
                     g = named[name].grad
                     if isinstance(g, DTensor):
                         g = g.full_tensor()
@@ -106,9 +108,17 @@ def build(spec: dict) -> Any:
     grads = _Grads()
     trainer = cls(model=model, reward_funcs=[reward_the, reward_counted], args=args,
                   train_dataset=data, processing_class=tok, callbacks=[grads],
-                  eval_dataset=data if spec.get("eval") else None)  # fmt: skip
+                  eval_dataset=data if spec.get("eval") else None,
+                  peft_config=_lora() if spec.get("lora") else None)  # fmt: skip
     trainer._du_test_grads = grads
     return trainer
+
+
+def _lora() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      init_lora_weights=False)  # fmt: skip
 
 
 LOGGED = ("loss", "reward", "reward_std", "rewards/reward_the/mean", "rewards/reward_the/std",

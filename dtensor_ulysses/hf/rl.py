@@ -42,11 +42,12 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
   sums gradients over dp x sp, where DDP averages over dp).
 * **The reference model** (``beta > 0``) is loaded by the stock trainer and prepared like the
   policy (Ulysses on every attention layer, ``fully_shard`` over dp x sp), without gradients;
-  ``beta = 0`` loads none.
+  ``beta = 0`` loads none; with a PEFT adapter it is the policy with the adapter disabled, as in
+  the stock trainer.
 
 Refused at construction, with the reason: tool calling, environments and ``rollout_func``
 (multi-turn), vLLM generation (no GPU test here yet), transformers' continuous batching,
-vision-language processors, PEFT adapters, an entropy bonus, a router (MoE) auxiliary loss and
+vision-language processors, an entropy bonus, a router (MoE) auxiliary loss and
 ``sync_ref_model``. Evaluation runs the stock trainer's ``prediction_step`` (rollouts and loss
 as in training). The generation batch is
 ``per_device_train_batch_size x dp x steps_per_generation`` (the config resolves it over all
@@ -232,10 +233,20 @@ class _UlyssesRL:
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
         hf: Any = _trainer_state.base_model(self.model)
         hf._is_fsdp_managed_module = True  # generate(synced_gpus=True): every rank steps
+        # the root unit's weights (embeddings, head) gathered for the whole generation: a PEFT
+        # model's generate calls the inner model, not the root's hooks
+        root: Any = self.model
         try:
             with plain_attention(hf):
+                if not getattr(self, "_du_root_ready", False):  # FSDP2 sets up from the root's
+                    with torch.no_grad():  # first forward: one token through it, every rank
+                        root(input_ids=torch.zeros((1, 1), dtype=torch.long,
+                                                   device=self.accelerator.device))  # fmt: skip
+                    self._du_root_ready = True
+                root.unshard()
                 out = super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
         finally:
+            root.reshard()
             del hf._is_fsdp_managed_module
         if self._du_sp > 1:  # one set of rollouts per sp group: sp rank 0's (GRPO returns
             box = [out]  # (completion_ids, logprobs), RLOO completion_ids)
@@ -372,13 +383,9 @@ def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
         ("tools", "tool calling (multi-turn rollouts whose tool outputs are spliced in)"),
         ("environment_factory", "environments (multi-turn rollouts)"),
         ("rollout_func", "a custom rollout_func (its generation runs outside with_ulysses)"),
-        ("peft_config", "a PEFT adapter (not yet covered by the exactness tests)"),
     ):
         if bound.get(key):
             problems.append(f"{key}: {why}")
-    model = bound.get("model")
-    if isinstance(model, nn.Module) and _trainer_state.is_peft(model):
-        problems.append("a PEFT model: not yet covered by the exactness tests")
     processing = bound.get("processing_class")
     if processing is not None and hasattr(processing, "image_processor"):
         problems.append("a vision-language processor: vision-language rollouts are not supported")
