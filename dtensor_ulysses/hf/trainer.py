@@ -129,7 +129,7 @@ OPTIONS = {
 }  # fmt: skip
 # trainers whose inputs come from generation, or whose loss is not the token cross entropy
 _GENERATION = ("OnlineDPOTrainer", "PPOTrainer", "GKDTrainer", "NashMDTrainer", "XPOTrainer",
-               "GOLDTrainer")  # fmt: skip
+               "GOLDTrainer", "AsyncGRPOTrainer")  # fmt: skip
 # TRL trainers whose loss is not the token cross entropy, made exact by a mixin of their own
 # (one module per trainer family's loss): class name in the MRO -> (module, mixin)
 _FAMILIES: dict[str, tuple[str, str]] = {
@@ -265,9 +265,9 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     if generation:
         raise UnsupportedTrainerError(
             f"{cls.__name__} ({generation[0]}) builds its training inputs by generation, which "
-            f"needs the whole sequence on one rank (a KV cache) and a loss that is not the "
-            f"token cross entropy; with_ulysses supports transformers.Trainer and TRL's "
-            f"SFTTrainer (and their subclasses)"
+            f"with_ulysses makes exact for GRPOTrainer and RLOOTrainer only (rollouts on whole "
+            f"prompts, shared by the sp group); supported: transformers.Trainer, "
+            f"trl.SFTTrainer{''.join(', trl.' + n for n in _FAMILIES)} (and subclasses)"
         )
     family = next((n for n in names if n in _FAMILIES), None)
     is_trl = any(c.__module__.split(".")[0] == "trl" for c in cls.__mro__)
