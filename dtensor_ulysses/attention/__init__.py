@@ -14,6 +14,7 @@ from dtensor_ulysses._public import lazy_exports
 if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map read them)
     from dtensor_ulysses.attention.doc_tensors import (
         DocTensors,
+        build_block_ids,
         build_doc_tensors,
     )
     from dtensor_ulysses.attention.dtensor_api import (

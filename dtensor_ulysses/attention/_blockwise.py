@@ -14,11 +14,13 @@ normaliser is ``L = log(sum_j exp(s_ij) + exp(sink_h))`` (no sink term without s
 accumulates ``dq``, ``dk``, ``dv`` block by block (FlashAttention-2's backward), so no ``S x S``
 tensor exists in either pass.
 
-Mask: key ``j`` is visible to query ``i`` iff ``j <= i`` (causal), ``i - left <= j <= i + right``
-(window, ``-1`` an unlimited side), ``j // C == i // C`` (chunk) and both lie in one document
-(``doc_ids[b, i] == doc_ids[b, j]``). Key blocks that the causal, window and chunk rules (and,
-in eager code, the host document starts) rule out entirely are skipped: a window of ``W`` costs
-``O(S * W)``. Scores: ``s = scale * q.k``, then ``c * tanh(s / c)`` with a softcap ``c``.
+Mask: key ``j`` is visible to query ``i`` iff ``j <= i`` (causal) or both lie in one
+bidirectional block (``block_ids[b, i] == block_ids[b, j] >= 0``: the tokens of one image), and
+``i - left <= j <= i + right`` (window, ``-1`` an unlimited side), ``j // C == i // C`` (chunk)
+and both lie in one document (``doc_ids[b, i] == doc_ids[b, j]``). Key blocks that the causal,
+window and chunk rules (and, in eager code, the host document starts and block spans) rule out
+entirely are skipped: a window of ``W`` costs ``O(S * W)``. Scores: ``s = scale * q.k``, then
+``c * tanh(s / c)`` with a softcap ``c``.
 
 Sinks (one logit per q head): ``exp(sink_h)`` joins the denominator and carries no value, so
 ``o = sum_j exp(s_ij - L_i) v_j`` and ``d sink_h = -sum_i exp(sink_h - L_i) (do_i . o_i)``.
@@ -53,9 +55,14 @@ def key_ranges(
     window: Sequence[int],
     chunk: int,
     doc_starts: Sequence[Sequence[int]] | None = None,
+    blocks: bool = False,
+    block_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> list[int]:
     """Per block of ``block`` queries, the keys ``[lo, hi)`` that can be visible to any of them,
-    flattened ``[lo0, hi0, lo1, hi1, ...]`` (host ints: causal, window, chunk, documents)."""
+    flattened ``[lo0, hi0, lo1, hi1, ...]`` (host ints: causal, window, chunk, documents).
+
+    With bidirectional ``blocks`` a query sees keys up to the end of its block: ``block_spans``
+    (per row, each block's ``(start, end)``) bound them; unknown spans lift the causal bound."""
     left, right = window
     out = []
     for qs in range(0, S, block):
@@ -63,6 +70,12 @@ def key_ranges(
         lo, hi = 0, S
         if causal:
             hi = qe
+            if blocks and block_spans is None:
+                hi = S
+            elif blocks:
+                assert block_spans is not None
+                ends = [e for row in block_spans for b0, e in row if b0 < qe and e > qs]
+                hi = max([qe, *ends])
         if right >= 0:
             hi = min(hi, qe + right)
         if left >= 0:
@@ -82,8 +95,9 @@ def key_ranges(
 
 
 def _visible(
-    qs: int, qe: int, ks: int, ke: int, device, causal: bool, window, chunk: int, doc_ids_BS
-) -> torch.Tensor | None:
+    qs: int, qe: int, ks: int, ke: int, device, causal: bool, window, chunk: int, doc_ids_BS,
+    block_ids_BS=None,
+) -> torch.Tensor | None:  # fmt: skip
     """``[B or 1, Q, J]`` booleans (broadcast over heads later), or ``None``: all visible."""
     i = torch.arange(qs, qe, device=device)[:, None]
     j = torch.arange(ks, ke, device=device)[None, :]
@@ -93,8 +107,12 @@ def _visible(
         return new if m is None else m & new
 
     left, right = window
+    causal_BQJ = None
     if causal and ke - 1 > qs:
-        mask = both(mask, j <= i)
+        causal_BQJ = (j <= i)[None]
+        if block_ids_BS is not None:  # one block's tokens see each other both ways
+            bq_BQ1 = block_ids_BS[:, qs:qe, None]
+            causal_BQJ = causal_BQJ | ((bq_BQ1 == block_ids_BS[:, None, ks:ke]) & (bq_BQ1 >= 0))
     if left >= 0 and ks < qe - 1 - left:
         mask = both(mask, j >= i - left)
     if right >= 0 and ke - 1 > qs + right:
@@ -103,6 +121,8 @@ def _visible(
                       or qs // chunk != ks // chunk):  # fmt: skip
         mask = both(mask, (j // chunk) == (i // chunk))
     mask_BQJ = None if mask is None else mask[None]
+    if causal_BQJ is not None:
+        mask_BQJ = causal_BQJ if mask_BQJ is None else mask_BQJ & causal_BQJ
     if doc_ids_BS is not None:
         same_BQJ = doc_ids_BS[:, qs:qe, None] == doc_ids_BS[:, None, ks:ke]
         mask_BQJ = same_BQJ if mask_BQJ is None else mask_BQJ & same_BQJ
@@ -126,14 +146,14 @@ def _heads_last(x_BSNH: torch.Tensor, K: int, acc: torch.dtype) -> torch.Tensor:
     return x_BSNH.reshape(B, S, K, N // K, H).permute(0, 2, 1, 3, 4).to(acc).contiguous()
 
 
-def _block_mask(qs, qe, ks, ke, device, causal, window, chunk, doc_ids_BS):
+def _block_mask(qs, qe, ks, ke, device, causal, window, chunk, doc_ids_BS, block_ids_BS):
     """:func:`_visible` shaped to broadcast over ``[B, K, Q, G, J]`` (or ``None``)."""
-    mask_BQJ = _visible(qs, qe, ks, ke, device, causal, window, chunk, doc_ids_BS)
+    mask_BQJ = _visible(qs, qe, ks, ke, device, causal, window, chunk, doc_ids_BS, block_ids_BS)
     return None if mask_BQJ is None else mask_BQJ[:, None, :, None, :]
 
 
-def _forward(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, scale, causal, window, chunk,
-             softcap, ranges, block):  # fmt: skip
+def _forward(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, block_ids_BS, sinks_N, scale, causal, window,
+             chunk, softcap, ranges, block):  # fmt: skip
     """``o[B, S, N, H]`` (input dtype) and ``L[B, N, S]`` (float32 or float64)."""
     B, S, N, H = q_BSNH.shape
     K = k_BSKH.shape[2]
@@ -156,7 +176,8 @@ def _forward(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, scale, causal, window,
             ke = min(ks + block, hi)
             s, _ = _scores(q_BKRH, k_BKSH[:, :, ks:ke], scale, softcap)
             s = s.view(B, K, Q, G, ke - ks)
-            mask = _block_mask(qs, qe, ks, ke, dev, causal, window, chunk, doc_ids_BS)
+            mask = _block_mask(qs, qe, ks, ke, dev, causal, window, chunk, doc_ids_BS,
+                               block_ids_BS)  # fmt: skip
             if mask is not None:
                 s = s.masked_fill(~mask, -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
@@ -179,8 +200,8 @@ def _forward(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, scale, causal, window,
     return o_BSNH, L_BKSG.permute(0, 1, 3, 2).reshape(B, N, S).contiguous()
 
 
-def _backward(do_BSNH, q_BSNH, k_BSKH, v_BSKH, o_BSNH, L_BNS, doc_ids_BS, sinks_N, scale, causal,
-              window, chunk, softcap, ranges, block):  # fmt: skip
+def _backward(do_BSNH, q_BSNH, k_BSKH, v_BSKH, o_BSNH, L_BNS, doc_ids_BS, block_ids_BS, sinks_N,
+              scale, causal, window, chunk, softcap, ranges, block):  # fmt: skip
     """``dq, dk, dv`` (input dtypes) and ``dsinks[N]`` (float32/64; empty without sinks)."""
     B, S, N, H = q_BSNH.shape
     K = k_BSKH.shape[2]
@@ -211,7 +232,8 @@ def _backward(do_BSNH, q_BSNH, k_BSKH, v_BSKH, o_BSNH, L_BNS, doc_ids_BS, sinks_
             k_blk, v_blk = k_BKSH[:, :, ks:ke], v_BKSH[:, :, ks:ke]
             s, t = _scores(q_BKRH, k_blk, scale, softcap)
             p = torch.exp(s.view(B, K, Q, G, J) - L[..., None])
-            mask = _block_mask(qs, qe, ks, ke, dev, causal, window, chunk, doc_ids_BS)
+            mask = _block_mask(qs, qe, ks, ke, dev, causal, window, chunk, doc_ids_BS,
+                               block_ids_BS)  # fmt: skip
             if mask is not None:
                 p = p.masked_fill(~mask, 0.0)
             p = p.view(B, K, Q * G, J)
@@ -240,6 +262,7 @@ def _attn_op(
     k: torch.Tensor,
     v: torch.Tensor,
     doc_ids: torch.Tensor | None,
+    block_ids: torch.Tensor | None,
     sinks: torch.Tensor | None,
     scale: float,
     causal: bool,
@@ -249,11 +272,13 @@ def _attn_op(
     ranges: list[int],
     block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, doc_ids, sinks, scale, causal, window, chunk, softcap, ranges, block)
+    return _forward(q, k, v, doc_ids, block_ids, sinks, scale, causal, window, chunk, softcap,
+                    ranges, block)  # fmt: skip
 
 
 @_attn_op.register_fake
-def _attn_fake(q, k, v, doc_ids, sinks, scale, causal, window, chunk, softcap, ranges, block):
+def _attn_fake(q, k, v, doc_ids, block_ids, sinks, scale, causal, window, chunk, softcap, ranges,
+               block):  # fmt: skip
     B, S, N, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, N, S), dtype=_acc_dtype(q.dtype))
 
@@ -267,6 +292,7 @@ def _attn_backward_op(
     o: torch.Tensor,
     lse: torch.Tensor,
     doc_ids: torch.Tensor | None,
+    block_ids: torch.Tensor | None,
     sinks: torch.Tensor | None,
     scale: float,
     causal: bool,
@@ -276,31 +302,34 @@ def _attn_backward_op(
     ranges: list[int],
     block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, doc_ids, sinks, scale, causal, window, chunk, softcap,
-                     ranges, block)  # fmt: skip
+    return _backward(do, q, k, v, o, lse, doc_ids, block_ids, sinks, scale, causal, window, chunk,
+                     softcap, ranges, block)  # fmt: skip
 
 
 @_attn_backward_op.register_fake
-def _attn_backward_fake(do, q, k, v, o, lse, doc_ids, sinks, scale, causal, window, chunk,
-                        softcap, ranges, block):  # fmt: skip
+def _attn_backward_fake(do, q, k, v, o, lse, doc_ids, block_ids, sinks, scale, causal, window,
+                        chunk, softcap, ranges, block):  # fmt: skip
     N = q.shape[2]
     dsinks = q.new_empty((N if sinks is not None else 0,), dtype=_acc_dtype(q.dtype))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, doc_ids, sinks, scale, causal, window, chunk, softcap, ranges, block = inputs
+    q, k, v, doc_ids, block_ids, sinks, scale, causal, window, chunk, softcap, ranges, block = (
+        inputs
+    )
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, doc_ids, sinks)
+    ctx.save_for_backward(q, k, v, o, lse, doc_ids, block_ids, sinks)
     ctx.args = (scale, causal, window, chunk, softcap, ranges, block)
     ctx.sinks_dtype = None if sinks is None else sinks.dtype
 
 
 def _autograd_backward(ctx, do, _dlse):
-    q, k, v, o, lse, doc_ids, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = _attn_backward_op(do, q, k, v, o, lse, doc_ids, sinks, *ctx.args)
+    q, k, v, o, lse, doc_ids, block_ids, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _attn_backward_op(do, q, k, v, o, lse, doc_ids, block_ids, sinks,
+                                           *ctx.args)  # fmt: skip
     dsinks = None if ctx.sinks_dtype is None else dsinks.to(ctx.sinks_dtype)
-    return dq, dk, dv, None, dsinks, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, dsinks, None, None, None, None, None, None, None
 
 
 _attn_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -319,16 +348,21 @@ def blockwise_attention(
     sinks_N: torch.Tensor | None = None,
     doc_ids_BS: torch.Tensor | None = None,
     doc_starts: Sequence[Sequence[int]] | None = None,
+    block_ids_BS: torch.Tensor | None = None,
+    block_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     block: int | None = None,
 ) -> torch.Tensor:
     """``o[B, S, N, H]`` (see the module docstring); ``doc_ids`` mask the documents,
-    ``doc_starts`` (host ints, when known) only let whole key blocks be skipped; ``block``
-    (default :data:`DEFAULT_BLOCK`, read at the call) queries and keys per block."""
+    ``doc_starts`` (host ints, when known) only let whole key blocks be skipped; ``block_ids``
+    ``[B, S]`` (``-1``: none) the bidirectional blocks, ``block_spans`` (host ints, when known)
+    bound the keys they add; ``block`` (default :data:`DEFAULT_BLOCK`, read at the call)
+    queries and keys per block."""
     S = q_BSNH.shape[1]
     block = max(1, min(DEFAULT_BLOCK if block is None else block, S))
     ranges = key_ranges(S, block, causal=causal, window=window, chunk=chunk,
-                        doc_starts=doc_starts)  # fmt: skip
-    o_BSNH, _ = _attn_op(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, sinks_N, float(scale), bool(causal),
-                         [int(window[0]), int(window[1])], int(chunk), float(softcap), ranges,
-                         int(block))  # fmt: skip
+                        doc_starts=doc_starts, blocks=block_ids_BS is not None,
+                        block_spans=block_spans)  # fmt: skip
+    o_BSNH, _ = _attn_op(q_BSNH, k_BSKH, v_BSKH, doc_ids_BS, block_ids_BS, sinks_N, float(scale),
+                         bool(causal), [int(window[0]), int(window[1])], int(chunk),
+                         float(softcap), ranges, int(block))  # fmt: skip
     return o_BSNH

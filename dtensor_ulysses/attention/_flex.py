@@ -1,5 +1,5 @@
-"""The FlexAttention backend: documents, windows and chunks as a block mask, softcap as a
-``score_mod``, sinks through the log-sum-exp.
+"""The FlexAttention backend: documents, windows, chunks and bidirectional blocks as a block
+mask, softcap as a ``score_mod``, sinks through the log-sum-exp.
 
 Legend: ``B`` batch, ``S`` sequence, ``N`` q heads, ``K`` kv heads, ``H`` head dim, ``T`` the block
 size (128), ``n = ceil(S / T)`` blocks.
@@ -7,7 +7,9 @@ size (128), ``n = ceil(S / T)`` blocks.
 The block mask is built from block-level facts, never from an ``S x S`` mask: for each pair of
 (query block, key block), whether some key can be visible (the causal, window and chunk rules on
 the blocks' first and last index; documents from the document ids of the blocks' first and last
-token, which rise along a row) and whether all are (then the block skips ``mask_mod``).
+token, which rise along a row; bidirectional blocks, which lift causality, from the least and
+greatest block id in each block: a pair whose ranges overlap may share one) and whether all are
+(then the block skips ``mask_mod``; never decided by a bidirectional block, only widened).
 ``[B, n, n]`` booleans: ``(S/128)^2`` per row, 1 MiB at 128K tokens. Partially visible blocks
 apply the exact ``mask_mod``.
 
@@ -39,6 +41,7 @@ def flex_block_mask(
     window: tuple[int, int],
     chunk: int,
     doc_ids_BS: torch.Tensor | None,
+    block_ids_BS: torch.Tensor | None = None,
 ):
     """The :class:`~torch.nn.attention.flex_attention.BlockMask` of the mask rules (see the
     module docstring); its ``mask_mod`` is exact on partially visible blocks."""
@@ -51,9 +54,19 @@ def flex_block_mask(
     anyv = torch.ones(n, n, dtype=torch.bool, device=device)
     full = anyv.clone()
     left, right = window
+    causal_bnn = None
     if causal:
-        anyv &= kmin <= qmax
+        causal_bnn = (kmin <= qmax)[None]
         full &= kmax <= qmin
+        if block_ids_BS is not None:  # a shared block lifts causality: its id range per block
+            B = block_ids_BS.shape[0]
+            ids_BnT = torch.nn.functional.pad(block_ids_BS, (0, n * T - S), value=-1).view(B, n, T)
+            hi_Bn = ids_BnT.amax(-1)
+            lo_Bn = torch.where(ids_BnT >= 0, ids_BnT, hi_Bn.max() + 1).amin(-1)
+            shares_Bnn = (lo_Bn[:, :, None] <= hi_Bn[:, None, :]) & (
+                lo_Bn[:, None, :] <= hi_Bn[:, :, None]
+            )
+            causal_bnn = causal_bnn | (shares_Bnn & (hi_Bn[:, :, None] >= 0))
     if left >= 0:
         anyv &= kmax >= qmin - left
         full &= kmin >= qmax - left
@@ -65,6 +78,8 @@ def flex_block_mask(
         anyv &= (ck0 <= cq1) & (ck1 >= cq0)
         full &= (cq0 == cq1) & (ck0 == ck1) & (cq0 == ck0)
     anyv_bnn, full_bnn = anyv[None], full[None]
+    if causal_bnn is not None:
+        anyv_bnn = anyv_bnn & causal_bnn
     if doc_ids_BS is not None:
         d0, d1 = doc_ids_BS[:, first], doc_ids_BS[:, last]  # [B, n]: ids rise along a row
         dq0, dq1, dk0, dk1 = d0[:, :, None], d1[:, :, None], d0[:, None, :], d1[:, None, :]
@@ -79,7 +94,10 @@ def flex_block_mask(
 
     def mask_mod(b, h, q_idx, kv_idx):
         ok = q_idx >= 0
-        if causal:
+        if causal and block_ids_BS is not None:
+            bq = block_ids_BS[b, q_idx]
+            ok = ok & ((kv_idx <= q_idx) | ((bq == block_ids_BS[b, kv_idx]) & (bq >= 0)))
+        elif causal:
             ok = ok & (kv_idx <= q_idx)
         if left >= 0:
             ok = ok & (kv_idx >= q_idx - left)
@@ -116,13 +134,14 @@ def flex_attention(
     softcap: float,
     sinks_N: torch.Tensor | None,
     doc_ids_BS: torch.Tensor | None,
+    block_ids_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``o[B, S, N, H]`` by FlexAttention (see the module docstring)."""
     from torch.nn.attention.flex_attention import AuxRequest
 
     S = q_BSNH.shape[1]
     block_mask = flex_block_mask(S, q_BSNH.device, causal=causal, window=window, chunk=chunk,
-                                 doc_ids_BS=doc_ids_BS)  # fmt: skip
+                                 doc_ids_BS=doc_ids_BS, block_ids_BS=block_ids_BS)  # fmt: skip
     score_mod = None
     if softcap > 0:
         cap = float(softcap)

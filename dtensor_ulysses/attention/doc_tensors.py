@@ -18,6 +18,10 @@ model converts them once per step, before the compiled blocks run, into :class:`
   blocks past a document's end exit at once).
 
 One host-to-device copy per step (all three tensors in one buffer), none per layer.
+
+Bidirectional blocks (the tokens of one image, :attr:`~dtensor_ulysses.plan.SeqLayout.blocks`)
+become ``block_ids[B, S]`` the same way (:func:`build_block_ids`: int32, ``-1`` outside a block),
+attached to the layout beside the documents by :func:`with_doc_tensors`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["DocTensors", "build_doc_tensors", "check_doc_starts", "with_doc_tensors"]
+__all__ = [
+    "DocTensors",
+    "build_block_ids",
+    "build_doc_tensors",
+    "check_doc_starts",
+    "with_doc_tensors",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,11 +97,27 @@ def build_doc_tensors(
     )
 
 
+def build_block_ids(
+    blocks: Sequence[Sequence[tuple[int, int]]], S: int, device: torch.device | str
+) -> torch.Tensor:
+    """``block_ids[B, S]`` (int32 on ``device``) of per-row block spans ``(start, end)``: the
+    blocks of a row numbered ``0, 1, ...`` in order, ``-1`` for a token in none."""
+    ids = torch.full((len(blocks), S), -1, dtype=torch.int32)
+    for b, spans in enumerate(blocks):
+        for n, (lo, hi) in enumerate(spans):
+            ids[b, lo:hi] = n
+    return ids.to(device)
+
+
 def with_doc_tensors(layout: Any, device: torch.device) -> Any:
     """``layout`` with its :class:`DocTensors` attached (a layout with packed documents and no
-    ring; the ring keeps its own host-side masks), else ``layout`` as it is."""
-    if layout is None or layout.doc_starts is None or layout.ring != 1:
+    ring; the ring keeps its own host-side masks) and its bidirectional blocks' ``block_ids``,
+    else ``layout`` as it is."""
+    if layout is None or torch.compiler.is_compiling():
         return layout
-    if layout.doc_tensors is not None or torch.compiler.is_compiling():
+    blocks = getattr(layout, "blocks", None)
+    if blocks is not None and layout.block_ids is None:
+        layout = replace(layout, block_ids=build_block_ids(blocks, layout.seq_len, device))
+    if layout.doc_starts is None or layout.ring != 1 or layout.doc_tensors is not None:
         return layout
     return replace(layout, doc_tensors=build_doc_tensors(layout.doc_starts, layout.seq_len, device))

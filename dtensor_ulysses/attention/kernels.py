@@ -2,12 +2,13 @@
 
 Each backend declares, as a :class:`KernelSpec`, what it computes exactly: the features
 (:class:`AttnFeatures`: packed documents, a sliding window, chunked attention, a logit softcap,
-attention sinks; causal or not is run by all), the device types (and those it has a backward
-on), the dtypes, the largest head dim, GQA, and which features still hold inside
-``torch.compile``. :func:`choose_kernel` is the one choice: where the recipe is applied
-(``du.parallelize``, ``hf.apply_ulysses``, the trainer's checks) it picks, once per layer kind,
-the kernel for the layer's declared features on a device and dtype, with and without packed
-documents, and for ring attention's blocks; the :class:`KernelChoice` is stored on the layer
+attention sinks, bidirectional blocks such as an image's tokens inside causal text attention;
+causal or not is run by all), the device types (and those it has a backward on), the dtypes,
+the largest head dim, GQA, and which features still hold inside ``torch.compile``.
+:func:`choose_kernel` is the one choice: where the recipe is applied (``du.parallelize``,
+``hf.apply_ulysses``, the trainer's checks) it picks, once per layer kind, the kernel for the
+layer's declared features on a device and dtype, with and without packed documents, and for
+ring attention's blocks; the :class:`KernelChoice` is stored on the layer
 and the call path only looks it up. A refusal is an :class:`AttentionBackendError` (a
 ``ValueError``) naming the feature, the reason and the fix, before step 1.
 :func:`select_backend` is the same rule for one set of features (what
@@ -18,10 +19,13 @@ Backends (``BACKENDS``; ``"auto"`` picks among them in :data:`AUTO_ORDER`):
 
 * ``"flash_attn"``: flash-attn 2 (``flash_attn_func``, ``flash_attn_varlen_func`` with
   ``window_size`` and ``softcap``) through the flash-attn seam; CUDA, fp16/bf16, head dim <= 256.
+  Neither it, ``"sdpa"`` nor ``"torch_varlen"`` runs bidirectional blocks (they would need an
+  ``S x S`` mask): a layer with them is refused there before step 1.
 * ``"sdpa"``: :func:`torch.nn.functional.scaled_dot_product_attention`: plain (causal or not)
   attention; packed documents in eager code (one call per document).
 * ``"flex"``: FlexAttention: a block mask (``(S/128)^2`` blocks, built from the document ids
-  without an ``S x S`` tensor) for documents, windows and chunks, ``score_mod`` for the softcap,
+  and block ids without an ``S x S`` tensor) for documents, windows, chunks and bidirectional
+  blocks, ``score_mod`` for the softcap,
   sinks through the log-sum-exp. A backward on CUDA only (torch 2.13 has none on CPU; its CPU
   forward is for inference and tests).
 * ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (present in this torch: listed
@@ -76,6 +80,7 @@ FEATURE_NAMES = {
     "chunk": "chunked attention (chunk=)",
     "softcap": "a logit softcap (softcap=)",
     "sinks": "attention sinks (sinks=)",
+    "blocks": "bidirectional blocks inside causal attention (block_ids=: e.g. one image's tokens)",
 }
 
 
@@ -99,6 +104,7 @@ class AttnFeatures:
     softcap: bool = False
     sinks: bool = False
     docs: bool = False
+    blocks: bool = False
 
     def used(self) -> tuple[str, ...]:
         """The features used, by name, in :data:`FEATURE_NAMES` order (``causal`` is run by
@@ -115,6 +121,7 @@ class AttnFeatures:
         softcap: float | None = None,
         sinks: object = None,
         docs: bool = False,
+        blocks: object = None,
     ) -> AttnFeatures:
         """The features of :func:`~dtensor_ulysses.attention.local_attention`'s arguments
         (``window=(-1, -1)`` and ``softcap=0`` are no window, no softcap)."""
@@ -125,6 +132,7 @@ class AttnFeatures:
             softcap=bool(softcap),
             sinks=sinks is not None,
             docs=bool(docs),
+            blocks=blocks is not None,
         )
 
 
@@ -501,11 +509,17 @@ class Kernel(Protocol):
 
     ``kernel(q[B, S, N, H], k[B, S, K, H], v[B, S, K, H], *, causal, softmax_scale, layout=None,
     doc_starts=None, doc_tensors=None, window=None, chunk=None, softcap=None, sinks=None,
-    backend=...)`` returns ``o[B, S, N, H]`` and runs exactly: causal masking; packed documents
-    (``doc_starts`` per row, or ``doc_tensors`` when ``takes_doc_tensors``; nothing crosses a
-    document); a sliding window ``(left, right)``; chunks of ``C`` tokens; a logit softcap
-    ``c * tanh(s / c)``; sinks ``[N]`` (one logit per q head in the denominator). A kernel that
-    cannot run a feature it is handed raises a ``ValueError`` naming it; it never drops one.
+    block_ids=None, block_spans=None, backend=...)`` returns ``o[B, S, N, H]`` and runs exactly:
+    causal masking; packed documents (``doc_starts`` per row, or ``doc_tensors`` when
+    ``takes_doc_tensors``; nothing crosses a document); a sliding window ``(left, right)``;
+    chunks of ``C`` tokens; a logit softcap ``c * tanh(s / c)``; sinks ``[N]`` (one logit per q
+    head in the denominator); bidirectional blocks: ``block_ids[B, S]`` (int, ``-1``: no block;
+    the tokens of one image share an id), where key ``j`` is visible to query ``i`` if
+    ``j <= i`` *or* both carry the same block id, and then also inside the window, the chunk
+    and the document (a block lifts causality only); ``block_spans`` (per row, the blocks'
+    ``(start, end)`` as host ints, eager code only) lets a kernel skip key blocks. A kernel
+    that cannot run a feature it is handed raises a ``ValueError`` naming it; it never drops
+    one.
 
     Declarations (class attributes, all optional; the engine reads them with these defaults):
         takes_doc_tensors: takes ``doc_tensors=`` (device tensors of the documents: what

@@ -8,9 +8,11 @@ attention). All tensors are ``[B, S, heads, H]``.
 causal masking, packed documents (nothing crosses a document boundary), a sliding window
 ``(left, right)`` (flash-attn's convention: key ``j`` is visible to query ``i`` iff
 ``i - left <= j <= i + right``, ``-1`` an unlimited side), chunked attention (``j // C == i // C``),
-a logit softcap (``c * tanh(s / c)``) and attention sinks (a logit per q head that joins the
-softmax denominator). The backends, what each runs, and the choice (``backend="auto"``,
-:func:`force_backend`, ``DTENSOR_ULYSSES_ATTENTION``) are in
+a logit softcap (``c * tanh(s / c)``), attention sinks (a logit per q head that joins the
+softmax denominator) and bidirectional blocks inside causal attention (``block_ids``: the tokens
+of one image see each other both ways; the other rules still apply). The backends, what each
+runs, and the choice (``backend="auto"``, :func:`force_backend`, ``DTENSOR_ULYSSES_ATTENTION``)
+are in
 :mod:`dtensor_ulysses.attention.kernels`; an explicitly requested backend that cannot run the
 features raises, it never silently becomes another.
 
@@ -39,7 +41,12 @@ from dtensor_ulysses.attention._flash_seam import (
     use_flash_attn_module,
 )
 from dtensor_ulysses.attention._flex import flex_attention
-from dtensor_ulysses.attention.doc_tensors import DocTensors, build_doc_tensors, check_doc_starts
+from dtensor_ulysses.attention.doc_tensors import (
+    DocTensors,
+    build_block_ids,
+    build_doc_tensors,
+    check_doc_starts,
+)
 from dtensor_ulysses.attention.kernels import (
     BACKENDS,
     ENV_VAR,
@@ -169,6 +176,8 @@ def local_attention(
     chunk: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
+    block_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     """Attention on local, full-length tensors; returns ``o[B, S, N, H]``.
 
@@ -196,6 +205,12 @@ def local_attention(
         softcap: ``c``: scores become ``c * tanh(s / c)`` with ``s = softmax_scale * q.k``.
         sinks: ``[N]``, one logit per q head: ``exp(sinks[h])`` joins the softmax denominator
             of head ``h`` (no value); differentiable.
+        block_ids: ``[B, S]`` ints: bidirectional blocks (``-1``: a token in none). With
+            ``causal``, key ``j`` is visible to query ``i`` if ``j <= i`` or
+            ``block_ids[b, i] == block_ids[b, j] >= 0`` (Gemma 3's image tokens); the window,
+            chunk and documents still apply. Kernels: ``flex`` and ``blockwise``.
+        block_spans: per row, each block's ``(start, end)`` (host ints, optional: lets the
+            blockwise kernel skip the key blocks no block reaches).
 
     Raises:
         ValueError: ``N % K != 0``; ``doc_starts`` rows that do not rise strictly from 0 or reach
@@ -209,6 +224,13 @@ def local_attention(
         raise ValueError(f"{N} q heads are not a multiple of {K} kv heads")
     win = _check_window(window)
     _check_scalars(chunk, softcap, sinks, N)
+    if block_ids is not None and (
+        tuple(block_ids.shape) != (B, S) or block_ids.is_floating_point()
+    ):
+        raise ValueError(
+            f"block_ids has shape {tuple(block_ids.shape)} and dtype {block_ids.dtype}; expected "
+            f"[B, S] = {(B, S)} ints (-1: a token in no bidirectional block)"
+        )
     if position_ids is not None:
         if doc_starts is not None:
             raise ValueError("pass position_ids or doc_starts, not both")
@@ -227,7 +249,7 @@ def local_attention(
     if isinstance(backend, KernelChoice):  # chosen once where the recipe was applied
         backend = backend.name(docs)
     features = AttnFeatures.of(causal=causal, window=window, chunk=chunk, softcap=softcap,
-                               sinks=sinks, docs=docs)  # fmt: skip
+                               sinks=sinks, docs=docs, blocks=block_ids)  # fmt: skip
     chosen = select_backend(features, device_type=q_BSNH.device.type, dtype=q_BSNH.dtype,
                             head_dim=H, backend=backend, compiled=compiled,
                             device_index=q_BSNH.device.index)  # fmt: skip
@@ -235,7 +257,8 @@ def local_attention(
         return _padded_heads(q_BSNH, k_BSKH, v_BSKH, causal=causal,
                              softmax_scale=H**-0.5 if softmax_scale is None else softmax_scale,
                              backend=chosen, doc_starts=doc_starts, doc_tensors=doc_tensors,
-                             window=window, chunk=chunk, softcap=softcap, sinks=sinks)  # fmt: skip
+                             window=window, chunk=chunk, softcap=softcap, sinks=sinks,
+                             block_ids=block_ids, block_spans=block_spans)  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q_BSNH, k_BSKH, v_BSKH, sinks)
     )
@@ -258,11 +281,15 @@ def local_attention(
             doc_ids_BS = doc_tensors.doc_ids
         elif doc_starts is not None:
             doc_ids_BS = build_doc_tensors(doc_starts, S, q_BSNH.device).doc_ids
-        kw = dict(scale=scale, causal=causal, window=win, chunk=chunk or 0,
-                  softcap=float(softcap or 0.0), sinks_N=sinks, doc_ids_BS=doc_ids_BS)  # fmt: skip
+        kw: dict[str, Any] = dict(scale=scale, causal=causal, window=win, chunk=chunk or 0,
+                  softcap=float(softcap or 0.0), sinks_N=sinks, doc_ids_BS=doc_ids_BS,
+                  block_ids_BS=block_ids)  # fmt: skip
         if chosen == "flex":
-            return flex_attention(q_BSNH, k_BSKH, v_BSKH, **kw)  # type: ignore[arg-type]
-        return blockwise_attention(q_BSNH, k_BSKH, v_BSKH, doc_starts=host_starts, **kw)  # type: ignore[arg-type]
+            return flex_attention(q_BSNH, k_BSKH, v_BSKH, **kw)
+        spans = None if compiled else block_spans
+        return blockwise_attention(
+            q_BSNH, k_BSKH, v_BSKH, doc_starts=host_starts, block_spans=spans, **kw
+        )
     if chosen in ("flash_attn", "torch_varlen"):
         if chunk is not None:  # chunks are documents too: cut every document at multiples of C
             rows = host_starts or [[0]] * B
@@ -355,12 +382,14 @@ class LocalAttention(nn.Module):
     takes_doc_tensors = True  # the engine may hand over doc_tensors= (compiled packed docs)
 
     def forward(self, q, k, v, *, layout=None, doc_starts=None, doc_tensors=None, **features):
+        kw: dict[str, Any] = dict(window=self.window, chunk=self.chunk, softcap=self.softcap)
         if layout is not None and doc_starts is None and doc_tensors is None:
             if layout.doc_tensors is not None:
                 doc_tensors = layout.doc_tensors
             else:
                 doc_starts = layout.doc_starts
-        kw = dict(window=self.window, chunk=self.chunk, softcap=self.softcap)
+        if layout is not None and layout.blocks is not None:
+            kw.update(block_ids=_layout_block_ids(layout, q.device), block_spans=layout.blocks)
         kw.update(features)
         return local_attention(
             q, k, v, causal=self.causal, backend=self.kernel_choice or self.backend,
@@ -392,6 +421,13 @@ class LocalAttention(nn.Module):
             if getattr(self, name) is not None:
                 out += f", {name}={getattr(self, name)!r}"
         return out
+
+
+def _layout_block_ids(layout: Any, device: torch.device) -> torch.Tensor:
+    """The layout's ``block_ids[B, S]`` (attached once per step, else built here)."""
+    if layout.block_ids is not None:
+        return layout.block_ids
+    return build_block_ids(layout.blocks, layout.seq_len, device)
 
 
 def _sdpa(q_BSNH, k_BSKH, v_BSKH, causal: bool, softmax_scale: float | None) -> torch.Tensor:

@@ -20,7 +20,9 @@ run through it. It handles
   sent the kv heads its own q heads use (an ``index_select`` before the all-to-all, so autograd
   sums the gradients of the copies back into the original head);
 * packed documents: from the step's :class:`~dtensor_ulysses.plan.SeqLayout` (no communication),
-  or from this rank's slice of ``position_ids`` (one all-gather of the int64 ids).
+  or from this rank's slice of ``position_ids`` (one all-gather of the int64 ids);
+* bidirectional blocks (an image's tokens): the layout's ``blocks``, full-length like the
+  kernel's rows, handed over as ``block_ids=`` and ``block_spans=`` (no communication).
 
 Communication per call (``e`` bytes per element; a rank's bytes are the buffer it passes in):
 forward one fused all-to-all of ``B*s*(N + K')*H*e + B*s*K'*Hv*e`` (q, k, v; ``K'`` the kv
@@ -45,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dtensor_ulysses.attention._head_stages import StageExchange, run_head_stages
+from dtensor_ulysses.attention.doc_tensors import build_block_ids
 from dtensor_ulysses.attention.local import DeferredQ, starts_from_positions
 from dtensor_ulysses.comm.alltoall import AllToAllInFlight, all_to_all
 from dtensor_ulysses.plan import (
@@ -368,6 +371,11 @@ class UlyssesAttention(nn.Module):
             attn_kwargs["doc_tensors"] = layout.doc_tensors  # no int guards when compiled
         elif layout is not None and layout.doc_starts is not None:
             attn_kwargs["doc_starts"] = layout.doc_starts
+        if layout is not None and layout.blocks is not None:  # full-length, as the kernel sees
+            attn_kwargs["block_ids"] = layout.block_ids
+            if layout.block_ids is None:
+                attn_kwargs["block_ids"] = build_block_ids(layout.blocks, layout.seq_len, k.device)
+            attn_kwargs["block_spans"] = layout.blocks
 
         sinks_N = attn_kwargs.pop("sinks", None)
         if sinks_N is not None and tuple(sinks_N.shape) != (N,):

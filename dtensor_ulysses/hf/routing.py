@@ -57,8 +57,10 @@ them).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -76,6 +78,8 @@ from dtensor_ulysses.attention.ulysses import (
     gather_doc_starts,
     sp_group,
 )
+from dtensor_ulysses.hf.image_blocks import image_blocks
+from dtensor_ulysses.hf.image_blocks import install as install_image_blocks
 from dtensor_ulysses.hf.latent_attention import (
     is_latent_attention,
     route_latent_attention,
@@ -106,6 +110,7 @@ __all__ = [
     "check_supported",
     "decoder_layers",
     "layer_features",
+    "plain_attention",
     "unwrap",
 ]
 
@@ -144,11 +149,14 @@ class _State:
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # id(module) -> features
     calls: dict[int, int] = field(default_factory=dict)
     chunked: dict[int, tuple[SeqLayout, SeqLayout]] = field(default_factory=dict)
+    causal_only: tuple[SeqLayout, SeqLayout] | None = None  # the layout without image blocks
     latent: dict[str, str] = field(default_factory=dict)  # MLA layer -> "latent" / "heads"
     shares_kv: bool = False  # some layer attends with an earlier layer's k, v (Gemma 4)
     kv_shared: dict[int, tuple] = field(default_factory=dict)  # id(k) -> (k, v, k_ex, v_ex)
     checked: bool = False
     hooks: list = field(default_factory=list)
+    original: str | None = None  # the attention implementation before apply_ulysses
+    plain: bool = False  # inside plain_attention: the hooks do nothing
 
     def record(self, module: nn.Module) -> None:
         """Count a routed call of ``module`` (attention or linear attention) for the guard."""
@@ -251,6 +259,11 @@ class LayerFeatures:
             ``s_aux``).
         nope_temperature: Llama 4's attention temperature on a layer without RoPE: its q scale
             depends on the token's row index, which the model computes on the local slice.
+        blocks: the tokens of one image attend to each other both ways (Gemma 3 on every
+            layer, Gemma 4 on its sliding layers): the kernel feature of bidirectional blocks,
+            from the step layout's ``blocks``. transformers' sliding mask is then
+            ``(causal or same image) and kv_idx > q_idx - W``: the window bounds the left side
+            only.
     """
 
     sliding_window: int | None = None
@@ -258,11 +271,14 @@ class LayerFeatures:
     softcap: float | None = None
     sinks: bool = False
     nope_temperature: bool = False
+    blocks: bool = False
 
     @property
     def window(self) -> tuple[int, int] | None:
         """The kernel's ``(left, right)`` window (flash-attn convention), or ``None``."""
-        return None if self.sliding_window is None else (self.sliding_window - 1, 0)
+        if self.sliding_window is None:
+            return None
+        return (self.sliding_window - 1, -1 if self.blocks else 0)
 
     def describe(self) -> str:
         """A short description (``"window 8, softcap 50.0"``), ``"plain"`` when none."""
@@ -275,18 +291,24 @@ class LayerFeatures:
             parts.append(f"softcap={self.softcap}")
         if self.sinks:
             parts.append("sinks")
+        if self.blocks:
+            parts.append("bidirectional image blocks")
         return ", ".join(parts) or "plain"
 
 
-def layer_features(module: nn.Module, cfg: Any, layer_type: str | None) -> LayerFeatures:
+def layer_features(
+    module: nn.Module, cfg: Any, layer_type: str | None, blocks: bool = False
+) -> LayerFeatures:
     """The features of attention ``module`` (see :class:`LayerFeatures`).
 
     Read as each family's code applies them: a module's own ``sliding_window`` attribute
     (Qwen2, Qwen3-MoE, Gemma 2/3, gpt-oss, OLMo 3 set it per layer from ``layer_types``), else
     the config's (Mistral and Mixtral read ``config.sliding_window`` at call time for every
     layer); ``attention_chunk_size`` on ``"chunked_attention"`` layers (Llama 4);
-    ``attn_logit_softcapping``; a ``sinks`` parameter. The attention call's own arguments are
-    checked against these on every call (:func:`_ulysses_attention`).
+    ``attn_logit_softcapping``; a ``sinks`` parameter; ``blocks``, the model's bidirectional
+    image blocks on this layer (:func:`~dtensor_ulysses.hf.image_blocks.block_layers`). The
+    attention call's own arguments are checked against these on every call
+    (:func:`_ulysses_attention`).
 
     Raises:
         UnsupportedModelError: a setting these rules cannot place (a window or chunk size that
@@ -320,7 +342,7 @@ def layer_features(module: nn.Module, cfg: Any, layer_type: str | None) -> Layer
     nope_t = bool(getattr(module, "attn_temperature_tuning", False)) and (
         getattr(module, "use_rope", True) in (False, 0)
     )
-    return LayerFeatures(window, chunk, float(cap) if cap else None, sinks, nope_t)  # type: ignore[arg-type]
+    return LayerFeatures(window, chunk, float(cap) if cap else None, sinks, nope_t, blocks)  # type: ignore[arg-type]
 
 
 # the config keys that turn attention dropout on across families, and a module's own attributes
@@ -354,8 +376,9 @@ def _problems(module: nn.Module, cfg: Any) -> list[str]:
     out = []
     if getattr(module, "is_causal", True) is False or getattr(cfg, "is_causal", True) is False:
         out.append(_refused("non_causal"))
-    if getattr(cfg, "use_bidirectional_attention", False):
-        out.append(_refused("non_causal", "use_bidirectional_attention=True"))
+    bidirectional = getattr(cfg, "use_bidirectional_attention", False)
+    if bidirectional and bidirectional != "vision":  # "vision": Gemma 4's image blocks
+        out.append(_refused("non_causal", f"use_bidirectional_attention={bidirectional!r}"))
     dropout = attention_dropout(cfg) or attention_dropout(None, module)  # the config's first
     if dropout:
         out.append(_refused("dropout", ", ".join(f"{k}={v}" for k, v in dropout.items())))
@@ -399,6 +422,7 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
     classes = _attention_classes(hf)
     prefix, layers = decoder_layers(hf)
     layer_types = getattr(cfg, "layer_types", None)
+    blocks = image_blocks(hf)  # Gemma 3/4 multimodal: an image's tokens see each other
     problems: list[str] = []
     found: list[tuple[str, nn.Module, LayerFeatures | None]] = []
     for i, layer in enumerate(layers):
@@ -426,7 +450,7 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
             name = f"{prefix}.{i}.{n}"
             found_problems = [f"{name} ({type(m).__name__}): {f}" for f in _problems(m, cfg)]
             try:
-                feats = layer_features(m, cfg, lt)
+                feats = layer_features(m, cfg, lt, blocks is not None and blocks.on_layer(lt))
             except UnsupportedModelError as e:
                 found_problems.append(f"{name} ({type(m).__name__}): {e}")
                 feats = LayerFeatures()
@@ -509,6 +533,7 @@ def apply_ulysses(
     feats = {id(m): f for _, m, f in found if f is not None}
     state = _State(engine, group, backend, head_chunks, {id(m): n for n, m, _ in found},
                    feats)  # fmt: skip
+    state.original = old.original if old is not None else hf.config._attn_implementation
     route_mixers(  # Gated DeltaNet, Mamba-2, short convolutions: hf/mixers.py
         [(n, m) for n, m, f in found if f is None], group, state.record,
         allow_uneven_heads=allow_uneven_heads,
@@ -518,6 +543,7 @@ def apply_ulysses(
         [(n, m) for n, m, f in found if f is not None and is_latent_attention(m)], group
     )
     state.shares_kv = any(getattr(m, "is_kv_shared_layer", False) for _, m, _ in found)
+    install_image_blocks(hf, group)  # the step's image blocks from the model's token types
     base.__dict__[_STATE] = state
     for _, m, _ in found:
         m.__dict__[_STATE] = state
@@ -541,7 +567,7 @@ def apply_ulysses(
 def _attn_features(feats: LayerFeatures, docs: bool) -> AttnFeatures:
     return AttnFeatures.of(causal=True, window=feats.window, chunk=feats.chunk,
                            softcap=feats.softcap, sinks=True if feats.sinks else None,
-                           docs=docs)  # fmt: skip
+                           docs=docs, blocks=True if feats.blocks else None)  # fmt: skip
 
 
 def _choose_kernels(
@@ -585,6 +611,8 @@ def _choose_kernels(
 # ----------------------------------------------------------------------------------------------
 def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     state: _State = base.__dict__[_STATE]
+    if state.plain:
+        return None
     kwargs = dict(kwargs)
     for name, value in zip(params, args):  # positional -> keyword (HF passes keywords anyway)
         kwargs[name] = value
@@ -626,6 +654,37 @@ def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     return (), kwargs
 
 
+@contextlib.contextmanager
+def plain_attention(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, a model prepared by :func:`apply_ulysses` attends with its own
+    implementation again (the one it had before), over whole sequences on every rank, a KV cache
+    allowed: what generation needs (every rank holds the full prompt; nothing is exchanged).
+
+    Raises:
+        UnsupportedModelError: routed sequence mixers or latent attention (their layers were
+            changed for slices).
+    """
+    hf = unwrap(model)
+    state: _State | None = hf.base_model.__dict__.get(_STATE)
+    if state is None:
+        yield model
+        return
+    mixers = [name for key, name in state.names.items() if key not in state.features]
+    if mixers or state.latent:
+        raise UnsupportedModelError(
+            f"{mixers[0] if mixers else next(iter(state.latent))}: whole-sequence calls (e.g. "
+            f"generation) of a model whose sequence mixers or latent attention were routed for "
+            f"slices are not supported; generate with the saved checkpoint on one device"
+        )
+    hf.set_attn_implementation(state.original or "sdpa")
+    state.plain = True
+    try:
+        yield model
+    finally:
+        state.plain = False
+        hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
 def _layout_from_slices(
     pos: torch.Tensor | None, B: int, s: int, device: torch.device, group: dist.ProcessGroup
 ) -> SeqLayout:
@@ -644,7 +703,7 @@ def _layout_from_slices(
 
 def _post_forward(base: nn.Module, args: tuple, output: Any) -> None:
     state: _State = base.__dict__[_STATE]
-    if state.checked:
+    if state.checked or state.plain:
         return
     state.checked = True
     missing = [name for key, name in state.names.items() if not state.calls.get(key)]
@@ -739,6 +798,8 @@ def _ulysses_attention(
         dev = query.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
         query, key, value = (t.to(dtype) for t in (query, key, value))
+    if layout is not None and layout.blocks is not None and not feats.blocks:
+        layout = _without_blocks(state, layout)  # a layer that stays causal over images
     if feats.nope_temperature:
         query = _global_temperature(module, query, layout, state.group)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -811,6 +872,17 @@ def _global_temperature(
     return (query * ratio.view(1, 1, -1, 1)).to(query.dtype)
 
 
+def _without_blocks(state: _State, layout: SeqLayout) -> SeqLayout:
+    """``layout`` without its bidirectional image blocks (Gemma 4's global layers), once per
+    forward."""
+    cached = state.causal_only
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    plain = replace(layout, blocks=None, block_ids=None)
+    state.causal_only = (layout, plain)
+    return plain
+
+
 def _chunk_layout(state: _State, layout: SeqLayout, chunk: int) -> SeqLayout:
     """``layout`` with each document cut into chunks of ``chunk`` tokens from its own start.
 
@@ -830,7 +902,7 @@ def _chunk_layout(state: _State, layout: SeqLayout, chunk: int) -> SeqLayout:
         ends = [*starts[1:], S]
         rows.append(tuple(p for a, b in zip(starts, ends) for p in range(a, b, chunk)))
     device = layout.doc_tensors.doc_ids.device if layout.doc_tensors is not None else None
-    finer = SeqLayout(layout.seq_sizes, tuple(rows), layout.ring)
+    finer = replace(layout, doc_starts=tuple(rows), doc_tensors=None)
     if device is not None:
         finer = with_doc_tensors(finer, device)
     state.chunked[key] = (layout, finer)

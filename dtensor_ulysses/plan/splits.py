@@ -185,6 +185,10 @@ class SeqLayout:
             also with a ring); ``None`` when attention runs over the whole sequence.
         ring: the ring degree (Ulysses x Ring); ``1`` without ring attention. The full length
             is then ``S = ring * sum(seq_sizes)`` (:attr:`seq_len`).
+        blocks: bidirectional blocks inside causal attention (the tokens of one image, which
+            see each other both ways): per batch row, each block's ``(start, end)`` in ``[0, S)``
+            (global positions, rising, not overlapping); ``None``: none. The attention kernel
+            receives them as ``block_ids[B, S]`` (see ``attention.local_attention``).
     """
 
     seq_sizes: tuple[int, ...]
@@ -193,6 +197,9 @@ class SeqLayout:
     # doc_starts as device tensors (``_doc_tensors.DocTensors``), attached by the model once per
     # step so that compiled blocks neither guard on the ints nor sync; not part of equality
     doc_tensors: Any = field(default=None, compare=False, repr=False)
+    blocks: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    # blocks as a device tensor ``[B, S]`` of block ids, attached with doc_tensors
+    block_ids: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def split(
@@ -235,6 +242,23 @@ class SeqLayout:
                             else ""
                         )
                     )
+        for row, spans in enumerate(self.blocks or ()):
+            ends = [0, *(x for span in spans for x in span)]
+            if any(len(span) != 2 or span[0] >= span[1] for span in spans) or ends != sorted(ends):
+                raise ValueError(
+                    f"blocks row {row} is {spans}; each block is (start, end) with start < end, "
+                    f"the blocks rising and not overlapping"
+                )
+            if spans and spans[-1][1] > self.seq_len:
+                raise ValueError(
+                    f"blocks row {row} ends at {spans[-1][1]}, past the sequence length "
+                    f"{self.seq_len}"
+                )
+        if self.blocks is not None and self.ring != 1:
+            raise ValueError(
+                f"bidirectional blocks with ring={self.ring}: ring attention runs causal "
+                f"attention and packed documents only; train without a ring"
+            )
 
     @property
     def seq_len(self) -> int:

@@ -18,6 +18,7 @@ from dtensor_ulysses.attention import (
     AttentionBackendError,
     AttnFeatures,
     _blockwise,
+    build_block_ids,
     build_doc_tensors,
     kernels,
     local_attention,
@@ -419,36 +420,40 @@ def test_blockwise_custom_ops_pass_opcheck(N, K):
     k, v = (torch.randn(2, 16, K, 8, generator=g, dtype=torch.float64) for _ in range(2))
     doc_ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 16])
     sinks = torch.randn(N, generator=g, dtype=torch.float64)
-    ranges = _blockwise.key_ranges(16, 8, causal=True, window=(4, 0), chunk=0)
-    args = (0.3, True, [4, 0], 0, 2.0, ranges, 8)
-    torch.library.opcheck(_blockwise._attn_op, (q, k, v, doc_ids, sinks, *args))
-    o, lse = _blockwise._attn_op(q, k, v, doc_ids, sinks, *args)
+    block_ids = torch.tensor([[-1] * 6 + [0] * 4 + [-1] * 6, [-1] * 16])  # an image at 6..10
+    ranges = _blockwise.key_ranges(16, 8, causal=True, window=(4, -1), chunk=0, blocks=True,
+                                   block_spans=[[(6, 10)], []])  # fmt: skip
+    args = (0.3, True, [4, -1], 0, 2.0, ranges, 8)
+    torch.library.opcheck(_blockwise._attn_op, (q, k, v, doc_ids, block_ids, sinks, *args))
+    o, lse = _blockwise._attn_op(q, k, v, doc_ids, block_ids, sinks, *args)
     do = torch.randn(o.shape, generator=g, dtype=torch.float64)
     torch.library.opcheck(
-        _blockwise._attn_backward_op, (do, q, k, v, o, lse, doc_ids, sinks, *args)
+        _blockwise._attn_backward_op, (do, q, k, v, o, lse, doc_ids, block_ids, sinks, *args)
     )
 
 
 def test_blockwise_never_holds_an_s_by_s_tensor():
-    """S = 4096, packed documents and a window: every tensor the kernel's forward and backward
-    make has fewer than S*S elements (the largest: a block's scores, B*N*512*512, or a
-    [B, S, heads, H] activation); key blocks outside the window are skipped."""
+    """S = 4096, packed documents, a window and an image block: every tensor the kernel's
+    forward and backward make has fewer than S*S elements (the largest: a block's scores,
+    B*N*512*512, or a [B, S, heads, H] activation); key blocks outside the window are skipped."""
     Sl, N, Hl = 4096, 2, 8
     g = torch.Generator().manual_seed(0)
     q, do = (torch.randn(1, Sl, N, Hl, generator=g) for _ in range(2))
     k, v = (torch.randn(1, Sl, 1, Hl, generator=g) for _ in range(2))
     starts = [[0, 1000, 1001, 3000]]
     ids = build_doc_tensors(starts, Sl, "cpu").doc_ids
-    args = dict(causal=True, window=[511, 0], chunk=0, softcap=5.0)
-    ranges = _blockwise.key_ranges(Sl, 512, causal=True, window=(511, 0), chunk=0,
-                                   doc_starts=starts)  # fmt: skip
+    args = dict(causal=True, window=[511, -1], chunk=0, softcap=5.0)
+    spans = [[(2100, 2200)]]  # a bidirectional block (an image) inside one query block
+    block_ids = build_block_ids(spans, Sl, "cpu")
+    ranges = _blockwise.key_ranges(Sl, 512, causal=True, window=(511, -1), chunk=0,
+                                   doc_starts=starts, blocks=True, block_spans=spans)  # fmt: skip
     assert max(hi - lo for lo, hi in zip(ranges[::2], ranges[1::2])) <= 512 + 511
     sinks = torch.zeros(N)
     with _LargestTensor() as mode:
-        o, lse = _blockwise._forward(q, k, v, ids, sinks, 0.3, args["causal"], args["window"],
-                                     0, 5.0, ranges, 512)  # fmt: skip
-        _blockwise._backward(do, q, k, v, o, lse, ids, sinks, 0.3, True, [511, 0], 0, 5.0,
-                             ranges, 512)  # fmt: skip
+        o, lse = _blockwise._forward(q, k, v, ids, block_ids, sinks, 0.3, args["causal"],
+                                     args["window"], 0, 5.0, ranges, 512)  # fmt: skip
+        _blockwise._backward(do, q, k, v, o, lse, ids, block_ids, sinks, 0.3, True, [511, -1], 0,
+                             5.0, ranges, 512)  # fmt: skip
     assert 0 < mode.largest <= max(N * 512 * 512, Sl * N * Hl), mode.largest
     assert mode.largest < Sl * Sl
 
