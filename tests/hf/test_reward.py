@@ -6,11 +6,12 @@ directory, ``num_labels=1``) and tokenized preference pairs of uneven lengths, r
 tokens among them (shorter than sp = 4), an evaluation set whose longest row (3 tokens) is
 shorter than sp = 4. Three configurations: ``margin`` column + ``center_rewards_coefficient``
 + evaluation, gradient accumulation (2 micro-batches), a LoRA adapter (``task_type="SEQ_CLS"``:
-the score head a trainable ``modules_to_save`` copy). Each is run at (dp, sp) = (1, 2), (1, 4)
-against the stock trainer on this process and at (2, 2) against the stock trainer on 2 gloo
-processes (DDP), with the same global batch: the 3 logged losses, gradient norms and TRL's
-metrics (``accuracy``, ``margin``, ``min/mean/max_reward``, ``num_tokens``), the evaluation
-metrics, and the full gradient of every trainable parameter at every step, fp32, rtol 1e-4.
+the score head a trainable ``modules_to_save`` copy). Each is run at (dp, sp) = (1, 2) against
+the stock trainer on this process and at (2, 2) against the stock trainer on 2 gloo processes
+(DDP), and the first at (1, 4) against this process too, with the same global batch: the 3
+logged losses, gradient norms and TRL's metrics (``accuracy``, ``margin``,
+``min/mean/max_reward``, ``num_tokens``), the evaluation metrics, and the full gradient of every
+trainable parameter at every step, fp32, rtol 1e-4.
 Two spawned worlds: 2 ranks (stock dp=2 and Ulysses (1, 2)) and 4 ranks ((2, 2) and (1, 4)).
 """
 
@@ -38,6 +39,10 @@ CONFIGS = {
     "lora": dict(lora=True, batch=4),
 }
 LAYOUTS = [(1, 2), (2, 2), (1, 4)]
+# every configuration at (1, 2) and (2, 2); at (1, 4) (the rows shorter than sp) the options
+# (accumulation and LoRA run the same code at any sp: spared to keep the 4-rank world short)
+CASES = [(layout, c) for layout in LAYOUTS for c in CONFIGS
+         if layout != (1, 4) or c == "options"]  # fmt: skip
 # examples/dpo_trl.py --trainer X: the TRL class it trains
 EXAMPLE_TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer"}
 
@@ -100,10 +105,9 @@ def world2(assets):
 
 @pytest.fixture(scope="module")
 def world4(assets):
-    specs = [_spec(assets, c, dp, sp, comm=c == "options") for dp, sp in LAYOUTS[1:]
-             for c in CONFIGS]  # fmt: skip
+    keys = [(layout, c) for layout, c in CASES if layout[0] * layout[1] == 4]
+    specs = [_spec(assets, c, dp, sp, comm=c == "options") for (dp, sp), c in keys]
     runs = run_local_world(R.run_specs, 4, specs, timeout_s=400)[0]
-    keys = [((dp, sp), c) for dp, sp in LAYOUTS[1:] for c in CONFIGS]
     return dict(zip(keys, runs))
 
 
@@ -131,8 +135,9 @@ def _close(got: dict, ref: dict) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}-sp{x[1]}")
+@pytest.mark.parametrize(
+    ("layout", "config"), CASES, ids=[f"dp{dp}-sp{sp}-{c}" for (dp, sp), c in CASES]
+)
 def test_reward_equals_stock(world2, world4, refs, layout, config):
     """Loss, metrics, evaluation and every gradient of 3 steps equal the stock trainer at the
     same dp (one process for dp = 1; DDP over 2 processes for dp = 2)."""
