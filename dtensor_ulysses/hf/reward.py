@@ -34,6 +34,11 @@ rank holds ``[B, s]`` of every row, so here:
 
 Evaluation runs the same forward (no gradient) through the Trainer's own ``prediction_step``,
 which sees the full ``[B, 1]`` rewards as its logits.
+
+Refused at construction, with the reason (one line): ``tiled_loss`` (no vocabulary logits to
+tile), TRL's ``activation_offloading`` (use ``offload_activations``), a model that is not a
+``GenericForSequenceClassification``; at the first step, batch keys other than
+``input_ids``, ``attention_mask`` and ``margin``.
 """
 
 from __future__ import annotations
@@ -161,6 +166,12 @@ class _UlyssesReward:
             raise UnsupportedTrainerError(
                 "tiled_loss=True: a reward model has no [B, S, vocab] logits (its score head "
                 "gives one number per token); drop tiled_loss"
+            )
+        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(config, "activation_offloading", False):
+            raise UnsupportedTrainerError(
+                "activation_offloading=True (TRL's hooks, set on the unsharded model): use "
+                "with_ulysses(..., offload_activations=True) instead"
             )
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module):  # a loaded model (a name: checked once TRL loads it)

@@ -183,7 +183,7 @@ def test_last_token_is_the_models_score_position(assets):
 
 def test_reward_refusals(assets, tmp_path):
     """At construction, one line each: the tiled loss (a reward model has no vocabulary
-    logits), a model that is not a sequence classifier."""
+    logits), TRL's activation offloading, a model that is not a sequence classifier."""
     import transformers as tf
     import trl
 
@@ -194,6 +194,13 @@ def test_reward_refusals(assets, tmp_path):
     cls = with_ulysses(trl.RewardTrainer, sp=2, tiled_loss=True)
     with pytest.raises(UnsupportedTrainerError, match="tiled_loss=True: a reward model"):
         cls(model=assets["model"], args=args, train_dataset=R.pairs(), processing_class=tok)
+    offloading = trl.RewardConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                  activation_offloading=True)  # fmt: skip
+    with pytest.raises(UnsupportedTrainerError, match="activation_offloading=True .* use "
+                       "with_ulysses\\(..., offload_activations=True\\)"):  # fmt: skip
+        with_ulysses(trl.RewardTrainer, sp=2)(
+            model=assets["model"], args=offloading, train_dataset=R.pairs(), processing_class=tok
+        )
     lm = tf.AutoModelForCausalLM.from_pretrained(assets["model"], num_labels=1)
     with pytest.raises(UnsupportedTrainerError, match="LlamaForCausalLM is not a transformers "
                        "sequence-classification model"):  # fmt: skip
@@ -218,3 +225,11 @@ def test_example_equals_stock(world2, assets, flag):
     got = world2[("example", flag)]
     assert len(got["loss"]) == len(ref["loss"]) == 2, (got, ref)
     assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), (got, ref)
+    # save_model: the files of the stock run (full weights, the same names), trained alike
+    from safetensors.torch import load_file
+
+    saved = [load_file(assets["root"] / f"example_{flag}_{run}" / "final" / "model.safetensors")
+             for run in ("sp2", "stock")]  # fmt: skip
+    assert saved[0].keys() == saved[1].keys()
+    for name, want in saved[1].items():
+        torch.testing.assert_close(saved[0][name], want, rtol=RTOL, atol=1e-6, msg=name)
