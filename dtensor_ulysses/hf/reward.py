@@ -100,9 +100,8 @@ def _padded(ids_BS: torch.Tensor, mask_BS: torch.Tensor | None, pad_id: int | No
     id): every rank's slice then holds ``S' / sp >= 1`` columns (the model's own read of its
     score position needs one), and no real token changes (causal attention; padding is never
     attended to; the score position, found before, is unchanged)."""
-    B, S = ids_BS.shape
     mask_BS = torch.ones_like(ids_BS) if mask_BS is None else mask_BS
-    extra = -S % sp
+    extra = -ids_BS.shape[1] % sp
     if extra:
         fill = 0 if pad_id is None else pad_id
         ids_BS = nn.functional.pad(ids_BS, (0, extra), value=fill)
