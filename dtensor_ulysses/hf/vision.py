@@ -35,8 +35,10 @@ image tokens in the slice), and the decoder layers run under Ulysses as for text
 tower's own attention stays local (bidirectional, per image, on whole images) and keeps its
 implementation; only the text config's attention goes through the engine.
 
-Families: Qwen2.5-VL and Qwen3-VL (images). Refused in one line: video inputs, and vision
-towers this module has no adapter for (:func:`vision_family`).
+Families: Qwen2.5-VL and Qwen3-VL (images, and videos split the same way: each video whole on
+one rank, with all its frames), Gemma 3 and Gemma 4 (images). Refused in one line: the videos
+and audio of the families without a split for them, and vision towers this module has no
+adapter for (:func:`vision_family`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from dtensor_ulysses.comm import all_gather_seq
 from dtensor_ulysses.plan.splits import SeqLayout, seq_split
 
 __all__ = [
+    "VIDEO_KEYS",
     "VISION_KEYS",
     "VisionSplitState",
     "assign_images",
@@ -74,7 +77,8 @@ VISION_KEYS = (
     "token_type_ids",
     "image_position_ids",
 )
-_VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+# batch keys of video inputs (split like images by the families in _VIDEO_ADAPTERS)
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 _STATE = "_du_vision_state"
 # model_type -> what the split needs to know of the family's vision tower
 _FAMILIES = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen", "gemma3": "gemma3", "gemma4": "gemma4"}
@@ -223,10 +227,17 @@ def _unsupported(msg: str) -> Exception:
     return ValueError(msg)
 
 
-def _qwen_image_features(base: Any, state: VisionSplitState) -> Callable[..., Any]:
+def _qwen_image_features(
+    base: Any, state: VisionSplitState, kind: str = "image"
+) -> Callable[..., Any]:
     """The split ``get_image_features`` of Qwen2.5-VL / Qwen3-VL: ``pixel_values[sum(t*h*w),
-    patch]`` (patches of every image, concatenated) and ``image_grid_thw[n, 3]``."""
+    patch]`` (patches of every image, concatenated) and ``image_grid_thw[n, 3]``; with
+    ``kind="video"`` the split ``get_video_features`` (``pixel_values_videos``,
+    ``video_grid_thw``: each video whole on one rank, all its frames). Both encode with the
+    class's own ``get_image_features`` (the same tower call; Qwen3-VL's videos go through it)."""
     original = type(base).get_image_features.__get__(base)
+    if kind not in ("image", "video"):
+        raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
     visual: Any = base.visual
     merge = int(visual.spatial_merge_size)
     n_deep = len(getattr(visual, "deepstack_visual_indexes", None) or [])
@@ -361,6 +372,12 @@ def _no_audio(*args: Any, **kwargs: Any) -> Any:
     )
 
 
+# family -> its split ``get_video_features`` (families without one refuse video inputs)
+_VIDEO_ADAPTERS: dict[str, Callable[[Any, VisionSplitState], Callable[..., Any]]] = {
+    "qwen": lambda base, state: _qwen_image_features(base, state, "video"),
+}
+
+
 def _no_video(*args: Any, **kwargs: Any) -> Any:
     raise _unsupported(
         "video inputs (pixel_values_videos) are not supported under Ulysses yet: pass images, "
@@ -438,7 +455,8 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
             h.remove()
     state = VisionSplitState(group)
     base.get_image_features = _ADAPTERS[family](base, state)
-    base.get_video_features = _no_video
+    video = _VIDEO_ADAPTERS.get(family)
+    base.get_video_features = _no_video if video is None else video(base, state)
     if hasattr(type(base), "get_audio_features"):  # Gemma 4
         base.get_audio_features = _no_audio
     params = list(inspect.signature(lm.forward).parameters)
@@ -454,10 +472,11 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
     return state
 
 
-def refuse_video(batch: Mapping[str, Any]) -> None:
-    """Video inputs are not split yet: a ``ValueError`` naming the keys found in ``batch``."""
-    videos = [k for k in _VIDEO_KEYS if batch.get(k) is not None]
-    if videos:
+def refuse_video(batch: Mapping[str, Any], model: Any) -> None:
+    """Video inputs for a family whose videos are not split (every family but Qwen2.5-VL /
+    Qwen3-VL): a ``ValueError`` naming the keys found in ``batch``."""
+    videos = [k for k in VIDEO_KEYS if batch.get(k) is not None]
+    if videos and vision_family(model) not in _VIDEO_ADAPTERS:
         raise _unsupported(
             f"video inputs ({', '.join(videos)}) are not supported under Ulysses yet: pass "
             f"images, or frames as images"
@@ -467,15 +486,12 @@ def refuse_video(batch: Mapping[str, Any]) -> None:
 def vision_model_inputs(batch: Mapping[str, Any], sharded: Any) -> dict[str, Any]:
     """Keyword arguments for a vision-language model prepared by ``apply_ulysses``: the full
     rows (``input_ids``, ``attention_mask`` for the M-RoPE positions, ``position_ids`` if
-    given), the image inputs (:data:`VISION_KEYS`) and ``ulysses_layout`` of ``sharded`` (the
-    :func:`~dtensor_ulysses.hf.shard_batch` of ``batch``); the loss uses ``sharded.labels``.
-
-    Raises:
-        ValueError: video inputs in the batch.
-    """
-    refuse_video(batch)
+    given), the image and video inputs (:data:`VISION_KEYS`) and ``ulysses_layout`` of
+    ``sharded`` (the :func:`~dtensor_ulysses.hf.shard_batch` of ``batch``); the loss uses
+    ``sharded.labels``. A family whose videos are not split refuses video inputs in its
+    forward."""
     out: dict[str, Any] = {"input_ids": batch["input_ids"], "ulysses_layout": sharded.layout}
-    for key in ("attention_mask", "position_ids", *VISION_KEYS):
+    for key in ("attention_mask", "position_ids", *VISION_KEYS, *VIDEO_KEYS):
         if batch.get(key) is not None:
             out[key] = batch[key]
     return out

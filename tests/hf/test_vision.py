@@ -15,8 +15,10 @@ process:
 * ``with_ulysses(transformers.Trainer)``: two steps' losses and gradient norms equal the stock
   Trainer on one process (both families at (1, 2); Qwen2.5-VL at (2, 2), also against the stock
   Trainer at dp = 2, and (1, 4)), each step's images encoded once;
+* videos (Qwen2.5-VL, Qwen3-VL: a group per frame) split like images, at (1, 2);
 * ``with_ulysses(trl.SFTTrainer)`` with a Qwen2.5-VL processor and TRL's vision-language rows
-  (sp = 2); examples/vlm_trainer.py; the refusals (video, families without an adapter).
+  (sp = 2); examples/vlm_trainer.py; the refusals (Gemma's videos, families without an
+  adapter).
 
 Two spawned worlds for the file (2 ranks, 4 ranks), many cases each.
 """
@@ -59,6 +61,7 @@ def _jobs2(assets) -> list:
         [_sft_job(assets, 2), ("example_run", (str(assets / "example"),))]
         + [("split_check", (f,)) for f in FAMILIES]
         + [("model_check", (f, 1, 2)) for f in FAMILIES]
+        + [("model_check", (f, 1, 2, 0, V.VIDEO_ROWS)) for f in FAMILIES]
         + [_trainer_job(assets, f, 1, 2) for f in FAMILIES]
         + [_trainer_job(assets, "qwen2_5_vl", 2, None)]  # the stock Trainer at dp=2
     )
@@ -103,6 +106,11 @@ def world4(assets):
 @pytest.fixture(scope="module")
 def references():
     return {f: V.model_reference(f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def video_references():
+    return {f: V.model_reference(f, rows=V.VIDEO_ROWS) for f in FAMILIES}
 
 
 def test_assign_images_balances_whole_images_deterministically():
@@ -161,7 +169,7 @@ def test_reference_uses_mrope_and_deepstack():
     assert deep and all(ref["grads"][n].abs().sum() > 0 for n in deep)
 
 
-def _check_model(results, ref, dp: int, sp: int):
+def _check_model(results, ref, dp: int, sp: int, calls: int = 1):
     encoded_by_group: dict[int, list] = {}
     for out in results:
         assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5)
@@ -171,7 +179,7 @@ def _check_model(results, ref, dp: int, sp: int):
         encoded_by_group.setdefault(out["dp_rank"], []).extend(
             grid for call in out["seen"] for grid in call
         )
-        assert len(out["seen"]) <= 1  # one vision tower call per rank
+        assert len(out["seen"]) <= calls  # one vision tower call per rank (and kind)
     for dp_rank, grids in encoded_by_group.items():  # each image on one rank of its sp group
         images = next(o["images"] for o in results if o["dp_rank"] == dp_rank)
         assert sorted(grids) == sorted(images)
@@ -180,6 +188,15 @@ def _check_model(results, ref, dp: int, sp: int):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_apply_ulysses_sp2_equals_stock_model(world2, references, family):
     _check_model(_job(world2, "model_check", (family, 1, 2)), references[family], 1, 2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_videos_split_like_images_sp2_equals_stock_model(world2, video_references, family):
+    """A row with an image and a 2-frame video, a row with a longer video (Qwen3-VL: a group
+    of tokens per frame): loss and every gradient equal the stock model, each video encoded
+    whole on one rank (at most one tower call per rank for images, one for videos)."""
+    results = _job(world2, "model_check", (family, 1, 2, 0, V.VIDEO_ROWS))
+    _check_model(results, video_references[family], 1, 2, calls=2)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS4, ids=lambda x: f"dp{x[0]}sp{x[1]}")
@@ -257,10 +274,15 @@ def test_refusals_name_the_input_and_the_family():
 
     from dtensor_ulysses.hf.vision import refuse_video, vision_family, vision_model_inputs
 
+    videos = {"input_ids": torch.zeros(1, 4), "pixel_values_videos": torch.zeros(4, 12)}
+    gemma = SimpleNamespace(config=SimpleNamespace(model_type="gemma3"))
     with pytest.raises(ValueError, match=r"video inputs \(pixel_values_videos\)"):
-        refuse_video({"input_ids": torch.zeros(1, 4), "pixel_values_videos": torch.zeros(4, 12)})
-    with pytest.raises(ValueError, match="video inputs"):
-        vision_model_inputs({"video_grid_thw": torch.ones(1, 3)}, None)
+        refuse_video(videos, gemma)  # Gemma's videos are not split
+    qwen = SimpleNamespace(config=SimpleNamespace(model_type="qwen2_5_vl"))
+    refuse_video(videos, qwen)  # Qwen's are
+    sb = SimpleNamespace(layout="L")
+    assert set(vision_model_inputs(videos, sb)) == {"input_ids", "pixel_values_videos",
+                                                   "ulysses_layout"}  # fmt: skip
     llava = SimpleNamespace(config=SimpleNamespace(model_type="llava"))
     with pytest.raises(ValueError, match=r"model_type 'llava'.*supported .*qwen2_5_vl"):
         vision_family(llava)
