@@ -84,7 +84,7 @@ _STATE = "_du_vision_state"
 _FAMILIES = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen", "gemma3": "gemma3", "gemma4": "gemma4"}
 
 
-def assign_images(costs: Sequence[int], P: int) -> tuple[int, ...]:
+def assign_images(costs: Sequence[int], P: int, load: list[int] | None = None) -> tuple[int, ...]:
     """The rank that encodes each image: the largest first (ties: the first), each to the rank
     with the least work so far (ties: the lowest rank). Deterministic, so every rank of a group
     computes the same assignment from the same batch.
@@ -92,13 +92,17 @@ def assign_images(costs: Sequence[int], P: int) -> tuple[int, ...]:
     Args:
         costs: the work of each image (its patches), in image order.
         P: ranks in the group.
+        load: each rank's work so far (the same step's images, before its videos); updated in
+            place. Default: none.
 
     Returns:
         ``owner[i]`` for each image ``i``.
     """
     if P < 1:
         raise ValueError(f"assign_images needs P >= 1 ranks, got {P}")
-    load = [0] * P
+    load = [0] * P if load is None else load
+    if len(load) != P:
+        raise ValueError(f"load has {len(load)} entries for P={P} ranks")
     owner = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-int(costs[i]), i)):
         r = min(range(P), key=lambda r: (load[r], r))
@@ -116,6 +120,7 @@ def encode_split(
     dtype: torch.dtype,
     device: torch.device,
     zero_grad_params: Callable[[], Sequence[torch.Tensor]] | None = None,
+    load: list[int] | None = None,
 ) -> torch.Tensor:
     """Every image's features on every rank of ``group``, each image encoded on one rank.
 
@@ -132,13 +137,14 @@ def encode_split(
         device: where a rank with no image allocates its empty share.
         zero_grad_params: on a rank with no image, the vision tower's parameters, tied to the
             result with weight 0 so that they get (zero) gradients as on the other ranks.
+        load: each rank's work so far in this step (see :func:`assign_images`; updated).
 
     Returns:
         ``feats[R, channels]`` in image order, differentiable (the gradient of each image's
         rows flows back to the rank that encoded it, summed over the group's ranks).
     """
     P, me = dist.get_world_size(group), dist.get_rank(group)
-    owner = assign_images(costs, P)
+    owner = assign_images(costs, P, load)
     mine = [i for i, r in enumerate(owner) if r == me]
     if mine:
         local = encode(mine).to(dtype)
@@ -220,6 +226,7 @@ class VisionSplitState:
     encoded: list[int] = field(default_factory=list)
     calls: int = 0
     hooks: list = field(default_factory=list)
+    load: list[int] = field(default_factory=list)  # this forward's work per rank (images first)
 
 
 def _unsupported(msg: str) -> Exception:
@@ -274,8 +281,12 @@ def _qwen_image_features(
         dev = pixel_values.device.type
         dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
                  else next(visual.parameters()).dtype)  # fmt: skip
+        P = dist.get_world_size(state.group)
+        if kind == "image" or len(state.load) != P:  # a step's videos go where its images left room
+            state.load = [0] * P
         feats = encode_split(encode, rows, patches, state.group, width * (1 + n_deep), dtype,
-                             pixel_values.device, lambda: list(visual.parameters()))  # fmt: skip
+                             pixel_values.device, lambda: list(visual.parameters()),
+                             load=state.load)  # fmt: skip
         parts = feats.split(width, dim=-1)
         per_image = [tuple(p.split(rows)) for p in parts]
         out = out_cls(pooler_output=per_image[0])  # type: ignore[arg-type]
@@ -436,6 +447,7 @@ def _slice_pre_forward(lm: nn.Module, args: tuple, kwargs: dict, params: list[st
     if per_layer is not None:
         kwargs["per_layer_inputs"] = per_layer[:, lo : lo + n]
     kwargs["ulysses_layout"] = layout
+    state.load = []  # the step's vision work is done: the next one starts from no load
     return (), kwargs
 
 

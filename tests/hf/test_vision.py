@@ -117,6 +117,8 @@ def test_assign_images_balances_whole_images_deterministically():
     assert assign_images([16, 32, 32, 16, 16], 2) == (0, 0, 1, 1, 0)  # loads 64 / 48
     assert assign_images([8, 8, 8], 4) == (0, 1, 2)
     assert assign_images([], 3) == ()
+    load = [32, 0]  # a step's images placed first: its videos fill the other ranks
+    assert assign_images([64, 32], 2, load) == (1, 0) and load == [64, 64]
     with pytest.raises(ValueError, match="P >= 1"):
         assign_images([1], 0)
 
@@ -197,6 +199,9 @@ def test_videos_split_like_images_sp2_equals_stock_model(world2, video_reference
     whole on one rank (at most one tower call per rank for images, one for videos)."""
     results = _job(world2, "model_check", (family, 1, 2, 0, V.VIDEO_ROWS))
     _check_model(results, video_references[family], 1, 2, calls=2)
+    # images and videos balanced together: 32 + 32 patches on one rank, 64 on the other
+    work = [sum(t * h * w for call in out["seen"] for t, h, w in call) for out in results]
+    assert work == [64, 64]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS4, ids=lambda x: f"dp{x[0]}sp{x[1]}")
