@@ -222,3 +222,62 @@ def refusal_check(rank: int, world: int) -> dict:
         except ValueError as e:
             out[name] = str(e)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the Trainer door
+# ----------------------------------------------------------------------------------------------
+class RowsDataset(torch.utils.data.Dataset):
+    """The global batch's rows, one example each (its own images)."""
+
+    def __init__(self, family: str):
+        batch = global_batch(family)
+        self.rows = [rows_of(batch, i, i + 1) for i in range(G)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def collate(rows: list) -> dict:
+    """Rows stacked, images concatenated in row order (what Gemma's processor gives)."""
+    return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+
+def trainer_run(rank: int, world: int, family: str, out_dir: str, sp: int | None,
+                batch: int = 2, steps: int = 2) -> dict:  # fmt: skip
+    """``transformers.Trainer`` (``sp`` None: the stock class) on the image + text rows: the
+    logged losses and gradient norms, and the images the vision tower encoded per step."""
+    import os
+
+    import transformers as tf
+
+    from dtensor_ulysses.hf import with_ulysses
+
+    # the group is up already (launch.run_local_world); accelerate still reads these
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    torch.set_num_threads(1)
+    model = make_model(family)
+    encoded: list[int] = []
+    model.model.vision_tower.register_forward_hook(
+        lambda m, args, kwargs, out: encoded.append(int(kwargs["pixel_values"].shape[0])),
+        with_kwargs=True,
+    )
+    args = tf.TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps,
+        learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, lr_scheduler_type="linear",
+        weight_decay=0.1, seed=0, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, dataloader_drop_last=True, remove_unused_columns=False,
+    )  # fmt: skip
+    cls = tf.Trainer if sp is None else with_ulysses(tf.Trainer, sp)
+    torch.manual_seed(0)
+    trainer = cls(model=model, args=args, train_dataset=RowsDataset(family),
+                  data_collator=collate)  # fmt: skip
+    trainer.train()
+    h = trainer.state.log_history
+    return {"loss": [e["loss"] for e in h if "loss" in e],
+            "grad_norm": [e["grad_norm"] for e in h if "grad_norm" in e],
+            "encoded": encoded}  # fmt: skip

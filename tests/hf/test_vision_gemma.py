@@ -43,14 +43,18 @@ KERNELS = {
 LAYOUTS = {2: ((1, 2),), 4: ((2, 2), (1, 4))}
 
 
-def _jobs(world: int) -> list:
+def _jobs(world: int, root=None) -> list:
     jobs = [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS[world]]
-    return jobs + ([("refusal_check", ())] if world == 2 else [])
+    if world == 2:  # the Trainer door at (1, 2) for both families, then the refusals
+        jobs += [("trainer_run", (f, str(root / f"ulysses-{f}"), 2)) for f in FAMILIES]
+        jobs += [("refusal_check", ())]
+    return jobs
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_local_world(V.run_jobs, 2, _jobs(2), timeout_s=600)
+def world2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma_trainer")
+    return run_local_world(V.run_jobs, 2, _jobs(2, root), timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +136,21 @@ def test_other_multimodal_families_are_refused_by_name():
         r"'paligemma'\): its vision tower has no adapter .*'gemma3', 'gemma4'",
     ):
         check_supported(model)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trainer_sp2_equals_stock_trainer(world2, tmp_path, family):
+    """``with_ulysses(transformers.Trainer)`` with a collator giving pixel_values and the token
+    types: two steps' logged losses and gradient norms equal the stock Trainer's (dp = 1, one
+    process); each step's images encoded once per sp group (split over its two ranks)."""
+    ref = V.trainer_run(0, 1, family, str(tmp_path / "stock"), None)
+    index = len(_jobs(2, tmp_path)) - 1 - len(FAMILIES) + FAMILIES.index(family)
+    encoded = [0] * len(ref["encoded"])
+    for res in world2:
+        got = res[index]
+        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL)
+        assert len(got["encoded"]) <= len(ref["encoded"])  # at most one tower call per step
+        for step, n in enumerate(got["encoded"]):
+            encoded[step] += n
+    assert len(ref["loss"]) == 2 and sum(encoded) == sum(ref["encoded"])
