@@ -281,3 +281,83 @@ def trainer_run(rank: int, world: int, family: str, out_dir: str, sp: int | None
     return {"loss": [e["loss"] for e in h if "loss" in e],
             "grad_norm": [e["grad_norm"] for e in h if "grad_norm" in e],
             "encoded": encoded}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# the SFTTrainer door: a Gemma 3 processor and TRL's vision-language format (images + messages)
+# ----------------------------------------------------------------------------------------------
+SPECIALS = ["<f0>", "<f1>", "<f2>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}<|end|>{% endgeneration %}{% else %}<|user|>{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<start_of_image>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tokenizer(directory, text: str) -> str:
+    """The tests' small tokenizer (90 tokens) with Gemma 3's image tokens at the ids the tiny
+    config uses (BOI 93, EOI 94, image 95), saved to ``directory``."""
+    from tests import hf_workers as W
+
+    tok = W.make_tokenizer(directory, text)
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS},
+                           replace_extra_special_tokens=False)  # fmt: skip
+    assert tok.convert_tokens_to_ids(SPECIALS[3:]) == [BOI, EOI, IMAGE]
+    tok.save_pretrained(directory)
+    return str(directory)
+
+
+def make_processor(tok_dir: str):
+    """A Gemma 3 processor: the tokenizer above and a PIL image processor (12 x 12 images,
+    ``mm_tokens_per_image`` = 9 tokens each)."""
+    from unittest import mock
+
+    import transformers as tf
+
+    named = dict(boi_token=SPECIALS[3], eoi_token=SPECIALS[4], image_token=SPECIALS[5])
+    tok = tf.AutoTokenizer.from_pretrained(tok_dir, extra_special_tokens=named)
+    ip = tf.Gemma3ImageProcessorPil(size={"height": 12, "width": 12})
+    with mock.patch.object(tf.ProcessorMixin, "check_argument_for_proper_class",
+                           lambda self, name, arg: None):  # fmt: skip
+        return tf.Gemma3Processor(image_processor=ip, tokenizer=tok, chat_template=TEMPLATE,
+                                  image_seq_length=TOKENS)  # fmt: skip
+
+
+def sft_run(rank: int, world: int, tok_dir: str, out_dir: str, sp: int | None,
+            batch: int = 4, steps: int = 2) -> dict:  # fmt: skip
+    """``trl.SFTTrainer`` (``sp`` None: the stock class) on Gemma 3 with the processor and TRL's
+    vision-language rows: logged losses, gradient norms and TRL's metrics."""
+    import os
+
+    import trl
+
+    from dtensor_ulysses.hf import with_ulysses
+    from tests.hf_vision_workers import vl_dataset
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29518")
+    torch.set_num_threads(1)
+    model = make_model("gemma3")
+    image_tokens: list[int] = []  # the token types the model is called with (its image blocks)
+    model.model.register_forward_pre_hook(
+        lambda m, args, kwargs: image_tokens.append(int(kwargs["token_type_ids"].sum())),
+        with_kwargs=True,
+    )
+    args = trl.SFTConfig(
+        output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps,
+        learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, lr_scheduler_type="linear",
+        weight_decay=0.1, seed=0, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, dataloader_drop_last=True, max_length=None, bf16=False,
+    )  # fmt: skip
+    cls = trl.SFTTrainer if sp is None else with_ulysses(trl.SFTTrainer, sp)
+    torch.manual_seed(0)
+    trainer = cls(model=model, args=args, train_dataset=vl_dataset(),
+                  processing_class=make_processor(tok_dir))  # fmt: skip
+    trainer.train()
+    h = trainer.state.log_history
+    keys = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+    out = {k: [e[k] for e in h if "loss" in e and k in e] for k in keys}
+    return dict(out, image_tokens=image_tokens)

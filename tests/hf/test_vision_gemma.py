@@ -43,8 +43,10 @@ KERNELS = {
 LAYOUTS = {2: ((1, 2),), 4: ((2, 2), (1, 4))}
 
 
-def _jobs(world: int, root=None) -> list:
+def _jobs(world: int, root) -> list:
     jobs = [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS[world]]
+    # the SFTTrainer door (Gemma 3) at sp = world
+    jobs += [("sft_run", (str(root / "tok"), str(root / f"sft-{world}"), world))]
     if world == 2:  # the Trainer door at (1, 2) for both families, then the refusals
         jobs += [("trainer_run", (f, str(root / f"ulysses-{f}"), 2)) for f in FAMILIES]
         jobs += [("refusal_check", ())]
@@ -52,14 +54,22 @@ def _jobs(world: int, root=None) -> list:
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma_trainer")
+def root(tmp_path_factory):
+    from tests import hf_trainer_workers as T
+
+    path = tmp_path_factory.mktemp("gemma_doors")
+    V.save_tokenizer(path / "tok", " ".join(T.TEXTS) * 5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def world2(root):
     return run_local_world(V.run_jobs, 2, _jobs(2, root), timeout_s=600)
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_local_world(V.run_jobs, 4, _jobs(4), timeout_s=600)
+def world4(root):
+    return run_local_world(V.run_jobs, 4, _jobs(4, root), timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +164,23 @@ def test_trainer_sp2_equals_stock_trainer(world2, tmp_path, family):
         for step, n in enumerate(got["encoded"]):
             encoded[step] += n
     assert len(ref["loss"]) == 2 and sum(encoded) == sum(ref["encoded"])
+
+
+@pytest.fixture(scope="module")
+def sft_reference(root):
+    return V.sft_run(0, 1, str(root / "tok"), str(root / "sft-stock"), None)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, world4, sft_reference, sp):
+    """``with_ulysses(trl.SFTTrainer)`` on Gemma 3 with its processor (token_type_ids from it)
+    and TRL's vision-language rows (images + messages): losses, grad norms and TRL's metrics of
+    two steps equal the stock SFTTrainer's (dp = 1)."""
+    world = world2 if sp == 2 else world4
+    index = len(FAMILIES) * len(LAYOUTS[sp])
+    for res in world:
+        got = res[index]
+        for key, want in sft_reference.items():
+            assert got[key] == pytest.approx(want, rel=RTOL), key
+    assert len(sft_reference["loss"]) == 2
+    assert all(n > 0 for n in sft_reference["image_tokens"])  # the processor's token types
