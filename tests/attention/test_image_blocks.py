@@ -119,10 +119,10 @@ def test_key_ranges_reach_the_end_of_a_block():
 def test_flex_blocks_forward_on_cpu_matches_dense_reference():
     """FlexAttention (forward only on CPU) with blocks over several 128-token blocks: an image
     crossing a block boundary, one inside a block, a window; the block mask is exact."""
-    S = 300
-    spans = [[(100, 140), (150, 170)], [(5, 9), (120, 290)]]
+    S = 260  # three blocks of 128
+    spans = [[(100, 140), (150, 170)], [(5, 9), (120, 250)]]
     ids = _ids(spans, S)
-    for n, (kw, K) in enumerate([(dict(), 2), (dict(window=(60, -1)), 1), (dict(softcap=2.0), 4)]):
+    for n, (kw, K) in enumerate([(dict(softcap=2.0), 2), (dict(window=(60, -1)), 1)]):
         q, k, v, _ = _draw(S, K, 10 + n)
         with torch.no_grad():
             o = local_attention(q, k, v, backend="flex", softmax_scale=SCALE, block_ids=ids, **kw)
