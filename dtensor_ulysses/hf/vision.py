@@ -350,7 +350,10 @@ def _gemma4_image_features(base: Any, state: VisionSplitState) -> Callable[..., 
     return get_image_features
 
 
-_ADAPTERS = {
+# family -> the factory of its split ``get_image_features(pixel_values, ...)`` (built on
+# :func:`encode_split`; a family's adapter says how to cut its inputs per image, how many
+# feature rows each image gives, and how to rebuild the output its model's forward reads)
+_ADAPTERS: dict[str, Callable[[Any, VisionSplitState], Callable[..., Any]]] = {
     "qwen": _qwen_image_features,
     "gemma3": _gemma3_image_features,
     "gemma4": _gemma4_image_features,
