@@ -144,9 +144,57 @@ def model_reference(family: str = "gemma3", seed: int = 0, blocks: bool = True) 
     return {"loss": loss.item(), "grads": grads}
 
 
-def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int = 0) -> dict:
-    """``parallelize`` (Ulysses + FSDP2) and ``shard_batch`` on this dp rank's rows: the global
-    loss, every full gradient, the images each rank encoded and the kernels chosen."""
+PACKED = {0: 14, 2: 8}  # row -> where its second document starts (images inside documents)
+
+
+def packed_batch(family: str = "gemma3") -> dict:
+    """:func:`global_batch` with rows 0 and 2 packed from two documents each: position ids
+    restarting at the second document, whose first token is no target."""
+    batch = global_batch(family)
+    pos = torch.arange(S).repeat(G, 1)
+    for b, start in PACKED.items():
+        pos[b, start:] -= start
+        batch["labels"][b, start] = -100
+    return dict(batch, position_ids=pos)
+
+
+def packed_reference(family: str = "gemma3", seed: int = 0) -> dict:
+    """The stock model on each document on its own (its images with it): the token-mean loss
+    over every document of the batch, and every gradient."""
+    torch.set_num_threads(1)
+    model = make_model(family, seed)
+    batch = packed_batch(family)
+    key = "token_type_ids" if family == "gemma3" else "mm_token_type_ids"
+    first = [sum(len(r) for r in IMAGES[:b]) for b in range(G)]
+    total, n_valid = torch.zeros(()), 0
+    for b in range(G):
+        cuts = [0, PACKED[b], S] if b in PACKED else [0, S]
+        for lo, hi in zip(cuts, cuts[1:]):
+            mine = [i for i, st in enumerate(IMAGES[b]) if lo <= st < hi]
+            images = batch["pixel_values"][[first[b] + i for i in mine]]
+            labels = batch["labels"][b, lo:hi][None]
+            kw = {"input_ids": batch["input_ids"][b, lo:hi][None],
+                  key: batch[key][b, lo:hi][None],
+                  "attention_mask": batch["attention_mask"][b, lo:hi][None]}  # fmt: skip
+            if mine:
+                kw["pixel_values"] = images
+            logits = model(**kw).logits
+            target = labels[:, 1:]
+            total = total + torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), target.flatten(), reduction="sum"
+            )
+            n_valid += int((target != -100).sum())
+    loss = total / n_valid
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.item(), "grads": grads}
+
+
+def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int = 0,
+                packed: bool = False) -> dict:  # fmt: skip
+    """``parallelize`` (Ulysses + FSDP2) and ``shard_batch`` on this dp rank's rows (packed:
+    :func:`packed_batch`): the global loss, every full gradient, the images each rank encoded
+    and the kernels chosen."""
     from torch.distributed.tensor import DTensor
 
     from dtensor_ulysses import hf
@@ -164,7 +212,7 @@ def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int 
         with_kwargs=True,
     )
     hf.parallelize(model, mesh)
-    batch = global_batch(family)
+    batch = packed_batch(family) if packed else global_batch(family)
     b = G // dp
     lo = mesh.get_local_rank("dp") * b
     mine = rows_of(batch, lo, lo + b)

@@ -47,6 +47,8 @@ def _jobs(world: int, root) -> list:
     jobs = [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS[world]]
     # the SFTTrainer door (Gemma 3) at sp = world
     jobs += [("sft_run", (str(root / "tok"), str(root / f"sft-{world}"), world))]
+    # packed documents with images (Gemma 3) at (1, world)
+    jobs += [("model_check", ("gemma3", 1, world, 0, True))]
     if world == 2:  # the Trainer door at (1, 2) for both families, then the refusals
         jobs += [("trainer_run", (f, str(root / f"ulysses-{f}"), 2)) for f in FAMILIES]
         jobs += [("refusal_check", ())]
@@ -75,6 +77,16 @@ def world4(root):
 @pytest.fixture(scope="module")
 def references():
     return {f: V.model_reference(f) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_packed_documents_with_images_equal_each_document_alone(world2, world4, sp):
+    """Rows packed from two documents (position ids restarting), images inside them: at
+    (1, sp) the loss and every gradient equal the stock model run on each document on its own
+    (no attention, no image block across a document)."""
+    ref = V.packed_reference("gemma3")
+    world = world2 if sp == 2 else world4
+    _check(world, ref, "gemma3", 1, len(FAMILIES) * len(LAYOUTS[sp]) + 1)
 
 
 def _check(results, ref, family: str, dp: int, index: int) -> None:
