@@ -73,9 +73,22 @@ class TraceCase:
     extrapolate_from: int | None = None
     gpu: str = "h100"
     device: str = "cuda"  # "cpu": the step as the trainer runs it on a CPU (fp32, gloo)
+    # the step traced: "sft" (the trainer's), "dpo" or "grpo" (dtensor_ulysses.memtrace.steps),
+    # with its options (beta, generations, num_iterations: StepSpec's fields)
+    step: str = "sft"
+    step_options: tuple[tuple[str, Any], ...] = ()
 
     def feature_dict(self) -> dict[str, Any]:
         return dict(self.features)
+
+    @property
+    def rows(self) -> int:
+        """Rows of one dp rank's micro-batch: 1 (SFT), 2 (a DPO pair), ``G`` (GRPO)."""
+        if self.step == "dpo":
+            return 2
+        if self.step == "grpo":
+            return int(dict(self.step_options).get("generations", 8))
+        return 1
 
     def label(self) -> str:
         layers = f" ({self.n_layers} layers)" if self.n_layers else ""
@@ -83,9 +96,15 @@ class TraceCase:
             f" +{k}" if v is True else f" {k}={v}" for k, v in self.features if v not in (None,)
         )
         on = " on cpu" if self.device == "cpu" else ""
+        step = (
+            ""
+            if self.step == "sft"
+            else f" step={self.step}" + "".join(f" {k}={v}" for k, v in self.step_options)
+        )
         return (
             f"{self.model}{layers} S={self.seq_len:,} dp={self.dp} sp={self.sp} ac={self.ac}"
             + feats
+            + step
             + on
         )
 
@@ -106,7 +125,7 @@ class TraceCase:
             opts.update(dtype="fp32", reduce_dtype="fp32")
         return Workload(
             shape, self.seq_len, dp=self.dp, sp=self.sp, ac=self.ac, gpu=get_gpu(self.gpu),
-            **opts,
+            micro_batch=self.rows, **opts,
         )  # fmt: skip
 
 
@@ -149,6 +168,10 @@ def trace(case: TraceCase, *, breakdown: int = 0) -> Any:
     kw: dict[str, Any] = dict(dp=case.dp, sp=case.sp, ac=case.ac == "full", **case.feature_dict())
     if case.device != "cuda":
         kw["device"] = case.device
+    if case.step != "sft":
+        from dtensor_ulysses.memtrace.steps import StepSpec
+
+        kw["step"] = StepSpec(case.step, **dict(case.step_options))
     if breakdown:
         kw["breakdown"] = breakdown
     try:
@@ -175,7 +198,7 @@ def report(case: TraceCase, *, traced: Any = None, breakdown: int = 0) -> dict[s
         "sp": case.sp,
         "gpus": case.dp * case.sp,
         "gpu": gpu.name,
-        "micro_batch": 1,
+        "micro_batch": case.rows,
         "ac": case.ac,
         "features": {k: v for k, v in case.features},
         "device_peak_bytes": t.device_peak_bytes,
@@ -196,6 +219,12 @@ def report(case: TraceCase, *, traced: Any = None, breakdown: int = 0) -> dict[s
         "peak_moment": pred.peak_moment,
         "note": "simulations.memory.estimate without its fixed buffers (not allocated here)",
     }
+    if case.step != "sft":
+        out["predicted"]["note"] = (
+            f"simulations.memory.estimate of an SFT step of {case.rows} rows (the simulator "
+            f"has no {case.step.upper()} model: no reference weights, no frozen forwards); "
+            f"the trace is the figure"
+        )
     return out
 
 

@@ -12,6 +12,9 @@ Kept in one file (~450 lines): the parser of every subcommand and its text outpu
     python -m simulations trace --model llama3-8b --sp 8 --gpu h100 --find-max [features] --json
     python -m simulations trace --model llama3-8b --sp 8 --find-max --host-memory 128 [features]
     python -m simulations trace --model tiny --seq-len 8192 --dp 1 --sp 1 --device cpu --json
+    python -m simulations trace --model llama3-8b --sp 8 --step dpo --find-max [features]
+    python -m simulations trace --model llama3-8b --sp 8 --step grpo --generations 8 \
+        --beta 0.04 --find-max [features]    # the DPO / GRPO step (memtrace/steps.py)
     python -m simulations trace-check [--config plain]   # the CPU trace against a real run
 
 Bad input prints ``error: <what and how to fix it>`` and exits 2 (no traceback).
@@ -130,7 +133,55 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
         help="the run traced: cuda (bf16 mixed precision, the default) or cpu (the trainer on a "
         "CPU: fp32, gloo; checked against a real run by `trace-check`)",
     )  # fmt: skip
+    p.add_argument(
+        "--step", default="sft", choices=("sft", "dpo", "grpo"),
+        help="the step traced: sft (the trainer's), dpo (policy on a chosen and a rejected row "
+        "of --seq-len tokens each, a frozen reference model, TRL's sigmoid loss) or grpo "
+        "(--generations rows of --seq-len prompt+completion tokens; reference when --beta > 0, "
+        "old-policy log-probs when --num-iterations > 1; TRL's dapo loss)",
+    )  # fmt: skip
+    p.add_argument(
+        "--beta", type=float, default=None,
+        help="dpo: the temperature (default 0.1); grpo: the KL coefficient (default 0: no "
+        "reference model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--generations", type=int, default=None, metavar="G",
+        help="grpo: completions per prompt, the rows of a dp rank's micro-batch (default 8)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-iterations", type=int, default=None,
+        help="grpo: updates per generation batch (default 1; > 1 adds the old policy's "
+        "log-probs)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _step_options(a: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """``--step``'s options as ``TraceCase.step_options`` (checked: each belongs to the step)."""
+    given = {k: getattr(a, k) for k in ("beta", "generations", "num_iterations")}
+    given = {k: v for k, v in given.items() if v is not None}
+    allowed = {"sft": (), "dpo": ("beta",), "grpo": ("beta", "generations", "num_iterations")}
+    wrong = [k for k in given if k not in allowed[a.step]]
+    if wrong:
+        flags = ", ".join("--" + k.replace("_", "-") for k in wrong)
+        raise ValueError(
+            f"{flags} do(es) not apply to --step {a.step}: "
+            + ("use --step dpo or grpo" if a.step == "sft" else "--generations and "
+               "--num-iterations are GRPO's (--step grpo)")
+        )  # fmt: skip
+    if given.get("beta", 0) < 0:
+        raise ValueError(f"--beta {given['beta']} must be >= 0 (e.g. 0.1 for DPO, 0.04 for GRPO)")
+    if given.get("generations", 1) < 1:
+        raise ValueError(f"--generations {given['generations']} must be >= 1 (TRL's default 8)")
+    if given.get("num_iterations", 1) < 1:
+        raise ValueError(f"--num-iterations {given['num_iterations']} must be >= 1 (default 1)")
+    if a.step != "sft" and get_shape(a.model).linear is not None:
+        raise ValueError(
+            f"--step {a.step} traces the built-in model; {a.model} is a hybrid (a transformers "
+            f"model): trace it with --step sft"
+        )
+    return tuple(sorted(given.items()))
 
 
 def _options(a: argparse.Namespace) -> dict[str, Any]:
@@ -419,7 +470,8 @@ def _trace_case(a):
         )
     case = _trace.TraceCase(
         a.model, a.seq_len or 1024 * a.sp, a.dp, a.sp, ac=a.ac, features=feats,
-        extrapolate_from=a.layers, gpu=a.gpu, device=a.device,
+        extrapolate_from=a.layers, gpu=a.gpu, device=a.device, step=a.step,
+        step_options=_step_options(a),
     )  # fmt: skip
     Workload(**{**_workload_kwargs(case)})  # validate the options (clear errors) before tracing
     return case
@@ -439,6 +491,10 @@ def _format_trace(obj: dict) -> str:
         f"(features: {', '.join(obj['features']) or 'none'}; layers {obj['layers']}, traced "
         f"{obj['traced_layers']})"
     )
+    step = obj.get("step", {"kind": "sft"})
+    if step["kind"] != "sft":
+        opts = ", ".join(f"{k} {v}" for k, v in step.items() if k != "kind")
+        head += f"\n{step['kind'].upper()} step: {opts}"
     rows = [
         (ph, _b(v["device_peak_bytes"]), *(_b(x) for x in v["by_category"].values()))
         for ph, v in obj["phases"].items()
@@ -456,6 +512,7 @@ def _format_trace(obj: dict) -> str:
             f"device peak {_b(obj['device_peak_bytes'])} ({obj['peak_phase']}) of "
             f"{_b(obj['capacity_bytes'])} usable: {'fits' if obj['fits'] else 'DOES NOT FIT'}; "
             f"host {_b(obj['host_bytes'])}; simulator {_b(obj['predicted']['device_peak_bytes'])}"
+            + ("" if step["kind"] == "sft" else " (an SFT step of as many rows: no reference)")
         )
     if "max_seq_len" in obj:
         hcap = obj.get("host_capacity_bytes")

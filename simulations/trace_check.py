@@ -37,6 +37,7 @@ from typing import Any
 
 __all__ = [
     "CONFIGS",
+    "EXTRA_CONFIGS",
     "MMAP_THRESHOLD",
     "TOLERANCE",
     "CheckConfig",
@@ -63,9 +64,14 @@ class CheckConfig:
     seq_lens: tuple[int, int]
     features: dict[str, Any] = field(default_factory=dict)
     tolerance: float = 0.03  # |real / traced - 1| held; see CONFIGS for the wider one
+    step: str = "sft"  # the step: "sft" (the trainer's), "dpo" or "grpo" (memtrace.steps)
+    step_options: dict[str, Any] = field(default_factory=dict)  # StepSpec's other fields
 
     def label(self) -> str:
         feats = [k if v is True else f"{k}={v}" for k, v in self.features.items()]
+        if self.step != "sft":
+            opts = "".join(f" {k}={v}" for k, v in self.step_options.items())
+            feats.insert(0, f"{self.step.upper()} step{opts}")
         return f"{self.name} (sp={self.sp}, ac={'on' if self.ac else 'off'}" + (
             f", {', '.join(feats)})" if feats else ")"
         )
@@ -89,7 +95,18 @@ CONFIGS = (
     ),
     CheckConfig("head-chunks", 2, True, (2048, 8192), {"head_chunks": 2}),
     CheckConfig("offload-act", 1, True, (2048, 8192), {"offload_activations": True}),
+    # the DPO step (memtrace/steps.py): a chosen and a rejected row, the policy's forward and
+    # backward, the frozen reference's forward while the policy's graph is alive (TRL's order)
+    CheckConfig("dpo", 1, False, (2048, 8192), step="dpo"),
 )
+# checked on request (``--config grpo``), not by default (nor by the test): the GRPO step with
+# every part (the old policy's and the reference's log-probabilities, 4 completions)
+EXTRA_CONFIGS = (
+    CheckConfig(
+        "grpo", 1, False, (1024, 4096), step="grpo",
+        step_options={"beta": 0.04, "generations": 4, "num_iterations": 2},
+    ),
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,30 +136,33 @@ def _rank_step(rank: int, world: int, cfg_d: dict[str, Any], seq_len: int) -> di
 
     from dtensor_ulysses import train
     from dtensor_ulysses.memtrace import rank0_batch, trace_config
-    from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
+    from dtensor_ulysses.memtrace.steps import StepSpec, reference_model, step_runner
+    from dtensor_ulysses.parallel import init_mesh
 
     _force_mmap()
     torch.set_num_threads(1)
     c = CheckConfig(**cfg_d)
+    spec = StepSpec(c.step, **c.step_options)
     cfg = trace_config("tiny", seq_len, 1, c.sp, c.ac, dict(c.features))
     mesh = init_mesh(1, c.sp, device_type="cpu")
-    group = flatten_dp_sp(mesh).get_group()
-    net, optimizer, scheduler = train.build(cfg, mesh, torch.device("cpu"))
-    step = dict(group=group, grad_clip=cfg.grad_clip)
+    cpu = torch.device("cpu")
+    net, optimizer, scheduler = train.build(cfg, mesh, cpu)
+    reference = reference_model(train.build(cfg, mesh, cpu)[0]) if spec.has_reference else None
+    run = step_runner(spec, net, reference, optimizer, scheduler, mesh, grad_clip=cfg.grad_clip)
 
     def batch(n: int):
-        b = rank0_batch(n, c.sp)
+        b = rank0_batch(n, c.sp, spec.rows)
         s = b.input_ids.shape[1]
         b.position_ids = b.position_ids + rank * s  # this rank's slice (even split)
         return b
 
-    train.train_step(net, batch(64 * c.sp), optimizer, scheduler, **step)
+    run(batch(64 * c.sp))
     gc.collect()
     rss0 = _status("VmRSS")
     b = batch(seq_len)
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS now
         f.write("5")
-    train.train_step(net, b, optimizer, scheduler, **step)
+    run(b)
     hwm = _status("VmHWM")
     return {"rss_before": rss0, "hwm": hwm, "peak": hwm - rss0}
 
@@ -154,7 +174,8 @@ def _worker(argv: list[str]) -> None:
 
     name, seq_len = argv[0], int(argv[1])
     c = _by_name(name)
-    cfg_d = dict(name=c.name, sp=c.sp, ac=c.ac, seq_lens=c.seq_lens, features=c.features)
+    cfg_d = dict(name=c.name, sp=c.sp, ac=c.ac, seq_lens=c.seq_lens, features=c.features,
+                 step=c.step, step_options=c.step_options)  # fmt: skip
     if c.sp == 1:  # a world of one in this (fresh) process: no second interpreter to start
         import tempfile
 
@@ -170,10 +191,10 @@ def _worker(argv: list[str]) -> None:
 
 
 def _by_name(name: str) -> CheckConfig:
-    for c in CONFIGS:
+    for c in (*CONFIGS, *EXTRA_CONFIGS):
         if c.name == name:
             return c
-    names = ", ".join(c.name for c in CONFIGS)
+    names = ", ".join(c.name for c in (*CONFIGS, *EXTRA_CONFIGS))
     raise ValueError(f"no check configuration {name!r}; use one of {names}")
 
 
@@ -208,12 +229,16 @@ def measure_real(
 def _traced(argv: list[str]) -> None:
     """``python -m simulations.trace_check --traced NAME:S ...``: the CPU traces, JSON."""
     from dtensor_ulysses import memtrace as mt
+    from dtensor_ulysses.memtrace.steps import StepSpec
 
     out: dict[str, dict[str, Any]] = {}
     for item in argv:
         name, s = item.split(":")
         c = _by_name(name)
-        t = mt.trace_train_step("tiny", int(s), sp=c.sp, ac=c.ac, device="cpu", **c.features)
+        t = mt.trace_train_step(
+            "tiny", int(s), sp=c.sp, ac=c.ac, device="cpu",
+            step=StepSpec(c.step, **c.step_options), **c.features,
+        )  # fmt: skip
         out.setdefault(name, {})[s] = {
             "peak_bytes": t.peak_bytes, "device_peak_bytes": t.device_peak_bytes,
             "host_bytes": t.host_bytes, "peak_phase": t.peak_phase,
@@ -295,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m simulations trace-check [--config NAME ...] [--json-out PATH]``."""
     ap = argparse.ArgumentParser(prog="python -m simulations trace-check")
     ap.add_argument("--config", action="append", default=None,
-                    help=f"one of {', '.join(c.name for c in CONFIGS)} (default: all)")  # fmt: skip
+                    help=f"one of {', '.join(c.name for c in (*CONFIGS, *EXTRA_CONFIGS))} "
+                    "(default: all but the extra ones: grpo)")  # fmt: skip
     ap.add_argument("--json-out", default=str(RESULTS), help="write the rows here ('' : no file)")
     ap.add_argument("--seq-lens", type=int, nargs=2, default=None, metavar=("S1", "S2"),
                     help="both lengths, for every configuration (default: its own)")  # fmt: skip

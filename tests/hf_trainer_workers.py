@@ -62,6 +62,10 @@ def build(spec: dict) -> Any:
     attn = spec.get("attn", "sdpa")
     model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
                                                     attn_implementation=attn)  # fmt: skip
+    if spec.get("rank_noise") and torch.distributed.get_rank() != 0:
+        with torch.no_grad():  # other weights than rank 0's (a head initialized per rank)
+            for p in model.parameters():
+                p.add_(0.1)
     kind = spec["kind"]
     common = dict(
         output_dir=spec["out"], per_device_train_batch_size=spec.get("batch", 4),

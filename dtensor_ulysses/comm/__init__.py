@@ -1,7 +1,8 @@
 """Communication only: the differentiable all-to-all (uneven pieces, several tensors in one
 collective, started and waited), the differentiable all-gather of sequence slices, the
-ring's point-to-point k/v passing, and the halo exchange of a short convolution (the previous
-rank's last positions).
+ring's point-to-point k/v passing, the halo exchange of a short convolution (the previous
+rank's last positions), and the sum over a group whose gradient passes through unchanged
+(sequence-level losses).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
     from dtensor_ulysses.comm.halo import (
         halo_bytes,
         halo_exchange,
+    )
+    from dtensor_ulysses.comm.reduce import (
+        all_reduce_sum,
     )
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__)

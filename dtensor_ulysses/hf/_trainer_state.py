@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -33,6 +34,7 @@ __all__ = [
     "load_optimizer",
     "optimizer_state",
     "raw_optimizer",
+    "start_from_rank0",
 ]
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -119,3 +121,50 @@ def load_model_files(model: nn.Module, directory: str | Path) -> None:
             raise ValueError(f"{str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, dict(full), options=options)
+
+
+def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Two float64 sums per tensor (plain, and weighted by position mod 7 so that moved values
+    count), on ``device``."""
+    out = []
+    for t in tensors:
+        x = t.detach().to(device=device, dtype=torch.float64).flatten()
+        w = torch.arange(x.numel(), device=device, dtype=torch.float64).remainder_(7).add_(1)
+        out.append(torch.stack([x.sum(), (x * w).sum()]))
+    return torch.stack(out) if out else torch.zeros(0, 2, dtype=torch.float64, device=device)
+
+
+def start_from_rank0(model: nn.Module, group: Any, device: torch.device) -> list[str]:
+    """Make every rank of ``group`` hold rank 0's parameters and buffers, as DDP does when it
+    wraps a model (``fully_shard`` keeps each rank's own values for its shard).
+
+    Ranks differ when a head is newly initialized on each rank (a sequence-classification
+    ``score`` loaded from a causal checkpoint, a value head) by RNG streams that differ. Only the
+    tensors whose checksums differ from rank 0's on some rank are broadcast (one all-reduce of
+    the checksums otherwise). Collective on ``group``.
+
+    Returns:
+        The names of the tensors that were broadcast.
+    """
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    seen: set[int] = set()
+    names, tensors = [], []
+    for name, t in named:
+        if id(t) not in seen:
+            seen.add(id(t))
+            names.append(name)
+            tensors.append(t)
+    mine = _checksums(tensors, device)
+    ref = mine.clone()
+    dist.broadcast(ref, group_src=0, group=group)
+    differ = (mine != ref).any(-1).to(torch.int32)  # NaN differs from itself: broadcast too
+    dist.all_reduce(differ, op=dist.ReduceOp.MAX, group=group)
+    moved = []
+    for i in differ.nonzero().flatten().tolist():
+        t = tensors[i]
+        buf = t.detach().to(device).contiguous()
+        dist.broadcast(buf, group_src=0, group=group)
+        with torch.no_grad():
+            t.copy_(buf.to(t.device))
+        moved.append(names[i])
+    return moved

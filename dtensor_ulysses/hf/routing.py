@@ -57,7 +57,9 @@ them).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -108,6 +110,7 @@ __all__ = [
     "check_supported",
     "decoder_layers",
     "layer_features",
+    "plain_attention",
     "unwrap",
 ]
 
@@ -152,6 +155,8 @@ class _State:
     kv_shared: dict[int, tuple] = field(default_factory=dict)  # id(k) -> (k, v, k_ex, v_ex)
     checked: bool = False
     hooks: list = field(default_factory=list)
+    original: str | None = None  # the attention implementation before apply_ulysses
+    plain: bool = False  # inside plain_attention: the hooks do nothing
 
     def record(self, module: nn.Module) -> None:
         """Count a routed call of ``module`` (attention or linear attention) for the guard."""
@@ -528,6 +533,7 @@ def apply_ulysses(
     feats = {id(m): f for _, m, f in found if f is not None}
     state = _State(engine, group, backend, head_chunks, {id(m): n for n, m, _ in found},
                    feats)  # fmt: skip
+    state.original = old.original if old is not None else hf.config._attn_implementation
     route_mixers(  # Gated DeltaNet, Mamba-2, short convolutions: hf/mixers.py
         [(n, m) for n, m, f in found if f is None], group, state.record,
         allow_uneven_heads=allow_uneven_heads,
@@ -605,6 +611,8 @@ def _choose_kernels(
 # ----------------------------------------------------------------------------------------------
 def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     state: _State = base.__dict__[_STATE]
+    if state.plain:
+        return None
     kwargs = dict(kwargs)
     for name, value in zip(params, args):  # positional -> keyword (HF passes keywords anyway)
         kwargs[name] = value
@@ -646,6 +654,37 @@ def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     return (), kwargs
 
 
+@contextlib.contextmanager
+def plain_attention(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, a model prepared by :func:`apply_ulysses` attends with its own
+    implementation again (the one it had before), over whole sequences on every rank, a KV cache
+    allowed: what generation needs (every rank holds the full prompt; nothing is exchanged).
+
+    Raises:
+        UnsupportedModelError: routed sequence mixers or latent attention (their layers were
+            changed for slices).
+    """
+    hf = unwrap(model)
+    state: _State | None = hf.base_model.__dict__.get(_STATE)
+    if state is None:
+        yield model
+        return
+    mixers = [name for key, name in state.names.items() if key not in state.features]
+    if mixers or state.latent:
+        raise UnsupportedModelError(
+            f"{mixers[0] if mixers else next(iter(state.latent))}: whole-sequence calls (e.g. "
+            f"generation) of a model whose sequence mixers or latent attention were routed for "
+            f"slices are not supported; generate with the saved checkpoint on one device"
+        )
+    hf.set_attn_implementation(state.original or "sdpa")
+    state.plain = True
+    try:
+        yield model
+    finally:
+        state.plain = False
+        hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
 def _layout_from_slices(
     pos: torch.Tensor | None, B: int, s: int, device: torch.device, group: dist.ProcessGroup
 ) -> SeqLayout:
@@ -664,7 +703,7 @@ def _layout_from_slices(
 
 def _post_forward(base: nn.Module, args: tuple, output: Any) -> None:
     state: _State = base.__dict__[_STATE]
-    if state.checked:
+    if state.checked or state.plain:
         return
     state.checked = True
     missing = [name for key, name in state.names.items() if not state.calls.get(key)]

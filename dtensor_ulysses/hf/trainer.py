@@ -68,8 +68,11 @@ Every other piece of the Trainer's loop (schedules, logging, callbacks, checkpoi
 RNG files) is the stock one.
 
 Refused at construction, with the reason: models the engine cannot run exactly (bidirectional
-attention, ...), trainers that build their inputs by generation (GRPO, RLOO, online DPO, ...) or
-whose loss is not the token cross entropy (DPO, KTO, reward, ...), DeepSpeed or accelerate's
+attention, ...), trainers that build their inputs by generation (online DPO, PPO, GKD, ...;
+GRPO and RLOO are made exact by :mod:`~dtensor_ulysses.hf.rl`) or whose loss is not the token
+cross entropy and has no family mixin (DPO and KTO have theirs:
+:mod:`~dtensor_ulysses.hf.preference`; reward: :mod:`~dtensor_ulysses.hf.reward`), DeepSpeed or
+accelerate's
 FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 ``sp_size`` or ``tp_size > 1``, a ``compute_loss_func``, label smoothing, optimizers passed in
 (built before sharding), iterable datasets, ``save_on_each_node``.
@@ -129,11 +132,17 @@ OPTIONS = {
                  "allow_uneven_heads", "mixed_precision")
 }  # fmt: skip
 # trainers whose inputs come from generation, or whose loss is not the token cross entropy
-_GENERATION = ("GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "GKDTrainer",
-               "NashMDTrainer", "XPOTrainer", "GOLDTrainer")  # fmt: skip
+_GENERATION = ("OnlineDPOTrainer", "PPOTrainer", "GKDTrainer", "NashMDTrainer", "XPOTrainer",
+               "GOLDTrainer", "AsyncGRPOTrainer")  # fmt: skip
 # TRL trainers whose loss is not the token cross entropy, made exact by a mixin of their own
 # (one module per trainer family's loss): class name in the MRO -> (module, mixin)
-_FAMILIES: dict[str, tuple[str, str]] = {}
+_FAMILIES: dict[str, tuple[str, str]] = {
+    "DPOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesDPO"),
+    "KTOTrainer": ("dtensor_ulysses.hf.preference", "_UlyssesKTO"),
+    "RewardTrainer": ("dtensor_ulysses.hf.reward", "_UlyssesReward"),
+    "GRPOTrainer": ("dtensor_ulysses.hf.rl", "_UlyssesRL"),
+    "RLOOTrainer": ("dtensor_ulysses.hf.rl", "_UlyssesRL"),
+}
 # batch keys the slicing reads, and keys it replaces (varlen kwargs of the local slice)
 _READ = {"input_ids", "labels", "attention_mask", "position_ids"}
 _DROPPED = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
@@ -215,8 +224,9 @@ def _leave_refused(e: BaseException) -> None:
 
 @_refusals_in_one_line
 def with_ulysses(cls: type, sp: int, **options: Any) -> type:
-    """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer`` or a subclass of
-    either) that trains with Ulysses sequence parallelism of degree ``sp`` on FSDP2.
+    """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer``, ``DPOTrainer``,
+    ``KTOTrainer`` or a subclass of one) that trains with Ulysses sequence parallelism of
+    degree ``sp`` on FSDP2.
 
     Args:
         cls: the trainer class.
@@ -237,7 +247,8 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
 
     Raises:
         UnsupportedTrainerError: a trainer whose inputs come from generation or whose loss is
-            not the token cross entropy.
+            not the token cross entropy without a family mixin (DPO and KTO have theirs:
+            :mod:`~dtensor_ulysses.hf.preference`).
         ValueError: bad ``sp`` or an unknown option.
     """
     from transformers import Trainer
@@ -258,9 +269,9 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     if generation:
         raise UnsupportedTrainerError(
             f"{cls.__name__} ({generation[0]}) builds its training inputs by generation, which "
-            f"needs the whole sequence on one rank (a KV cache) and a loss that is not the "
-            f"token cross entropy; with_ulysses supports transformers.Trainer and TRL's "
-            f"SFTTrainer (and their subclasses)"
+            f"with_ulysses makes exact for GRPOTrainer and RLOOTrainer only (rollouts on whole "
+            f"prompts, shared by the sp group); supported: transformers.Trainer, "
+            f"trl.SFTTrainer{''.join(', trl.' + n for n in _FAMILIES)} (and subclasses)"
         )
     family = next((n for n in names if n in _FAMILIES), None)
     is_trl = any(c.__module__.split(".")[0] == "trl" for c in cls.__mro__)
@@ -278,7 +289,9 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     return type(f"Ulysses{cls.__name__}", bases, attrs)
 
 
-def _refuse_args(args: Any, sp: int) -> None:
+def _refuse_args(args: Any, sp: int, *, own_loss: bool = False) -> None:
+    """The training arguments with_ulysses cannot make exact; ``own_loss``: a trainer family
+    whose mixin checks its own ``loss_type``."""
     from transformers import Trainer
 
     problems = []
@@ -306,7 +319,7 @@ def _refuse_args(args: Any, sp: int) -> None:
             f"plain token cross entropy; set it to 0"
         )
     loss_type = getattr(args, "loss_type", None)
-    if loss_type not in (None, "nll"):
+    if loss_type not in (None, "nll") and not own_loss:
         problems.append(f"loss_type={loss_type!r}: only 'nll' is made exact; set loss_type='nll'")
     tokens_seen = getattr(args, "include_num_input_tokens_seen", "no")
     if tokens_seen not in ("no", False, None) and not hasattr(Trainer, "_track_num_input_tokens"):
@@ -470,6 +483,7 @@ class _UlyssesTrainer:
     _du_options: dict[str, Any]
     _du_mesh: Any
     _du_router: tuple[float, bool] | None = None
+    _du_family_loss: bool = False  # a family mixin computes the loss (and checks loss_type)
     # provided by transformers.Trainer
     args: Any
     model: Any
@@ -526,7 +540,7 @@ class _UlyssesTrainer:
     # construction
     # ------------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        _refuse_args(self.args, self._du_sp)
+        _refuse_args(self.args, self._du_sp, own_loss=self._du_family_loss)
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         kind = str(getattr(self.accelerator, "distributed_type", ""))
         if "DEEPSPEED" in kind or kind.endswith("FSDP"):
@@ -564,6 +578,18 @@ class _UlyssesTrainer:
         ParallelOptions(**o).check(hf_model=True)  # gradient_checkpointing may have changed it
         if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
             _plain_head(hf).__class__ = _LossHead
+        # every rank starts from rank 0's weights, as under DDP
+        moved = _trainer_state.start_from_rank0(
+            model, flatten_dp_sp(self._du_mesh).get_group(), self.args.device
+        )
+        if moved and dist.get_rank() == 0:
+            more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
+            print(
+                f"with_ulysses: {len(moved)} tensor(s) differed between ranks "
+                f"({', '.join(moved[:3])}{more}); every rank now starts from rank 0's, as "
+                f"under DDP",
+                flush=True,
+            )
         return _parallelize_root(
             model, hf, self._du_mesh, activation_checkpointing=o["activation_checkpointing"],
             offload_activations=o["offload_activations"], offload_params=o["offload_params"],

@@ -175,13 +175,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _classify_states(net, optimizer, tl: _Timeline, offload_params: bool) -> None:
-    """Sharded parameters and optimizer states (alive from the warm-up step on)."""
+    """Sharded parameters and optimizer states (alive from the warm-up step on);
+    ``optimizer=None``: parameters only (a reference model)."""
     for p in net.parameters():
         t = _local(p)
         tl.add(t)
         tl.set_category(t, "parameters")
         if offload_params or is_host(t):
             tl.set_host(t)
+    if optimizer is None:
+        return
     for state in optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor):
@@ -200,23 +203,31 @@ def _norm_and_blocks(net) -> tuple[Any, Any]:
     return hf.base_model.norm, hf.base_model.layers
 
 
-def _phase_hooks(net, optimizer, rec: Any, offload_params: bool) -> list[Any]:
+def _phase_hooks(
+    net, optimizer, rec: Any, offload_params: bool, no_grad_phase: str = "old_policy"
+) -> list[Any]:
     """Marks: ``loss`` when the final norm starts, ``backward`` when the gradient of its output
     exists, ``optimizer`` before the optimizer step (gradients classified there), and one mark
     per block where its forward starts and where the gradient of its output exists (its
-    backward starts; gradients offloaded by FSDP2 leave the device there)."""
+    backward starts; gradients offloaded by FSDP2 leave the device there). A forward without
+    gradients (a reference model, GRPO's old policy) marks ``no_grad_phase:i`` per block and
+    ``no_grad_phase:head`` at its final norm instead. ``optimizer=None``: a model without one
+    (the reference)."""
     tl: _Timeline = rec.timeline
     hooks: list[Any] = []
 
     def norm_pre(_m, _args):
-        tl.mark("loss")
+        tl.mark("loss" if torch.is_grad_enabled() else f"{no_grad_phase}:head")
 
     def norm_post(_m, _args, out):
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g: tl.mark("backward"))
 
     def block_pre(i):
-        return lambda _m, _args: tl.mark(f"forward:{i}")
+        def hook(_m, _args):
+            tl.mark(f"forward:{i}" if torch.is_grad_enabled() else f"{no_grad_phase}:{i}")
+
+        return hook
 
     def block_post(i):
         def hook(_m, _args, out):
@@ -245,6 +256,7 @@ def _phase_hooks(net, optimizer, rec: Any, offload_params: bool) -> list[Any]:
     for i, block in enumerate(layers):
         hooks.append(block.register_forward_pre_hook(block_pre(i), prepend=True))
         hooks.append(block.register_forward_hook(block_post(i)))
-    hooks.append(optimizer.register_step_pre_hook(step_pre))
-    hooks.append(optimizer.register_step_post_hook(step_post))
+    if optimizer is not None:
+        hooks.append(optimizer.register_step_pre_hook(step_pre))
+        hooks.append(optimizer.register_step_post_hook(step_post))
     return hooks

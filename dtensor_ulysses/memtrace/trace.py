@@ -41,6 +41,15 @@ forward and backward, until the gradient of the final norm's output exists), ``b
 (blocks, gradient reduction, clipping) and ``optimizer`` (the step and ``zero_grad``). Each
 phase's device peak, with its composition, is reported; the step's peak is their maximum.
 
+**Post-training steps** (``step="dpo"`` or ``"grpo"``, :mod:`dtensor_ulysses.memtrace.steps`):
+the same model and features, with the DPO or GRPO step in place of ``train_step`` (a chosen and
+a rejected row, or ``G`` rollouts, per dp rank). A reference model, when the step has one, is
+built by the same ``build`` (sharded alike), frozen, its shards in bf16 on CUDA; its weights
+are in ``parameters`` from the start. Forwards without gradients add phases: ``reference``
+(its blocks, ``reference/head`` its output head) and ``old_policy`` (GRPO with
+``num_iterations > 1``: the policy without gradients), each cut per block like ``forward``, so
+the extrapolation in depth holds for them too.
+
 Fewer blocks (``layers``): a model with ``L`` blocks holds, in every phase, per-block amounts
 (sharded states, checkpoints, gradients) times ``L`` plus amounts that do not depend on ``L``,
 and within a phase a block's memory is linear in its index except within two blocks of either
@@ -80,9 +89,10 @@ from dtensor_ulysses.memtrace._setup import (
     rank0_batch,
     trace_config,
 )
+from dtensor_ulysses.memtrace.steps import StepSpec, reference_model, step_runner
 from dtensor_ulysses.parallel import default_mixed_precision, flatten_dp_sp
 from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS
-from dtensor_ulysses.train import build, train_step
+from dtensor_ulysses.train import build
 
 __all__ = [
     "extrapolate",
@@ -92,7 +102,9 @@ __all__ = [
     "trace_train_step",
 ]
 
-PHASES = ("forward", "loss", "backward", "optimizer")
+# every phase a traced step can have (GRPO's old policy and the reference model run without
+# gradients; a DPO step runs its reference after the policy's forward, TRL's order)
+PHASES = ("old_policy", "reference", "forward", "loss", "backward", "optimizer")
 TRACE_DEVICES = ("cuda", "cpu")
 
 
@@ -140,6 +152,7 @@ class StepTrace:
     breakdown: list[dict[str, Any]] = field(default_factory=list)
     device: str = "cuda"
     peak_bytes: int = 0
+    step: dict[str, Any] = field(default_factory=lambda: {"kind": "sft", "rows_per_dp_rank": 1})
 
     @classmethod
     def from_segments(
@@ -155,13 +168,13 @@ class StepTrace:
 
     @property
     def phases(self) -> dict[str, PhasePeak]:
-        """Device peak per phase (the largest of its segments)."""
+        """Device peak per phase (the largest of its segments), in the order they first ran."""
         out: dict[str, PhasePeak] = {}
         for key, pk in self.segments.items():
             ph = key.split("/")[0]
             if ph not in out or pk.device > out[ph].device:
                 out[ph] = pk
-        return {p: out[p] for p in PHASES if p in out}
+        return out
 
     @property
     def peak_phase(self) -> str:
@@ -185,6 +198,7 @@ class StepTrace:
             },
             "layers": self.layers,
             "traced_layers": list(self.traced_layers),
+            "step": dict(self.step),
             **({"breakdown": self.breakdown} if self.breakdown else {}),
         }
 
@@ -232,6 +246,7 @@ def trace_train_step(
     warmup_seq_len: int | None = None,
     breakdown: int = 0,
     device: str = "cuda",
+    step: StepSpec | str = "sft",
     **features: Any,
 ) -> StepTrace:
     """Trace one steady-state training step of rank 0 (see the module docstring).
@@ -250,16 +265,24 @@ def trace_train_step(
         device: the run to trace: ``"cuda"`` (FSDP2's bf16 compute with fp32 reduction, the
             activation offloader's CUDA schedule) or ``"cpu"`` (as the trainer runs on a CPU
             with gloo: fp32, no mixed-precision policy, the offloader's CPU schedule).
+        step: the step traced (a :class:`~dtensor_ulysses.memtrace.steps.StepSpec` or its
+            kind): ``"sft"`` (the trainer's :func:`~dtensor_ulysses.train.train_step`, one row
+            per dp rank), ``"dpo"`` (:func:`~dtensor_ulysses.memtrace.steps.dpo_step`: a
+            chosen and a rejected row of ``seq_len`` tokens each, a reference model) or
+            ``"grpo"`` (:func:`~dtensor_ulysses.memtrace.steps.grpo_step`: ``G``
+            prompt+completion rows of ``seq_len`` tokens, a reference when ``beta > 0``).
         **features: :class:`~dtensor_ulysses.train.TrainConfig` fields (``tiled_loss``,
             ``tiled_mlp``, ``head_chunks``, ``offload_*``, chunk sizes).
 
     Raises:
         NotImplementedError: a requested feature is not in the trainer.
         TraceUnavailable: this torch lacks the private APIs.
-        ValueError: ``device`` is neither ``"cuda"`` nor ``"cpu"``.
+        ValueError: ``device`` is neither ``"cuda"`` nor ``"cpu"``; a DPO or GRPO step of a
+            preset the built-in model does not build (a hybrid).
     """
     if device not in TRACE_DEVICES:
         raise ValueError(f"device={device!r}: trace one of {', '.join(TRACE_DEVICES)}")
+    spec = step if isinstance(step, StepSpec) else StepSpec(step)
     policy = default_mixed_precision(device)  # the trainer's policy on that device
     schedule = cuda_schedule_on_cpu() if device == "cuda" else contextlib.nullcontext()
     offload_params = bool(features.get("offload_params"))
@@ -267,6 +290,11 @@ def trace_train_step(
     with _temporary_preset(model, layers) as name, hybrid_model_dir(name) as hf_dir:
         cfg = trace_config(name, seq_len, dp, sp, ac, features)
         if hf_dir is not None:  # a hybrid: the real transformers model, Gated DeltaNet routed
+            if spec.kind != "sft":
+                raise ValueError(
+                    f"step={spec.kind!r}: the {spec.kind.upper()} step is traced on the built-in "
+                    f"model; {model} is a hybrid (a transformers model): trace it with step='sft'"
+                )
             cfg = dataclasses.replace(cfg, hf_model=hf_dir)
         n_layers = (layers if layers is not None else None) or _n_layers(model)
         dims = cfg.dims()  # the degrees, built once with the configuration
@@ -275,19 +303,28 @@ def trace_train_step(
             tl = rec.timeline
             tl.where_min_bytes = 2**20 if breakdown else None
             mesh = dims.build_mesh("cpu")
-            group = flatten_dp_sp(mesh).get_group()
+            flatten_dp_sp(mesh)  # made on real tensors, before the fake mode (steps reuse it)
             with fake_mode, rec, schedule:
                 cpu = torch.device("cpu")
                 net, optimizer, scheduler = build(
                     cfg, mesh, cpu, init=False, mixed_precision=policy
                 )
                 hooks = _phase_hooks(net, optimizer, rec, offload_params)
-                step = dict(group=group, grad_clip=cfg.grad_clip)
-                train_step(net, rank0_batch(warm, sp), optimizer, scheduler, **step)
+                reference = None
+                if spec.has_reference:  # sharded like the policy; no gradients, no optimizer
+                    frozen = torch.bfloat16 if device == "cuda" else None  # no master copy
+                    ref_net = build(cfg, mesh, cpu, init=False, mixed_precision=policy)[0]
+                    reference = reference_model(ref_net, frozen)
+                    hooks += _phase_hooks(reference, None, rec, offload_params, "reference")
+                run = step_runner(spec, net, reference, optimizer, scheduler, mesh,
+                                  grad_clip=cfg.grad_clip)  # fmt: skip
+                run(rank0_batch(warm, sp, spec.rows))
                 _classify_states(net, optimizer, tl, offload_params)
-                batch = rank0_batch(seq_len, sp)
+                if reference is not None:
+                    _classify_states(reference, None, tl, offload_params)
+                batch = rank0_batch(seq_len, sp, spec.rows)
                 tl.mark("step")
-                train_step(net, batch, optimizer, scheduler, **step)
+                run(batch)
                 tl.mark("end")
                 for h in hooks:
                     h.remove()
@@ -297,5 +334,5 @@ def trace_train_step(
     used = {k: v for k, v in features.items() if v not in (None, False)}
     return StepTrace.from_segments(
         n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used,
-        breakdown=top, device=device, peak_bytes=both,
+        breakdown=top, device=device, peak_bytes=both, step=spec.describe(),
     )  # fmt: skip

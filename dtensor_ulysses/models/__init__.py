@@ -23,8 +23,11 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         set_tiling,
     )
     from dtensor_ulysses.models.loss import (
+        TOKEN_STATS,
         cross_entropy_sum,
         tiled_cross_entropy_sum,
+        tiled_token_logps,
+        token_logps,
     )
     from dtensor_ulysses.models.weights import (
         init_weights,

@@ -21,6 +21,8 @@ Legend (tensor names carry their local shape):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,7 @@ from torch import nn
 from dtensor_ulysses.memory.tiling import tiled
 from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
 
-__all__ = ["FeedForward", "OutputHead", "RMSNorm", "apply_rope", "rope_cos_sin"]
+__all__ = ["FeedForward", "HeadFn", "OutputHead", "RMSNorm", "apply_rope", "rope_cos_sin"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -211,6 +213,11 @@ class FeedForward(nn.Module):
         return tiled(_swiglu, x_BsD.reshape(B * s, D), ws, c).view(B, s, D)
 
 
+HeadFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(h_BsD, weight_VD, labels_Bs) -> tensor``: what the output head computes from its weight
+instead of the cross-entropy sum (:meth:`OutputHead.forward`, ``Transformer.forward``)."""
+
+
 class OutputHead(nn.Linear):
     """The output projection ``[V, D]`` (no bias); given labels, its forward returns the loss.
 
@@ -228,9 +235,14 @@ class OutputHead(nn.Linear):
         h_BsD: torch.Tensor,
         labels: torch.Tensor | None = None,
         chunk_tokens: int | None = None,
+        head_fn: HeadFn | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, s, V]``; with ``labels``, the float32 loss *sum* (tiled over
-        ``chunk_tokens`` rows when given)."""
+        ``chunk_tokens`` rows when given); with ``head_fn`` as well, ``head_fn(h_BsD, weight_VD,
+        labels_Bs)`` instead (e.g. per-token log-probabilities, tiled), computed here so that
+        FSDP2 gathers the weight for it and reduces its gradient."""
+        if head_fn is not None and labels is not None:
+            return head_fn(h_BsD, self.weight, labels)
         if labels is None:
             return super().forward(h_BsD)
         if chunk_tokens is not None:

@@ -38,6 +38,7 @@ from dtensor_ulysses.attention.doc_tensors import with_doc_tensors
 from dtensor_ulysses.attention.local import DeferredQ, LocalAttention
 from dtensor_ulysses.models.layers import (
     FeedForward,
+    HeadFn,
     OutputHead,
     RMSNorm,
     _compute_dtype,
@@ -201,6 +202,7 @@ class Transformer(nn.Module):
         *,
         layout: SeqLayout | None = None,
         labels: torch.Tensor | None = None,
+        head_fn: HeadFn | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, s, V]`` for this rank's slice; with ``labels``, the loss instead.
 
@@ -209,12 +211,16 @@ class Transformer(nn.Module):
         computed inside the forward so that, under FSDP2, the output weight is the unsharded
         parameter while it is used. With ``loss_chunk_tokens`` set (tiled loss), the logits
         are made, scored and dropped ``loss_chunk_tokens`` rows at a time and recomputed in
-        backward: no ``[B, s, V]`` tensor ever exists.
+        backward: no ``[B, s, V]`` tensor ever exists. With ``labels`` and ``head_fn``, the
+        output is ``head_fn(h_BsD, weight_VD, labels_Bs)`` (e.g. per-token log-probabilities for
+        a preference or RL loss), computed inside the output head's forward like the loss.
         """
         h_BsD = self.forward_hidden(input_ids_Bs, position_ids_Bs, layout=layout)
         chunk = self.loss_chunk_tokens if labels is not None else None
         if self.output is not None:  # through the module, so its FSDP2 hooks run
-            return self.output(h_BsD, labels, chunk)
+            return self.output(h_BsD, labels, chunk, head_fn)
+        if labels is not None and head_fn is not None:
+            return head_fn(h_BsD, self.tok_embeddings.weight, labels)
         if labels is not None and chunk is not None:
             return tiled_cross_entropy_sum(h_BsD, self.tok_embeddings.weight, labels, chunk)
         logits_BsV = F.linear(h_BsD, self.tok_embeddings.weight)

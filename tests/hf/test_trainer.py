@@ -126,10 +126,11 @@ def world2(assets):
         ),  # fmt: skip
         _spec(assets, "trainer", "tl2", sp=2, options=TILED, count_logit_rows=True, **EVAL),
         _spec(assets, "sft_packed", "tlp2", sp=2, options=TILED),
+        _spec(assets, "trainer", "nz2", sp=2, rank_noise=True, capture_stdout=True),
     ]
     names = ["trainer", "sft_chat", "sft_packed", "ga", "ckpt", "resume", "lora", "masked",
              "uneven", "sp3", "lora_ckpt", "lora_resume", "checkpointing", "tiled",
-             "tiled_packed"]  # fmt: skip
+             "tiled_packed", "rank_noise"]  # fmt: skip
     ranks = run_local_world(T.run_specs, 2, specs, timeout_s=400)
     out = dict(zip(names, ranks[0]))
     out["checkpointing_rank1"] = ranks[1][names.index("checkpointing")]
@@ -174,6 +175,15 @@ def test_sp2_equals_one_process(world2, refs, kind):
 def test_world4_equals_one_process(world4, refs, kind, layout):
     """(2, 2) and (1, 4) (sp=4 > 2 kv heads: GQA replication): as above."""
     _close(world4[(kind, *layout)], refs[kind])
+
+
+@pytest.mark.timeout(600)
+def test_every_rank_starts_from_rank0_weights(world2, refs):
+    """Rank 1 built other weights than rank 0 (as a head initialized per rank would be): the
+    run is rank 0's, as under DDP, and the start says which tensors differed."""
+    got = world2["rank_noise"]
+    _close(got, refs["trainer"])
+    assert "tensor(s) differed between ranks" in got["stdout"], got["stdout"]
 
 
 @pytest.mark.timeout(600)
@@ -315,13 +325,24 @@ def test_sp_not_dividing_world(world2):
 # ---------------------------------------------------------------------------------------------
 def test_generation_and_other_loss_trainers_refused():
     import trl
+    from trl.experimental.online_dpo import OnlineDPOTrainer
 
     from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
 
-    with pytest.raises(UnsupportedTrainerError, match="GRPOTrainer.*generation"):
-        with_ulysses(trl.GRPOTrainer, sp=2)
-    with pytest.raises(UnsupportedTrainerError, match="DPOTrainer computes its own loss"):
-        with_ulysses(trl.DPOTrainer, sp=2)
+    with pytest.raises(UnsupportedTrainerError, match="OnlineDPOTrainer.*generation"):
+        with_ulysses(OnlineDPOTrainer, sp=2)
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    with pytest.raises(UnsupportedTrainerError, match="AsyncGRPOTrainer.*generation"):
+        with_ulysses(AsyncGRPOTrainer, sp=2)
+    with pytest.raises(UnsupportedTrainerError, match="DistillationTrainer computes its own loss"):
+        with_ulysses(trl.DistillationTrainer, sp=2)
+    # the families with a mixin of their own (tests/hf/test_preference.py, test_reward.py,
+    # test_rl.py)
+    for cls, mixin in ((trl.DPOTrainer, "_UlyssesDPO"), (trl.KTOTrainer, "_UlyssesKTO"),
+                       (trl.RewardTrainer, "_UlyssesReward"), (trl.GRPOTrainer, "_UlyssesRL"),
+                       (trl.RLOOTrainer, "_UlyssesRL")):  # fmt: skip
+        assert mixin in [c.__name__ for c in with_ulysses(cls, sp=2).__mro__]
     with pytest.raises(ValueError, match="unknown with_ulysses options"):
         with_ulysses(trl.SFTTrainer, sp=2, tiled=True)
     with pytest.raises(ValueError, match="sp=0"):

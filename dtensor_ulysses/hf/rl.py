@@ -1,0 +1,412 @@
+"""TRL's online RL trainers (``GRPOTrainer``, ``RLOOTrainer``) under :func:`with_ulysses`, exact.
+
+Legend: ``B`` rows of this dp rank, ``S`` a row's full length (prompt + completion), ``s`` this
+sp rank's piece, ``C`` the completion length (``logits_to_keep``).
+
+The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the same dp index:
+
+* **Rollouts outside the sequence split.** Every rank of an sp group reads the same prompts (the
+  data is sharded by dp rank) and draws from the same random stream (seeded with
+  ``seed + dp rank``, as the stock rank ``dp rank`` is), and every rank generates: the model is
+  FSDP2-sharded over ``dp x sp``, so each decoding step all-gathers every layer and all ranks
+  must take part. Generation runs the model's own attention on the full prompts
+  (:func:`~dtensor_ulysses.hf.routing.plain_attention`) with ``synced_gpus`` on, so that a dp
+  group whose completions end early keeps stepping (no hang on unequal lengths). sp rank 0's
+  completions are then broadcast over the sp group (one small object broadcast), so the group
+  trains on one set of rollouts even where two ranks' samplers could diverge. Cost: each rank
+  holds the KV cache of its dp group's rollouts and a gathered layer at a time; the decoding
+  compute is repeated on the sp ranks of a group.
+* **Rewards once per completion per dp group.** The reward functions run on sp rank 0 only;
+  their ``[B, n_funcs]`` rewards are broadcast over sp and gathered over dp (the stock trainer
+  gathers them over its ranks), so advantages are computed once per dp group from the same
+  numbers the stock trainer sees.
+* **Everything the stock trainer reduces over its ranks is reduced over dp** (its
+  ``accelerator.gather`` / ``reduce`` / ``num_processes`` / ``process_index`` and TRL's
+  ``gather`` / ``gather_object`` inside the step), since the sp ranks of a group are replicas of
+  one stock rank there.
+* **Log-probabilities on the sharded sequence.** Each prompt+completion row is cut by
+  :func:`~dtensor_ulysses.hf.shard_batch` (labels shifted over the full row first, padding as
+  documents, global positions ``0..S-1`` as the stock forward uses); the policy, old policy and
+  reference models run this rank's slice, and TRL's own fused head returns the per-token
+  log-probabilities (and entropies) of the slice in chunks, never ``[B, s, V]`` logits (TRL's
+  head, not :func:`~dtensor_ulysses.hf.logps.token_rows`' plain one: GRPO's log-probabilities
+  are those of the logits divided by the sampling temperature, with the model's logit scale and
+  softcap). The
+  ``[B, S]`` rows of every slice are summed over sp
+  (:func:`~dtensor_ulysses.comm.all_reduce_sum`: forward all-reduce, the gradient of this rank's
+  slice passes through) so that each rank holds the completion's
+  ``[B, C]`` log-probabilities; the stock loss (ratios, clipping, KL, entropy masks, every
+  ``loss_type`` and ``importance_sampling_level``) then runs unchanged on them. Each token's
+  gradient flows through the one rank that computed it, so the normalisations count every
+  token once; the returned loss keeps its value and carries ``1/dp`` of its gradient (FSDP2
+  sums gradients over dp x sp, where DDP averages over dp).
+* **The reference model** (``beta > 0``) is loaded by the stock trainer and prepared like the
+  policy (Ulysses on every attention layer, ``fully_shard`` over dp x sp), without gradients;
+  ``beta = 0`` loads none; with a PEFT adapter it is the policy with the adapter disabled, as in
+  the stock trainer.
+
+Refused at construction, with the reason: tool calling, environments and ``rollout_func``
+(multi-turn), vLLM generation (no GPU test here yet), transformers' continuous batching,
+vision-language processors, an entropy bonus, a router (MoE) auxiliary loss and
+``sync_ref_model``. Evaluation runs the stock trainer's ``prediction_step`` (rollouts and loss
+as in training). The generation batch is
+``per_device_train_batch_size x dp x steps_per_generation`` (the config resolves it over all
+``dp x sp`` processes; it is re-resolved over dp, so set ``steps_per_generation``, not an
+explicit ``generation_batch_size``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dtensor_ulysses.comm import all_reduce_sum
+from dtensor_ulysses.hf import _trainer_state
+from dtensor_ulysses.hf._trainer_accel import dp_gather
+from dtensor_ulysses.hf.batch import shard_batch
+from dtensor_ulysses.hf.model import _parallelize_root
+from dtensor_ulysses.hf.routing import plain_attention
+from dtensor_ulysses.hf.trainer import (
+    UnsupportedTrainerError,
+    _compute_dtype,
+    _refusals_in_one_line,
+    _UlyssesTrainer,
+)
+from dtensor_ulysses.plan.splits import DP_AXIS
+
+__all__: list[str] = []
+
+_SP_AXIS = "sp"
+_RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
+
+
+# ----------------------------------------------------------------------------------------------
+# the stock trainer's collectives, over dp
+# ----------------------------------------------------------------------------------------------
+class _DpAccelerator:
+    """Mixin placed over the accelerator's class inside :meth:`_UlyssesRL._du_dp_view`."""
+
+    _du_mesh: Any
+
+    @property
+    def process_index(self) -> int:
+        return self._du_mesh.get_local_rank(DP_AXIS)
+
+    @property
+    def num_processes(self) -> int:
+        return self._du_mesh[DP_AXIS].size()
+
+    def gather(self, tensor: Any) -> Any:
+        return _dp_gather_same(tensor, self._du_mesh[DP_AXIS].get_group())
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0):
+        group = self._du_mesh[DP_AXIS].get_group()
+        out = tensor.clone()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(out, group=group)
+        if reduction == "mean":
+            out = out / dist.get_world_size(group)
+        return out * scale if scale != 1.0 else out
+
+
+def _dp_gather_same(data: Any, group: dist.ProcessGroup) -> Any:
+    """accelerate's ``gather`` over ``group``: tensors concatenated along dim 0 (a scalar
+    becomes one row), nested lists / tuples / dicts of them likewise."""
+    if isinstance(data, dict):
+        return type(data)({k: _dp_gather_same(v, group) for k, v in data.items()})
+    if isinstance(data, (tuple, list)):
+        return type(data)(_dp_gather_same(v, group) for v in data)
+    if not isinstance(data, torch.Tensor):
+        return data
+    return dp_gather(data if data.dim() else data.reshape(1), group=group)
+
+
+def _dp_gather_object(obj: Any, group: dist.ProcessGroup) -> list:
+    """accelerate's ``gather_object`` over ``group``: the ranks' lists, concatenated."""
+    if dist.get_world_size(group) == 1:
+        return list(obj)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return [x for part in parts for x in part]
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+class _UlyssesRL:
+    """Mixin placed before the shared :class:`~dtensor_ulysses.hf.trainer._UlyssesTrainer` for
+    TRL's ``GRPOTrainer`` and ``RLOOTrainer`` (see the module docstring)."""
+
+    _du_family_loss = True  # every loss_type runs as stock (on the sp-summed rows)
+    _du_sp: int
+    _du_mesh: Any
+    _du_dims: Any
+    _du_options: dict[str, Any]
+    args: Any
+    model: Any
+    accelerator: Any
+    ref_model: Any
+    reward_funcs: list
+
+    @_refusals_in_one_line
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        names = list(_init_names(type(self)))
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        _refuse_rl(type(self), bound, self._du_sp)
+        targs = bound.get("args")
+        if targs is not None and hasattr(targs, "generation_batch_size"):
+            _dp_generation_batch(targs, self._du_sp)
+        super().__init__(*args, **kwargs)
+        # the stock trainer's own rule for gradient accumulation (the shared mixin set its own)
+        self.__dict__.pop("loss_is_scaled_for_ga", None)
+        # the random stream of the stock rank with this dp index (generation, shuffles)
+        from accelerate.utils import set_seed
+
+        if getattr(self, "ref_model", None) is not None:
+            self.ref_model = self._du_parallelize_ref(self.ref_model)
+        set_seed(self.args.seed + self._du_mesh.get_local_rank(DP_AXIS))
+
+    def _du_parallelize_ref(self, ref: nn.Module) -> nn.Module:
+        o = self._du_options
+        ref.requires_grad_(False)
+        hf: Any = _trainer_state.base_model(ref)
+        return _parallelize_root(
+            ref, hf, self._du_mesh,
+            activation_checkpointing=False, offload_activations=False,
+            offload_params=o["offload_params"], head_chunks=o["head_chunks"],
+            mixed_precision=o["mixed_precision"], attention_backend=o["attention_backend"],
+            allow_uneven_heads=o["allow_uneven_heads"], compute_dtype=_compute_dtype(self.args),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    # the stock step's collectives over dp
+    # ------------------------------------------------------------------------------------------
+    def _du_trl_module(self) -> Any:
+        cls = next(c for c in type(self).__mro__ if c.__name__ in _RL_TRAINERS)
+        return sys.modules[cls.__module__]
+
+    @contextlib.contextmanager
+    def _du_dp_view(self) -> Iterator[None]:
+        acc = self.accelerator
+        base = type(acc)
+        group = self._du_mesh[DP_AXIS].get_group()
+        module = self._du_trl_module()
+        acc.__class__ = type(f"Dp{base.__name__}", (_DpAccelerator, base), {})
+        try:
+            with (
+                _patched(module, "gather", lambda t: _dp_gather_same(t, group)),
+                _patched(module, "gather_object", lambda o: _dp_gather_object(o, group)),
+            ):
+                yield
+        finally:
+            acc.__class__ = base
+
+    def _du_sp_group(self) -> dist.ProcessGroup:
+        return self._du_mesh[_SP_AXIS].get_group()
+
+    def _du_sp_root(self) -> int:
+        """The global rank of sp rank 0 of this rank's group."""
+        return dist.get_global_rank(self._du_sp_group(), 0)
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        with self._du_dp_view():
+            return super()._generate_and_score_completions(inputs)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------------------------------
+    # rollouts
+    # ------------------------------------------------------------------------------------------
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        hf: Any = _trainer_state.base_model(self.model)
+        hf._is_fsdp_managed_module = True  # generate(synced_gpus=True): every rank steps
+        # the root unit's weights (embeddings, head) gathered for the whole generation: a PEFT
+        # model's generate calls the inner model, not the root's hooks
+        root: Any = self.model
+        try:
+            with plain_attention(hf):
+                if not getattr(self, "_du_root_ready", False):  # FSDP2 sets up from the root's
+                    with torch.no_grad():  # first forward: one token through it, every rank
+                        root(input_ids=torch.zeros((1, 1), dtype=torch.long,
+                                                   device=self.accelerator.device))  # fmt: skip
+                    self._du_root_ready = True
+                root.unshard()
+                out = super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            root.reshard()
+            del hf._is_fsdp_managed_module
+        if self._du_sp > 1:  # one set of rollouts per sp group: sp rank 0's (GRPO returns
+            box = [out]  # (completion_ids, logprobs), RLOO completion_ids)
+            dist.broadcast_object_list(box, src=self._du_sp_root(), group=self._du_sp_group())
+            out = box[0]
+        return out
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any,
+                           completion_ids_list: Any) -> torch.Tensor:  # fmt: skip
+        """The reward functions on sp rank 0 only; the rewards broadcast over sp, then gathered
+        over dp as the stock trainer gathers them over its ranks."""
+        device = self.accelerator.device
+        if self._du_mesh.get_local_rank(_SP_AXIS) == 0:
+            with _patched(self._du_trl_module(), "gather", lambda t: t):
+                local = super()._calculate_rewards(  # type: ignore[misc]
+                    inputs, prompts, completions, completion_ids_list
+                )
+        else:
+            local = torch.zeros(len(prompts), len(self.reward_funcs), device=device)
+        if self._du_sp > 1:
+            dist.broadcast(local, src=self._du_sp_root(), group=self._du_sp_group())
+        return _dp_gather_same(local, self._du_mesh[DP_AXIS].get_group())
+
+    # ------------------------------------------------------------------------------------------
+    # log-probabilities on the sharded sequence
+    # ------------------------------------------------------------------------------------------
+    def _get_per_token_logps_and_entropies(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+        logits_to_keep: int, batch_size: int | None = None, compute_entropy: bool = False,
+        compute_aux_loss: bool = False, **extra: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        used = sorted(k for k, v in extra.items() if v is not None)
+        if used or compute_aux_loss:
+            raise UnsupportedTrainerError(
+                f"with_ulysses: the RL log-probabilities take text rows only; got "
+                f"{used or ['compute_aux_loss']}"
+            )
+        mesh, group = self._du_mesh, self._du_sp_group()
+        me = mesh.get_local_rank(_SP_AXIS)
+        B, S = input_ids.shape
+        step = batch_size or B
+        logps, entropies = [], []
+        for lo in range(0, B, step):
+            ids_BS = input_ids[lo : lo + step]
+            mask_BS = attention_mask[lo : lo + step]
+            labels_BS = ids_BS.masked_fill(mask_BS == 0, -100)
+            labels_BS[:, :-logits_to_keep] = -100  # only completion tokens are scored
+            sb = shard_batch({"input_ids": ids_BS, "labels": labels_BS,
+                              "attention_mask": mask_BS}, mesh, count_valid=False)  # fmt: skip
+            with self.accelerator.autocast():
+                out = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
+                            ulysses_layout=sb.layout, shift_labels=sb.labels,
+                            fused_lm_head=True)  # fmt: skip
+            left = sb.layout.offset(me)
+            right = S - left - sb.input_ids.shape[1]
+            # [B, S]: the log-probability at t is that of token t + 1 (the shifted labels)
+            full_BS = all_reduce_sum(F.pad(out.log_probs.float(), (left, right)), group)
+            logps.append(full_BS[:, -logits_to_keep - 1 : -1])
+            if compute_entropy:
+                ent_BS = all_reduce_sum(F.pad(out.entropy.float(), (left, right)), group)
+                entropies.append(ent_BS[:, -logits_to_keep - 1 : -1])
+        return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None)
+
+    # ------------------------------------------------------------------------------------------
+    # the loss
+    # ------------------------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any):
+        # the stock trainer's (its batches are prompts, not token rows)
+        return super(_UlyssesTrainer, self).get_batch_samples(  # type: ignore[misc]
+            epoch_iterator, num_batches, device
+        )
+
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None):  # fmt: skip
+        with self._du_dp_view():
+            loss = super(_UlyssesTrainer, self).compute_loss(  # type: ignore[misc]
+                model, inputs, return_outputs=return_outputs,
+                num_items_in_batch=num_items_in_batch,
+            )  # fmt: skip
+        dp = self._du_mesh[DP_AXIS].size()
+        # the value is the stock rank's loss; FSDP2 sums gradients over dp where DDP averages
+        return loss.detach() + (loss - loss.detach()) / dp
+
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: Any = None):  # fmt: skip
+        # the stock trainer's (rollouts and loss as in training, through the methods above)
+        return super(_UlyssesTrainer, self).prediction_step(  # type: ignore[misc]
+            model, inputs, prediction_loss_only, ignore_keys
+        )
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        # the RL trainers count their tokens themselves (prompt + completion, over dp)
+        super(_UlyssesTrainer, self)._track_num_input_tokens(inputs)  # type: ignore[misc]
+
+
+def _init_names(cls: type) -> list[str]:
+    import inspect
+
+    trl_cls = next(c for c in cls.__mro__ if c.__name__ in _RL_TRAINERS)
+    init: Any = trl_cls.__dict__["__init__"]
+    return list(inspect.signature(init).parameters)[1:]
+
+
+def _dp_generation_batch(args: Any, sp: int) -> None:
+    """GRPO's config resolved ``generation_batch_size`` over every process; the stock trainer
+    at this dp resolves it over ``dp = world / sp``.
+
+    Raises:
+        ValueError: the batch over dp does not hold whole groups of ``num_generations``.
+    """
+    world = int(getattr(args, "world_size", 1) or 1)
+    if world % sp:
+        return  # the mesh check names it
+    dp = world // sp
+    steps = args.steps_per_generation
+    batch = args.per_device_train_batch_size * dp * steps
+    groups = int(getattr(args, "num_generations", 1) or 1)
+    if batch % groups:
+        raise ValueError(
+            f"the generation batch per_device_train_batch_size x dp x steps_per_generation = "
+            f"{args.per_device_train_batch_size} x {dp} x {steps} = {batch} rows does not hold "
+            f"whole groups of num_generations={groups} (dp = {world} ranks / sp={sp}); raise "
+            f"per_device_train_batch_size or steps_per_generation"
+        )
+    args.generation_batch_size = batch
+
+
+def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
+    """One line per refused feature, before anything is loaded."""
+    args = bound.get("args")
+    name = cls.__name__
+    problems = []
+    for key, why in (
+        ("tools", "tool calling (multi-turn rollouts whose tool outputs are spliced in)"),
+        ("environment_factory", "environments (multi-turn rollouts)"),
+        ("rollout_func", "a custom rollout_func (its generation runs outside with_ulysses)"),
+    ):
+        if bound.get(key):
+            problems.append(f"{key}: {why}")
+    processing = bound.get("processing_class")
+    if processing is not None and hasattr(processing, "image_processor"):
+        problems.append("a vision-language processor: vision-language rollouts are not supported")
+    if args is not None:
+        for key, why in (
+            ("use_vllm", "vLLM generation: no GPU test covers it here yet; use use_vllm=False"),
+            ("use_transformers_continuous_batching",
+             "continuous batching generates without the FSDP2 synced steps; set it to False"),
+            ("sync_ref_model", "sync_ref_model: the sharded reference is not re-synced"),
+            ("use_adaptive_entropy", "an adaptive entropy bonus is not covered by the tests"),
+        ):  # fmt: skip
+            if getattr(args, key, False):
+                problems.append(f"{key}=True: {why}")
+        if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0:
+            problems.append(f"entropy_coef={args.entropy_coef}: an entropy bonus is not covered "
+                            f"by the tests; set entropy_coef=0.0")  # fmt: skip
+        coef = getattr(args, "router_aux_loss_coef", None)
+        if coef:
+            problems.append(f"router_aux_loss_coef={coef}: the router loss of a sharded "
+                            f"sequence is not wired into the RL loss; set it to 0.0")  # fmt: skip
+    if problems:
+        raise UnsupportedTrainerError(
+            f"with_ulysses({name}) cannot run this exactly: " + "; ".join(problems)
+        )

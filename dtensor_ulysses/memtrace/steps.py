@@ -1,0 +1,355 @@
+"""The preference (DPO) and RL (GRPO) training steps of the built-in model, as the tracer runs them.
+
+The memory tracer (:func:`dtensor_ulysses.memtrace.trace_train_step`) runs the *real* step under
+fake tensors: for supervised fine-tuning that is the trainer's
+:func:`dtensor_ulysses.train.train_step`; for the two post-training losses it is the step
+functions here, written on the built-in model (``du.parallelize``: Ulysses, checkpointing, FSDP2
+and every memory feature) as ``du.hf.with_ulysses`` runs TRL's trainers on a transformers
+model: the same tensors, in the same order.
+
+* :func:`dpo_step` (TRL's ``DPOTrainer``, ``loss_type="sigmoid"``): one pair per dp rank, the
+  chosen and the rejected row in one ``[2, S]`` batch, both sequence-sharded alike. The policy's
+  forward gives per-token log-probabilities of the labels from the tiled output head (no
+  ``[B, s, V]`` logits), summed per row on this rank's slice and then over the sp group
+  (:func:`sequence_logps`); then the
+  reference model's forward without gradients on the same rows (TRL's order: the policy's graph
+  is alive meanwhile); the loss ``-log sigmoid(beta * margin)``; backward, clipping, AdamW.
+* :func:`grpo_step` (TRL's ``GRPOTrainer``, ``loss_type="dapo"``): ``G`` prompt+completion rows
+  of one prompt per dp rank. The old policy's per-token log-probabilities (no gradient; only for
+  ``num_iterations > 1``, else the current ones detached, as TRL), the reference's (no gradient;
+  only for ``beta > 0``), then the policy's forward with gradients, the clipped ratio times the
+  row's advantage, the KL term ``exp(r - l) - (r - l) - 1``, summed over valid tokens and divided
+  by their global count (each token counted once over dp x sp), backward, clipping, AdamW.
+
+The reference model is a second copy of the architecture, built and sharded by the same
+``build`` (Ulysses + FSDP2 over ``dp x sp``), with ``requires_grad`` off: no gradients and no
+optimizer state, and its shards in the compute dtype (bf16 on a GPU: no master weights to
+keep; :func:`reference_model`); its FSDP2 units are resharded after its forward (its output
+head keeps its gathered weight after a forward otherwise, as the policy's does for its
+backward).
+
+Per-token log-probabilities come from the library's tiled primitive
+(:func:`dtensor_ulysses.models.loss.tiled_token_logps`, the one ``du.hf``'s preference and RL
+trainers use), inside the output head's forward (``Transformer.forward(..., head_fn=)``, so
+FSDP2 gathers the head's weight and reduces its gradient): ``loss_chunk_tokens`` rows of logits
+at a time, forward and backward, as the tiled loss. The per-row sums go over the sp group with
+:func:`dtensor_ulysses.comm.all_reduce_sum` (its gradient passes through).
+
+Legend: ``B`` rows of this rank's micro-batch (2 for a DPO pair: chosen, rejected; ``G`` for
+GRPO), ``s`` this rank's slice of each row, ``D`` model dim, ``V`` vocabulary, ``C`` rows of a
+chunk, ``P`` pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dtensor_ulysses.comm import all_reduce_sum
+from dtensor_ulysses.data import Batch
+from dtensor_ulysses.data.batch import IGNORE_INDEX
+from dtensor_ulysses.models.loss import tiled_token_logps
+from dtensor_ulysses.parallel import global_valid_tokens
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "STEP_KINDS",
+    "StepSpec",
+    "dpo_step",
+    "grpo_step",
+    "reference_model",
+    "sequence_logps",
+    "step_runner",
+    "token_logps",
+]
+
+STEP_KINDS = ("sft", "dpo", "grpo")
+DEFAULT_CHUNK_TOKENS = 4096  # rows of logits at a time when the model has no loss_chunk_tokens
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """Which training step is traced, and its loss's options.
+
+    Attributes:
+        kind: ``"sft"`` (the trainer's step), ``"dpo"`` or ``"grpo"``.
+        beta: DPO's temperature (default 0.1, TRL's), GRPO's KL coefficient (default 0.0, TRL's:
+            no reference model).
+        generations: GRPO's completions per prompt ``G``: the rows of a dp rank's micro-batch.
+        num_iterations: GRPO's updates per generation batch (> 1: old-policy log-probabilities
+            are computed before the step, without gradients).
+        epsilon: GRPO's clipping range.
+    """
+
+    kind: str = "sft"
+    beta: float | None = None
+    generations: int = 8
+    num_iterations: int = 1
+    epsilon: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"step={self.kind!r}: trace one of {', '.join(STEP_KINDS)}")
+        if self.generations < 1:
+            raise ValueError(
+                f"generations={self.generations}: GRPO needs G >= 1 completions per prompt "
+                f"(TRL's default is 8)"
+            )
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations={self.num_iterations} must be >= 1 (TRL's default 1)")
+        if self.beta is not None and self.beta < 0:
+            raise ValueError(f"beta={self.beta} must be >= 0")
+
+    @property
+    def loss_beta(self) -> float:
+        """``beta`` or the trainer's default (DPO 0.1, GRPO 0.0)."""
+        if self.beta is not None:
+            return self.beta
+        return 0.1 if self.kind == "dpo" else 0.0
+
+    @property
+    def rows(self) -> int:
+        """Rows of one dp rank's micro-batch: 1 (SFT), 2 (a DPO pair), ``G`` (GRPO)."""
+        return {"sft": 1, "dpo": 2, "grpo": self.generations}[self.kind]
+
+    @property
+    def has_reference(self) -> bool:
+        """A reference model is loaded: DPO always, GRPO when ``beta > 0``."""
+        return self.kind == "dpo" or (self.kind == "grpo" and self.loss_beta > 0)
+
+    @property
+    def has_old_policy(self) -> bool:
+        """GRPO computes old-policy log-probabilities (``num_iterations > 1``)."""
+        return self.kind == "grpo" and self.num_iterations > 1
+
+    def describe(self) -> dict[str, Any]:
+        """The step's options as the trace reports them."""
+        out: dict[str, Any] = {"kind": self.kind, "rows_per_dp_rank": self.rows}
+        if self.kind == "sft":
+            return out
+        out.update(beta=self.loss_beta, reference_model=self.has_reference)
+        if self.kind == "grpo":
+            out.update(generations=self.generations, num_iterations=self.num_iterations,
+                       old_policy_logps=self.has_old_policy, loss_type="dapo")  # fmt: skip
+        else:
+            out["loss_type"] = "sigmoid"
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# per-token and per-sequence log-probabilities
+# ----------------------------------------------------------------------------------------------
+def token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Per-token log-probabilities of ``batch.labels`` on this rank's slice, ``[B, s]`` float32
+    (0 where ignored), through the model's output head (tiled: ``model.loss_chunk_tokens`` or
+    :data:`DEFAULT_CHUNK_TOKENS` rows of logits at a time; never ``[B, s, V]``)."""
+    chunk = getattr(model, "loss_chunk_tokens", None) or DEFAULT_CHUNK_TOKENS
+
+    def head(h_BsD: torch.Tensor, weight_VD: torch.Tensor, labels_Bs: torch.Tensor):
+        # flat [B * s] out of the module (FSDP2 warns about a view it returns), [B, s] after
+        return tiled_token_logps(h_BsD, weight_VD, labels_Bs, chunk).flatten()
+
+    out = model(
+        batch.input_ids, batch.position_ids, layout=batch.layout, labels=batch.labels,
+        head_fn=head,
+    )  # fmt: skip
+    return out.view(batch.labels.shape)
+
+
+def sequence_logps(
+    model: torch.nn.Module, batch: Batch, sp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Each row's log-probability of its labels, summed over the whole row: this rank's slice
+    (:func:`token_logps`), then over the ``sp`` group (one all-reduce of ``B`` floats, the
+    gradient passed through). ``[B]`` float32, equal on every rank of the sp group."""
+    return all_reduce_sum(token_logps(model, batch).sum(1), sp_group)
+
+
+def reference_model(net: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """``net`` as a reference: no parameter requires a gradient (no gradient, no optimizer
+    state), evaluation mode, its (sharded) weights in ``dtype`` when given: a frozen model
+    needs no fp32 master weights, so on a GPU its shards are kept in the compute dtype (bf16,
+    half the policy's fp32 shards; FSDP2 then gathers them without a cast)."""
+    net.requires_grad_(False)
+    if dtype is not None:
+        net.to(dtype)
+    return net.eval()
+
+
+def _reshard(net: torch.nn.Module) -> None:
+    """Free every FSDP2 unit's gathered weights (after a forward without backward)."""
+    for m in net.modules():
+        reshard = getattr(m, "reshard", None)
+        if callable(reshard) and type(m).__name__.startswith("FSDP"):
+            reshard()
+
+
+@torch.no_grad()
+def _frozen_token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    out = token_logps(model, batch)
+    _reshard(model)
+    return out
+
+
+def _finish(model, optimizer, scheduler, loss: torch.Tensor, grad_clip: float) -> float | None:
+    loss.backward()
+    grad_norm = None
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+@dataclass
+class PostTrainStepResult:
+    """What :func:`dpo_step` / :func:`grpo_step` return (this rank's values)."""
+
+    loss: float  # this rank's loss term (its dp rank's share; equal over its sp group)
+    grad_norm: float | None
+
+
+# ----------------------------------------------------------------------------------------------
+# DPO
+# ----------------------------------------------------------------------------------------------
+def dpo_loss(
+    policy_P2: torch.Tensor, reference_P2: torch.Tensor, beta: float, dp: int = 1
+) -> torch.Tensor:
+    """TRL's sigmoid DPO loss of ``P`` pairs ``[chosen, rejected]`` of sequence log-probabilities,
+    averaged over the ``P * dp`` pairs of the global batch (this rank's share)."""
+    margin_P = (policy_P2[:, 0] - reference_P2[:, 0]) - (policy_P2[:, 1] - reference_P2[:, 1])
+    return -F.logsigmoid(beta * margin_P).sum() / (margin_P.numel() * dp)
+
+
+def dpo_step(
+    policy: torch.nn.Module,
+    reference: torch.nn.Module,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    sp_group: dist.ProcessGroup | None = None,
+    dp: int = 1,
+    beta: float = 0.1,
+    grad_clip: float = 1.0,
+) -> PostTrainStepResult:
+    """One DPO step on this rank's slice of ``P`` pairs: ``batch`` rows ``[c0, r0, c1, r1, ...]``
+    (chosen, rejected), each sharded on the sequence like the other rows (see the module
+    docstring). ``dp``: data-parallel ranks (the loss is the mean over every pair)."""
+    if batch.input_ids.shape[0] % 2:
+        raise ValueError(
+            f"a DPO batch holds pairs (chosen, rejected): got {batch.input_ids.shape[0]} rows"
+        )
+    pol_B = sequence_logps(policy, batch, sp_group)
+    with torch.no_grad():
+        ref_B = all_reduce_sum(_frozen_token_logps(reference, batch).sum(1), sp_group)
+    loss = dpo_loss(pol_B.view(-1, 2), ref_B.view(-1, 2), beta, dp)
+    grad_norm = _finish(policy, optimizer, scheduler, loss, grad_clip)
+    return PostTrainStepResult(float(loss.detach()), grad_norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# GRPO
+# ----------------------------------------------------------------------------------------------
+def grpo_token_loss(
+    logp_Bs: torch.Tensor,
+    old_Bs: torch.Tensor | None,
+    ref_Bs: torch.Tensor | None,
+    advantages_B: torch.Tensor,
+    *,
+    beta: float,
+    epsilon: float,
+) -> torch.Tensor:
+    """TRL's GRPO per-token loss ``[B, s]``: ``-min(ratio * A, clip(ratio) * A)``, plus
+    ``beta * (exp(r - l) - (r - l) - 1)`` with a reference; ``old_Bs=None``: the current
+    log-probabilities detached (``num_iterations = 1``)."""
+    old = logp_Bs.detach() if old_Bs is None else old_Bs
+    ratio = torch.exp(logp_Bs - old)
+    a_B1 = advantages_B.unsqueeze(1)
+    loss = -torch.min(ratio * a_B1, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * a_B1)
+    if beta > 0 and ref_Bs is not None:
+        d = ref_Bs - logp_Bs
+        loss = loss + beta * (torch.exp(d) - d - 1)
+    return loss
+
+
+def grpo_step(
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    batch: Batch,
+    advantages_B: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    group: dist.ProcessGroup | None = None,
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    num_iterations: int = 1,
+    old_logps_Bs: torch.Tensor | None = None,
+    grad_clip: float = 1.0,
+) -> PostTrainStepResult:
+    """One GRPO step (``loss_type="dapo"``) on this rank's slice of ``B`` prompt+completion rows
+    with their advantages (see the module docstring). ``group``: the ``dp x sp`` ranks (the
+    valid-token count); ``reference`` is needed when ``beta > 0``. ``old_logps_Bs``: the old
+    policy's log-probabilities kept from the batch's first iteration; ``None`` with
+    ``num_iterations > 1``: computed here from ``policy`` (this is the first iteration)."""
+    if beta > 0 and reference is None:
+        raise ValueError(f"beta={beta} needs a reference model (beta=0 loads none)")
+    old_Bs = old_logps_Bs
+    if old_Bs is None and num_iterations > 1:
+        old_Bs = _frozen_token_logps(policy, batch)
+    ref_Bs = _frozen_token_logps(reference, batch) if beta > 0 and reference else None
+    logp_Bs = token_logps(policy, batch)
+    valid_Bs = batch.labels != IGNORE_INDEX
+    n_valid = global_valid_tokens(batch.labels, group)
+    per_tok = grpo_token_loss(logp_Bs, old_Bs, ref_Bs, advantages_B, beta=beta, epsilon=epsilon)
+    loss = (per_tok * valid_Bs).sum() / n_valid
+    grad_norm = _finish(policy, optimizer, scheduler, loss, grad_clip)
+    return PostTrainStepResult(float(loss.detach()), grad_norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# one step of a kind, for the tracer and for the real run it is checked against
+# ----------------------------------------------------------------------------------------------
+def step_runner(
+    spec: StepSpec,
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    mesh: Any,
+    *,
+    grad_clip: float = 1.0,
+) -> Callable[[Batch], Any]:
+    """``run(batch)``: one step of ``spec``'s kind on this rank's slice ``batch`` (the trainer's
+    :func:`~dtensor_ulysses.train.train_step` for SFT; GRPO's advantages are ones: their values
+    do not change the bytes). ``mesh``: the ``("dp", "sp")`` mesh."""
+    from dtensor_ulysses.parallel import flatten_dp_sp
+    from dtensor_ulysses.train import train_step
+
+    group = flatten_dp_sp(mesh).get_group()
+    if spec.kind == "sft":
+        return lambda b: train_step(
+            policy, b, optimizer, scheduler, group=group, grad_clip=grad_clip
+        )
+    if spec.kind == "dpo":
+        if reference is None:
+            raise ValueError("a DPO step needs a reference model")
+        sp_group, dp = mesh["sp"].get_group(), mesh["dp"].size()
+        return lambda b: dpo_step(policy, reference, b, optimizer, scheduler, sp_group=sp_group,
+                                  dp=dp, beta=spec.loss_beta, grad_clip=grad_clip)  # fmt: skip
+
+    def grpo(b: Batch) -> PostTrainStepResult:
+        advantages_B = torch.ones(b.input_ids.shape[0])
+        return grpo_step(policy, reference, b, advantages_B, optimizer, scheduler, group=group,
+                         beta=spec.loss_beta, epsilon=spec.epsilon,
+                         num_iterations=spec.num_iterations, grad_clip=grad_clip)  # fmt: skip
+
+    return grpo

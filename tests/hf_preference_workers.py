@@ -1,0 +1,196 @@
+"""Per-rank functions for tests/hf/test_preference.py: TRL ``DPOTrainer`` / ``KTOTrainer``
+runs, stock or under :func:`~dtensor_ulysses.hf.with_ulysses`, on tiny local checkpoints
+(tests/hf_workers.py); each returns every logged value and the first step's full gradients.
+Also the primitive on a sharded model (``hf.token_rows`` / ``hf.sequence_logps``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from tests.hf_trainer_workers import TEXTS
+
+# every DPO loss type of TRL 1.16, weighted: the combined loss (with the sft term)
+ALL_DPO_LOSSES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
+                  "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
+                  "sigmoid_norm"]  # fmt: skip
+# values a log entry has that are not training results
+_NOT_RESULTS = {"step"}
+
+
+def _rows(kind: str) -> list[dict]:
+    rows = []
+    for i, t in enumerate(TEXTS[:16]):
+        words = t.split()
+        k = 2 + i % 3  # prompts of 2..4 words, completions of uneven lengths
+        prompt, rest = " ".join(words[:k]), words[k:]
+        other = TEXTS[(i + 5) % len(TEXTS)].split()[: 1 + i % 4]
+        if kind == "dpo":
+            rows.append({"prompt": prompt, "chosen": " " + " ".join(rest),
+                         "rejected": " " + " ".join(other)})  # fmt: skip
+        else:
+            good = i % 3 != 1
+            rows.append({"prompt": prompt, "completion": " " + " ".join(rest if good else other),
+                         "label": good})  # fmt: skip
+    return rows
+
+
+def build(spec: dict, grads: Any = None) -> Any:
+    """A DPO or KTO trainer as the spec says (``sp`` None: the stock class)."""
+    import transformers as tf
+    import trl
+
+    from dtensor_ulysses.hf import with_ulysses
+
+    tok = tf.AutoTokenizer.from_pretrained(spec["tok"])
+    model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                    attn_implementation="sdpa")  # fmt: skip
+    common = dict(
+        output_dir=spec["out"], per_device_train_batch_size=spec.get("batch", 4),
+        gradient_accumulation_steps=spec.get("ga", 1), max_steps=spec.get("steps", 3),
+        learning_rate=1e-2, logging_steps=1, max_grad_norm=100.0, seed=0, report_to=[],
+        save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_drop_last=True,
+        bf16=False, gradient_checkpointing=False, max_length=None, **spec.get("args", {}),
+    )  # fmt: skip
+    if spec["kind"] == "dpo":
+        args: Any = trl.DPOConfig(**common)
+        cls: Any = trl.DPOTrainer
+    else:
+        args = trl.KTOConfig(**common)
+        cls = trl.KTOTrainer
+    if spec.get("sp"):
+        cls = with_ulysses(cls, spec["sp"], **spec.get("options", {}))
+    kw: dict = {"callbacks": [grads]} if grads is not None else {}
+    if spec.get("lora"):
+        from peft import LoraConfig
+
+        kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                       lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
+    if spec.get("eval"):
+        kw["eval_dataset"] = _dataset(spec, "eval", _rows(spec["kind"])[: spec["eval"]])
+    torch.manual_seed(0)
+    return cls(model=model, args=args, train_dataset=_dataset(spec, "train", _rows(spec["kind"])),
+               processing_class=tok, **kw)  # fmt: skip
+
+
+def _dataset(spec: dict, name: str, rows: list) -> Any:
+    """The rows as a ``datasets.Dataset``; with ``on_disk`` saved by rank 0 and loaded by every
+    rank, so that its cache files (TRL's precomputed reference log-probabilities) are shared."""
+    from datasets import Dataset, load_from_disk
+
+    data = Dataset.from_list(rows)
+    if not spec.get("on_disk"):
+        return data
+    import torch.distributed as dist
+
+    path = f"{spec['out']}_data_{name}"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        data.save_to_disk(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return load_from_disk(path)
+
+
+def _grads_callback() -> Any:
+    from torch.distributed.tensor import DTensor
+    from transformers import TrainerCallback
+
+    class FirstGrads(TrainerCallback):
+        """The full gradient of every parameter at the first optimizer step (max_grad_norm is
+        above every norm here: no clipping, so a scale error shows in every gradient)."""
+
+        grads: dict | None = None
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            if self.grads is not None:
+                return
+            out = {}
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    out[name] = g.detach().clone()
+            self.grads = out
+
+    return FirstGrads()
+
+
+def run(spec: dict) -> dict:
+    """Train; every value of every log entry with a loss, and the first step's gradients."""
+    grads = _grads_callback()
+    trainer = build(spec, grads)
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    keys = sorted({k for e in logs for k in e} - _NOT_RESULTS)
+    out: dict = {k: [e.get(k) for e in logs] for k in keys}
+    out["grads"] = grads.grads
+    out["ref_columns"] = sorted(c for c in trainer.train_dataset.column_names if "ref_" in c)
+    if spec.get("eval"):
+        out["eval"] = trainer.evaluate()
+    assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
+    return out
+
+
+def primitive(spec: dict) -> dict:
+    """``hf.token_rows`` / ``hf.sequence_logps`` on a model parallelized at (1, world): values,
+    the gradient of a non-linear loss of the sums (full tensors), and the collectives."""
+    import torch.distributed as dist
+    import transformers as tf
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_ulysses import hf, init_mesh
+    from dtensor_ulysses.debug import CommCounter
+
+    world = dist.get_world_size()
+    mesh = init_mesh(1, world, device_type="cpu")
+    model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    hf.parallelize(model, mesh, mixed_precision=None)
+    batch = primitive_batch()
+    sp_group = mesh["sp"].get_group()
+    with CommCounter() as fwd:
+        rows, _ = hf.token_rows(model, batch, mesh, chunk_tokens=3, stats=True)
+    sums = hf.sequence_logps(model, batch, mesh, chunk_tokens=4)
+    loss = primitive_loss(rows[..., 0].sum(1), sums)
+    with CommCounter() as bwd:
+        loss.backward()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    reduce_fwd = [c.bytes for c in fwd.calls if c.kind == "all_reduce"
+                  and c.group_name == sp_group.group_name]  # fmt: skip
+    reduce_bwd = [c for c in bwd.calls if c.kind == "all_reduce"]
+    return {"rows": rows.detach(), "sums": sums.detach(), "loss": loss.item(), "grads": grads,
+            "reduce_fwd": reduce_fwd, "reduce_bwd": len(reduce_bwd)}  # fmt: skip
+
+
+def primitive_batch() -> dict:
+    """2 rows of 11 tokens, the second right-padded to 7, labels only on a completion."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 90, (2, 11), generator=g)
+    mask = torch.ones(2, 11, dtype=torch.int64)
+    mask[1, 7:] = 0
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def primitive_loss(row_sums: torch.Tensor, seq_sums: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(0.3 * (row_sums[0] - seq_sums[1])) + (seq_sums / 20).pow(2).sum()
+
+
+def run_specs(rank: int, world: int, specs: list) -> list:
+    """Several runs in one spawned world; rank 0's results."""
+    import os
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    results = []
+    for spec in specs:
+        if spec.get("world") not in (None, world):
+            results.append(None)
+            continue
+        results.append(primitive(spec) if spec["kind"] == "primitive" else run(spec))
+    return results if rank == 0 else []

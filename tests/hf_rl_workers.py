@@ -1,0 +1,193 @@
+"""Per-rank functions for tests/hf/test_rl.py: one TRL ``GRPOTrainer`` / ``RLOOTrainer`` run, stock
+or under :func:`~dtensor_ulysses.hf.with_ulysses`, on a tiny local checkpoint and tokenizer
+(tests/hf_workers.py), with rule rewards and a reward function that counts its calls."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# prompts of unequal lengths (left padding), a rule reward on the completion text
+PROMPTS = [
+    "the quick brown fox",
+    "a long context model reads",
+    "sequence parallel attention splits",
+    "the heads",
+    "the lazy dog sleeps and",
+    "every token counts in",
+    "ranks hold slices of",
+    "quick brown foxes read long",
+]
+GRAD_PARAMS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+               "model.layers.1.mlp.down_proj.weight", "lm_head.weight")  # fmt: skip
+_LORA = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.default.weight"
+LORA_GRAD_PARAMS = (_LORA.format(0, "q_proj", "A"), _LORA.format(1, "v_proj", "B"))
+
+
+def reward_the(completions: list, **_: Any) -> list[float]:
+    """A rule reward: how often "the" appears, minus a length term."""
+    return [c.split().count("the") - 0.1 * len(c.split()) for c in completions]
+
+
+def reward_counted(completions: list, completion_ids: list, **_: Any) -> list[float]:
+    """A second reward (shorter is better) that records each call on its rank: how many
+    completions, and the longest in tokens."""
+    path = os.environ.get("DU_RL_COUNT")
+    if path:
+        with open(f"{path}.{os.environ.get('RANK', '0')}", "a") as f:
+            f.write(json.dumps([len(completions), max(len(c) for c in completion_ids)]) + "\n")
+    return [-len(c) / 10.0 for c in completions]
+
+
+class _Grads:
+    """A trainer callback: the full gradient of a few parameters before each optimizer step."""
+
+    def __new__(cls):
+        import transformers as tf
+
+        class Grads(tf.TrainerCallback):
+            def __init__(self) -> None:
+                self.steps: list[dict] = []
+
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+                from torch.distributed.tensor import DTensor
+
+                named = dict(model.named_parameters())
+                row = {}
+                for name in GRAD_PARAMS if "lm_head.weight" in named else LORA_GRAD_PARAMS:
+                    g = named[name].grad
+                    if isinstance(g, DTensor):
+                        g = g.full_tensor()
+                    row[name] = g.detach().clone().cpu()
+                self.steps.append(row)
+
+        return Grads()
+
+
+def build(spec: dict) -> Any:
+    """A trainer as the spec says (``sp`` None: the stock class)."""
+    import transformers as tf
+    import trl
+    from datasets import Dataset
+
+    from dtensor_ulysses.hf import with_ulysses
+
+    kind = spec["kind"]  # "grpo" or "rloo"
+    tok = tf.AutoTokenizer.from_pretrained(spec["tok"])
+    tok.padding_side = "left"
+    model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    # many stop tokens: completions of unequal lengths, dp groups that finish at different steps
+    model.generation_config.eos_token_id = [tok.eos_token_id, *range(10, 40)]
+    common = dict(
+        output_dir=spec["out"], use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
+        save_strategy="no", learning_rate=spec.get("lr", 3e-2), bf16=False, seed=0,
+        per_device_train_batch_size=spec["per_device"], num_generations=4,
+        max_completion_length=spec.get("max_completion_length", 6), temperature=1.0,
+        beta=spec.get("beta", 0.0), disable_tqdm=True,
+    )  # fmt: skip
+    if kind == "grpo":
+        cls, cfg_cls = trl.GRPOTrainer, trl.GRPOConfig
+        common["loss_type"] = spec.get("loss_type", "grpo")
+        for k in ("importance_sampling_level", "num_iterations", "mask_truncated_completions",
+                  "top_entropy_quantile", "steps_per_generation"):  # fmt: skip
+            if k in spec:
+                common[k] = spec[k]
+    else:
+        cls, cfg_cls = trl.RLOOTrainer, trl.RLOOConfig
+    if spec.get("eval"):  # evaluation at step 2, on the prompts
+        common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    args = cfg_cls(**common)
+    if spec.get("sp"):
+        cls = with_ulysses(cls, sp=spec["sp"])
+    data = Dataset.from_list([{"prompt": p} for p in PROMPTS])
+    grads = _Grads()
+    trainer = cls(model=model, reward_funcs=[reward_the, reward_counted], args=args,
+                  train_dataset=data, processing_class=tok, callbacks=[grads],
+                  eval_dataset=data if spec.get("eval") else None,
+                  peft_config=_lora() if spec.get("lora") else None)  # fmt: skip
+    trainer._du_test_grads = grads
+    return trainer
+
+
+def _lora() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      init_lora_weights=False)  # fmt: skip
+
+
+LOGGED = ("loss", "reward", "reward_std", "rewards/reward_the/mean", "rewards/reward_the/std",
+          "rewards/reward_counted/mean", "kl", "entropy", "clip_ratio/region_mean",
+          "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length",
+          "completions/max_length", "completions/min_length", "frac_reward_zero_std",
+          "grad_norm", "num_tokens")  # fmt: skip
+
+
+EVAL_LOGGED = ("eval_loss", "eval_reward", "eval_rewards/reward_the/mean", "eval_entropy",
+               "eval_completions/mean_length")  # fmt: skip
+
+
+def run(spec: dict) -> dict:
+    """Train 3 steps; the logged history, the advantages' stats and a few full gradients."""
+    if spec.get("count"):
+        os.environ["DU_RL_COUNT"] = spec["count"]
+    trainer = build(spec)
+    trainer.train()
+    os.environ.pop("DU_RL_COUNT", None)
+    hist = [h for h in trainer.state.log_history if "loss" in h]
+    out: dict = {k: [h.get(k) for h in hist] for k in LOGGED}
+    adv = list(trainer._logs["advantages"])
+    out["advantages"] = [sum(adv) / len(adv), max(adv), min(adv)] if adv else []
+    out["grads"] = [{k: v.tolist() for k, v in row.items()} for row in trainer._du_test_grads.steps]
+    out["eval"] = [{k: v for k, v in h.items() if k in EVAL_LOGGED}
+                   for h in trainer.state.log_history if "eval_loss" in h]  # fmt: skip
+    assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
+    return out
+
+
+def comm(spec: dict) -> dict:
+    """The collectives of one rollout-and-score and of one log-prob pass, counted on the sp
+    group (:class:`~dtensor_ulysses.debug.CommCounter`)."""
+    from dtensor_ulysses.debug import CommCounter
+
+    trainer = build(spec)
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    group = trainer._du_mesh["sp"].get_group()
+    with CommCounter() as score:
+        out = trainer._generate_and_score_completions(batch)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    C = out["completion_ids"].shape[1]
+    with CommCounter() as logps:
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C,
+                                                   compute_entropy=True)  # fmt: skip
+    return {
+        "rows": list(ids.shape),
+        "score_broadcasts": score.count("broadcast", group),
+        "logps_all_reduce": [logps.count("all_reduce", group), logps.bytes("all_reduce", group)],
+    }
+
+
+def run_specs(rank: int, world: int, specs: list) -> list:
+    """Several runs in one spawned world; rank 0's results."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29513")
+    os.environ["RANK"] = str(rank)
+    torch.set_num_threads(1)
+    results = [comm(spec) if spec.get("comm") else run(spec) for spec in specs]
+    return results if rank == 0 else [None] * len(results)
+
+
+def counts(path: str) -> dict[int, list[list[int]]]:
+    """The counting reward's calls per rank: ``{rank: [[completions, longest], ...]}``."""
+    p = Path(path)
+    out: dict[int, list[list[int]]] = {}
+    for f in sorted(p.parent.glob(p.name + ".*")):
+        out[int(f.suffix[1:])] = [json.loads(x) for x in f.read_text().splitlines()]
+    return out
