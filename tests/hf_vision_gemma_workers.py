@@ -244,7 +244,8 @@ def run_jobs(rank: int, world: int, jobs: list) -> list:
 
 def refusal_check(rank: int, world: int) -> dict:
     """Gemma 4 under ``apply_ulysses``: the one-line refusals of video and audio inputs, and of
-    a padding mask without the batch's layout."""
+    a padding mask without the batch's layout; Gemma 3 with ``backend="sdpa"`` (its image
+    blocks): refused when the model is prepared."""
     from dtensor_ulysses import hf
     from dtensor_ulysses.parallel import init_mesh
 
@@ -263,6 +264,11 @@ def refusal_check(rank: int, world: int) -> dict:
         "padding": {k: v[-1:] for k, v in rows_of(batch, G - 1, G).items() if k != "labels"},
     }  # fmt: skip
     out = {}
+    try:
+        hf.apply_ulysses(make_model("gemma3"), mesh, backend="sdpa")
+        out["sdpa"] = None
+    except ValueError as e:
+        out["sdpa"] = str(e)
     for name, kwargs in calls.items():
         try:
             model(**kwargs)

@@ -132,12 +132,20 @@ def test_the_image_blocks_matter(references, family):
 
 def test_refusals_name_the_input_and_the_reason(world2):
     """Video and audio inputs of Gemma 4, and a padding mask without the batch's layout: one
-    line each, before any attention runs; another multimodal family: named, with the reason."""
+    line each, before any attention runs; SDPA asked for Gemma 3's layers with image blocks:
+    refused when the model is prepared, naming the layer, its features and the kernels that
+    run them."""
     for res in world2:
         out = res[-1]
         assert out["video"].startswith("video inputs (pixel_values_videos) are not supported")
         assert out["audio"].startswith("audio inputs (input_features) are not supported")
         assert "attention_mask with padding needs the batch's layout" in out["padding"]
+        assert out["sdpa"].startswith("model.language_model.layers.0.self_attn (Gemma3Attention, "
+                                      "sliding_window=5, bidirectional image blocks): no "
+                                      "attention kernel runs it exactly")  # fmt: skip
+        assert out["sdpa"].endswith(
+            "or one of ['blockwise'] (these train with window, blocks on cpu)"
+        )
         assert all("\n" not in why for why in out.values())
 
 
