@@ -52,8 +52,9 @@ def build(spec: dict, grads: Any = None) -> Any:
         gradient_accumulation_steps=spec.get("ga", 1), max_steps=spec.get("steps", 3),
         learning_rate=1e-2, logging_steps=1, max_grad_norm=100.0, seed=0, report_to=[],
         save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_drop_last=True,
-        bf16=False, gradient_checkpointing=False, max_length=None, **spec.get("args", {}),
+        bf16=False, gradient_checkpointing=False, max_length=None,
     )  # fmt: skip
+    common.update(spec.get("args", {}))  # the case's arguments win
     if spec["kind"] == "dpo":
         args: Any = trl.DPOConfig(**common)
         cls: Any = trl.DPOTrainer

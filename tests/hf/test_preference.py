@@ -72,6 +72,14 @@ def world2(assets):
         "stock_dp2_sigmoid": _spec(assets, "sigmoid", "s_dp2", dp=2),
         "stock_dp2_kto": _spec(assets, "kto", "k_dp2", dp=2),
         **{case: _spec(assets, case, f"u12_{case}", sp=2) for case in CASES},
+        # TRL's default gradient_checkpointing=True: checkpointing per decoder layer, in FSDP2
+        "ipo": _spec(
+            assets,
+            "ipo",
+            "u12_ipo",
+            sp=2,
+            args={**CASES["ipo"][1]["args"], "gradient_checkpointing": True},
+        ),
         "primitive": dict(kind="primitive", model=assets["model"]),
     }
     out = run_local_world(P.run_specs, 2, list(specs.values()), timeout_s=500)[0]
@@ -122,8 +130,9 @@ def _close(got: dict, ref: dict) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(CASES))
 def test_sp2_equals_one_process(world2, refs, case):
-    """(dp, sp) = (1, 2): DPO sigmoid (with evaluation), IPO, every loss type weighted (with
-    the sft term and ld_alpha), LoRA (reference: the adapter disabled) with gradient
+    """(dp, sp) = (1, 2): DPO sigmoid (with evaluation), IPO (with TRL's default gradient
+    checkpointing, here activation checkpointing per decoder layer), every loss type weighted
+    (with the sft term and ld_alpha), LoRA (reference: the adapter disabled) with gradient
     accumulation, KTO."""
     _close(world2[case], refs[case])
 
