@@ -121,16 +121,43 @@ def run(spec: dict) -> dict:
     """Train; every value of every log entry with a loss, and the first step's gradients."""
     grads = _grads_callback()
     trainer = build(spec, grads)
-    trainer.train()
+    if spec.get("count_comm"):  # the sp group's all-reduces, and the rows of each step
+        out_comm = _train_counting(trainer)
+    else:
+        trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     keys = sorted({k for e in logs for k in e} - _NOT_RESULTS)
     out: dict = {k: [e.get(k) for e in logs] for k in keys}
     out["grads"] = grads.grads
+    if spec.get("count_comm"):
+        out["comm"] = out_comm
     out["ref_columns"] = sorted(c for c in trainer.train_dataset.column_names if "ref_" in c)
     if spec.get("eval"):
         out["eval"] = trainer.evaluate()
     assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
     return out
+
+
+def _train_counting(trainer: Any) -> dict:
+    """Train with every collective recorded: the bytes of each all-reduce on the sp group, in
+    order, and the ``[B, S]`` shape of each step's batch."""
+    from dtensor_ulysses.debug import CommCounter
+
+    shapes: list = []
+    compute_loss = trainer.compute_loss
+
+    def recording(model: Any, inputs: dict, *a: Any, **kw: Any) -> Any:
+        shapes.append(tuple(inputs["input_ids"].shape))
+        return compute_loss(model, inputs, *a, **kw)
+
+    trainer.compute_loss = recording
+    sp_group = trainer._du_mesh["sp"].get_group().group_name
+    with CommCounter() as comm:
+        trainer.train()
+    sp_reduces = [
+        c.bytes for c in comm.calls if c.kind == "all_reduce" and c.group_name == sp_group
+    ]
+    return {"shapes": shapes, "sp_all_reduce": sp_reduces}
 
 
 def primitive(spec: dict) -> dict:

@@ -78,6 +78,7 @@ def world2(assets):
             "ipo",
             "u12_ipo",
             sp=2,
+            count_comm=True,
             args={**CASES["ipo"][1]["args"], "gradient_checkpointing": True},
         ),
         "primitive": dict(kind="primitive", model=assets["model"]),
@@ -111,8 +112,9 @@ def world4(assets):
 
 def _close(got: dict, ref: dict) -> None:
     """Every logged value, the eval metrics and every parameter's first-step gradient."""
-    keys = set(ref) - {"grads", "eval", "ref_columns"}
-    assert set(got) - {"grads", "eval", "ref_columns"} == keys, (sorted(got), sorted(ref))
+    skip = {"grads", "eval", "ref_columns", "comm"}
+    keys = set(ref) - skip
+    assert set(got) - skip == keys, (sorted(got), sorted(ref))
     for k in sorted(keys):
         assert len(got[k]) == len(ref[k]) == 3, (k, got[k], ref[k])
         assert got[k] == pytest.approx(ref[k], rel=RTOL, abs=ATOL), (k, got[k], ref[k])
@@ -135,6 +137,20 @@ def test_sp2_equals_one_process(world2, refs, case):
     (with the sft term and ld_alpha), LoRA (reference: the adapter disabled) with gradient
     accumulation, KTO."""
     _close(world2[case], refs[case])
+
+
+@pytest.mark.timeout(900)
+def test_dpo_step_sp_collectives(world2):
+    """The sp group's all-reduces of a DPO step at (1, 2): the reference's rows of
+    log-probabilities (``B x S`` floats), then the policy's rows with TRL's three token
+    statistics (``B x S x 4`` floats), for ``B`` = chosen + rejected rows; none in backward
+    (with activation checkpointing recomputing each layer)."""
+    comm = world2["ipo"]["comm"]
+    assert len(comm["shapes"]) == 3, comm["shapes"]
+    want = []
+    for B, S in comm["shapes"]:
+        want += [B * S * 4, B * S * 4 * 4]
+    assert comm["sp_all_reduce"] == want, (comm, want)
 
 
 @pytest.mark.timeout(900)
