@@ -174,7 +174,7 @@ def primitive(spec: dict) -> dict:
     mesh = init_mesh(1, world, device_type="cpu")
     model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     hf.parallelize(model, mesh, mixed_precision=None)
-    batch = primitive_batch()
+    batch = primitive_batch(short=spec.get("short", False))
     sp_group = mesh["sp"].get_group()
     with CommCounter() as fwd:
         rows, _ = hf.token_rows(model, batch, mesh, chunk_tokens=3, stats=True)
@@ -191,14 +191,16 @@ def primitive(spec: dict) -> dict:
             "reduce_fwd": reduce_fwd, "reduce_bwd": len(reduce_bwd)}  # fmt: skip
 
 
-def primitive_batch() -> dict:
-    """2 rows of 11 tokens, the second right-padded to 7, labels only on a completion."""
+def primitive_batch(short: bool = False) -> dict:
+    """2 rows of 11 tokens, the second right-padded to 7, labels only on a completion; or
+    (``short``) of 3 tokens, the second padded to 2: fewer columns than sp = 4."""
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 90, (2, 11), generator=g)
-    mask = torch.ones(2, 11, dtype=torch.int64)
-    mask[1, 7:] = 0
+    S, real, prompt = (3, 2, 1) if short else (11, 7, 3)
+    ids = torch.randint(3, 90, (2, S), generator=g)
+    mask = torch.ones(2, S, dtype=torch.int64)
+    mask[1, real:] = 0
     labels = ids.clone()
-    labels[:, :3] = -100
+    labels[:, :prompt] = -100
     labels[mask == 0] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 

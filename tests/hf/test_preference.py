@@ -105,6 +105,7 @@ def world4(assets):
             on_disk=True,
             args={"precompute_ref_log_probs": True},
         ),
+        "primitive_short": dict(kind="primitive", model=assets["model"], short=True),
     }
     out = run_local_world(P.run_specs, 4, list(specs.values()), timeout_s=500)[0]
     return dict(zip(specs, out))
@@ -181,18 +182,21 @@ def test_precomputed_reference_equals_stock_dp2(world2, world4):
 
 
 @pytest.mark.timeout(900)
-def test_token_rows_and_sequence_logps_equal_full_logits(world2, assets):
-    """The primitive at (1, 2): the full rows of label log-probabilities and token statistics,
-    the per-row sums, and the summed gradient of a non-linear loss of the sums equal one
-    process with full logits; forward: one all-reduce of B*S*K floats (token_rows) and one of B
-    floats (sequence_logps) on the sp group; backward: no all-reduce."""
+@pytest.mark.parametrize("layout", ["sp2", "sp4_short"])
+def test_token_rows_and_sequence_logps_equal_full_logits(world2, world4, assets, layout):
+    """The primitive at (1, 2), and at (1, 4) on a batch of 3 columns (fewer than sp: padded
+    to sp inside, no rank with an empty slice): the full rows of label log-probabilities and
+    token statistics, the per-row sums, and the summed gradient of a non-linear loss of the
+    sums equal one process with full logits; forward: one all-reduce of B*S*K floats
+    (token_rows) on the sp group; backward: no all-reduce."""
     import transformers as tf
 
     from dtensor_ulysses.models import token_logps
 
-    got = world2["primitive"]
+    short = layout == "sp4_short"
+    got = world4["primitive_short"] if short else world2["primitive"]
     model = tf.AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
-    b = P.primitive_batch()
+    b = P.primitive_batch(short=short)
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
     shifted = torch.full_like(b["labels"], -100)
     shifted[:, :-1] = b["labels"][:, 1:]
