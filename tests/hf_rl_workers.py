@@ -25,6 +25,8 @@ PROMPTS = [
 ]
 GRAD_PARAMS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                "model.layers.1.mlp.down_proj.weight", "lm_head.weight")  # fmt: skip
+_LORA = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.default.weight"
+LORA_GRAD_PARAMS = (_LORA.format(0, "q_proj", "A"), _LORA.format(1, "v_proj", "B"))
 
 
 def reward_the(completions: list, **_: Any) -> list[float]:
@@ -57,7 +59,7 @@ class _Grads:
 
                 named = dict(model.named_parameters())
                 row = {}
-                for name in GRAD_PARAMS:
+                for name in GRAD_PARAMS if "lm_head.weight" in named else LORA_GRAD_PARAMS:
                     g = named[name].grad
                     if isinstance(g, DTensor):
                         g = g.full_tensor()
@@ -97,15 +99,26 @@ def build(spec: dict) -> Any:
                 common[k] = spec[k]
     else:
         cls, cfg_cls = trl.RLOOTrainer, trl.RLOOConfig
+    if spec.get("eval"):  # evaluation at step 2, on the prompts
+        common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     args = cfg_cls(**common)
     if spec.get("sp"):
         cls = with_ulysses(cls, sp=spec["sp"])
     data = Dataset.from_list([{"prompt": p} for p in PROMPTS])
     grads = _Grads()
     trainer = cls(model=model, reward_funcs=[reward_the, reward_counted], args=args,
-                  train_dataset=data, processing_class=tok, callbacks=[grads])  # fmt: skip
+                  train_dataset=data, processing_class=tok, callbacks=[grads],
+                  eval_dataset=data if spec.get("eval") else None,
+                  peft_config=_lora() if spec.get("lora") else None)  # fmt: skip
     trainer._du_test_grads = grads
     return trainer
+
+
+def _lora() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      init_lora_weights=False)  # fmt: skip
 
 
 LOGGED = ("loss", "reward", "reward_std", "rewards/reward_the/mean", "rewards/reward_the/std",
@@ -113,6 +126,10 @@ LOGGED = ("loss", "reward", "reward_std", "rewards/reward_the/mean", "rewards/re
           "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length",
           "completions/max_length", "completions/min_length", "frac_reward_zero_std",
           "grad_norm", "num_tokens")  # fmt: skip
+
+
+EVAL_LOGGED = ("eval_loss", "eval_reward", "eval_rewards/reward_the/mean", "eval_entropy",
+               "eval_completions/mean_length")  # fmt: skip
 
 
 def run(spec: dict) -> dict:
@@ -127,8 +144,34 @@ def run(spec: dict) -> dict:
     adv = list(trainer._logs["advantages"])
     out["advantages"] = [sum(adv) / len(adv), max(adv), min(adv)] if adv else []
     out["grads"] = [{k: v.tolist() for k, v in row.items()} for row in trainer._du_test_grads.steps]
+    out["eval"] = [{k: v for k, v in h.items() if k in EVAL_LOGGED}
+                   for h in trainer.state.log_history if "eval_loss" in h]  # fmt: skip
     assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
     return out
+
+
+def comm(spec: dict) -> dict:
+    """The collectives of one rollout-and-score and of one log-prob pass, counted on the sp
+    group (:class:`~dtensor_ulysses.debug.CommCounter`)."""
+    from dtensor_ulysses.debug import CommCounter
+
+    trainer = build(spec)
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    group = trainer._du_mesh["sp"].get_group()
+    with CommCounter() as score:
+        out = trainer._generate_and_score_completions(batch)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    C = out["completion_ids"].shape[1]
+    with CommCounter() as logps:
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C,
+                                                   compute_entropy=True)  # fmt: skip
+    return {
+        "rows": list(ids.shape),
+        "score_broadcasts": score.count("broadcast", group),
+        "logps_all_reduce": [logps.count("all_reduce", group), logps.bytes("all_reduce", group)],
+    }
 
 
 def run_specs(rank: int, world: int, specs: list) -> list:
@@ -137,7 +180,7 @@ def run_specs(rank: int, world: int, specs: list) -> list:
     os.environ.setdefault("MASTER_PORT", "29513")
     os.environ["RANK"] = str(rank)
     torch.set_num_threads(1)
-    results = [run(spec) for spec in specs]
+    results = [comm(spec) if spec.get("comm") else run(spec) for spec in specs]
     return results if rank == 0 else [None] * len(results)
 
 

@@ -34,10 +34,11 @@ CASES = {
     "dapo_kl": dict(kind="grpo", loss_type="dapo", beta=0.1),
     "rloo": dict(kind="rloo", beta=0.05),
 }
-# at (1, 2) only: the options that reduce over sequences or over the batch's tokens
-FEATURES = dict(kind="grpo", loss_type="bnpo", beta=0.0, num_iterations=2,
+# at (1, 2) only: the options that reduce over sequences or over the batch's tokens, a LoRA
+# adapter (the reference: the adapter disabled), and evaluation (its own rollouts) at step 2
+FEATURES = dict(kind="grpo", loss_type="bnpo", beta=0.1, lora=True, num_iterations=2,
                 importance_sampling_level="sequence", mask_truncated_completions=True,
-                top_entropy_quantile=0.5)  # fmt: skip
+                top_entropy_quantile=0.5, eval=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +68,13 @@ def world2(assets):
     """One 2-rank world: the stock trainers at dp = 2, then Ulysses at (dp, sp) = (1, 2)."""
     specs = [_spec(assets, c, f"ref2_{c}", per_device=2) for c in CASES]
     specs += [_spec(assets, c, f"u12_{c}", sp=2) for c in (*CASES, "features")]
+    specs += [_spec(assets, "grpo", "comm", sp=2, comm=True)]
     res = run_local_world(R.run_specs, 2, specs, timeout_s=400)[0]
     n = len(CASES)
     return {
         "stock_dp2": dict(zip(CASES, res[:n])),
-        "u12": dict(zip((*CASES, "features"), res[n:])),
+        "u12": dict(zip((*CASES, "features"), res[n : 2 * n + 1])),
+        "comm": res[-1],
     }
 
 
@@ -96,10 +99,16 @@ def _close(got: dict, ref: dict) -> None:
     assert any(x is not None for x in ref["kl"]) == (got["kl"][0] is not None)
     assert len(got["grads"]) == len(ref["grads"]) == 3
     for step, (g, r) in enumerate(zip(got["grads"], ref["grads"])):
-        for name in R.GRAD_PARAMS:
+        assert g.keys() == r.keys()
+        for name in r:
             x, y = torch.tensor(g[name]), torch.tensor(r[name])
             tol = RTOL * y.abs().max().item() + 1e-7
             assert (x - y).abs().max().item() <= tol, (step, name)
+    assert len(got["eval"]) == len(ref["eval"])
+    for g, r in zip(got["eval"], ref["eval"]):
+        assert g.keys() == r.keys()
+        for k in r:
+            assert g[k] == pytest.approx(r[k], rel=RTOL, abs=ATOL), (k, g, r)
 
 
 @pytest.mark.parametrize("case", [*CASES, "features"])
@@ -128,6 +137,16 @@ def test_rewards_once_per_completion_per_dp_group(assets, world2, world4):
         u22 = R.counts(str(assets["root"] / f"u22_{case}.count"))
         assert sorted(u22) == [0, 2]  # sp rank 0 of dp 0 and dp 1
         assert [u22[0], u22[2]] == [stock2[0], stock2[1]]
+
+
+def test_collectives_on_the_sp_group(world2):
+    """Per rollout: one object broadcast of sp rank 0's completions (its size, then its bytes)
+    and one of the rewards, nothing else on the sp group; per log-prob pass: one all-reduce of
+    the ``[B, S]`` float32 rows per quantity (log-probabilities, entropies)."""
+    c = world2["comm"]
+    B, S = c["rows"]
+    assert c["score_broadcasts"] == 3, c
+    assert c["logps_all_reduce"] == [2, 2 * B * S * 4], c
 
 
 def test_unequal_generation_lengths_across_dp_groups(assets, world4):
@@ -163,6 +182,15 @@ def test_refusals(assets, tmp_path):
                 model=assets["model"], reward_funcs=R.reward_the, args=args,
                 train_dataset=data, processing_class=tok,
             )  # fmt: skip
+    # the generation batch over dp (here 1 process: world 1, sp 1) must hold whole groups
+    args = trl.GRPOConfig(str(tmp_path), use_cpu=True, report_to=[], num_generations=4,
+                          per_device_train_batch_size=2, steps_per_generation=2)  # fmt: skip
+    args.steps_per_generation = 1  # as a config resolved over 2 processes would have it
+    with pytest.raises(ValueError, match=r"2 x 1 x 1 = 2 rows does not hold whole groups"):
+        with_ulysses(trl.GRPOTrainer, sp=1)(
+            model=assets["model"], reward_funcs=R.reward_the, args=args, train_dataset=data,
+            processing_class=tok,
+        )  # fmt: skip
     args = trl.GRPOConfig(str(tmp_path), use_cpu=True, report_to=[], num_generations=4,
                           per_device_train_batch_size=4)  # fmt: skip
     with pytest.raises(UnsupportedTrainerError, match="tools: tool calling"):
