@@ -174,11 +174,16 @@ class _UlyssesRL:
         super().__init__(*args, **kwargs)
         # the stock trainer's own rule for gradient accumulation (the shared mixin set its own)
         self.__dict__.pop("loss_is_scaled_for_ga", None)
+        if getattr(self, "ref_model", None) is not None:
+            self.ref_model = self._du_parallelize_ref(self.ref_model)
+        # reward models run whole on sp rank 0 of each group: on this rank's device (the shared
+        # accelerator places no model itself; FSDP2 places the sharded ones)
+        for func in self.reward_funcs:
+            if isinstance(func, nn.Module):
+                func.to(self.accelerator.device)
         # the random stream of the stock rank with this dp index (generation, shuffles)
         from accelerate.utils import set_seed
 
-        if getattr(self, "ref_model", None) is not None:
-            self.ref_model = self._du_parallelize_ref(self.ref_model)
         set_seed(self.args.seed + self._du_mesh.get_local_rank(DP_AXIS))
 
     def _du_parallelize_ref(self, ref: nn.Module) -> nn.Module:

@@ -2,8 +2,10 @@
 same data parallelism.
 
 A tiny local Llama, a BPE tokenizer trained on the spot, prompts of unequal lengths, two rule
-rewards (one counts its calls), 3 steps with transformers generation (the reward of steps 2
-and 3 depends on what the updated policy generates, so the updates are checked too). The
+rewards (one counts its calls; RLOO also a reward model), 3 SGD steps (Adam's first steps turn
+round-off in near-zero gradients into full-size updates) with transformers generation (the
+reward of steps 2 and 3 depends on what the updated policy generates, so the updates are
+checked too). The
 stock trainer at dp = 1 runs in this process, at dp = 2 on 2 spawned gloo ranks; Ulysses runs at
 (dp, sp) = (1, 2) in that same 2-rank world, and at (2, 2) and (1, 4) in one 4-rank world.
 Compared at rtol 1e-4: every logged metric (loss, reward and each reward function's column,
@@ -32,7 +34,7 @@ RTOL, ATOL = 1e-4, 1e-6
 CASES = {
     "grpo": dict(kind="grpo", loss_type="grpo", beta=0.0),
     "dapo_kl": dict(kind="grpo", loss_type="dapo", beta=0.1),
-    "rloo": dict(kind="rloo", beta=0.05),
+    "rloo": dict(kind="rloo", beta=0.05, reward_model=True),
 }
 # at (1, 2) only: the options that reduce over sequences or over the batch's tokens, a LoRA
 # adapter (the reference: the adapter disabled), and evaluation (its own rollouts) at step 2
@@ -46,13 +48,16 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_rl")
     model = str(W.save_model("llama", root / "llama"))
     W.make_tokenizer(root / "tok", " ".join(T.TEXTS) * 5)
-    return {"root": root, "model": model, "tok": str(root / "tok")}
+    rm = R.save_reward_model(root / "reward_model", str(root / "tok"))
+    return {"root": root, "model": model, "tok": str(root / "tok"), "reward_model": rm}
 
 
 def _spec(assets, case: str, name: str, per_device: int = 4, **kw) -> dict:
     out = str(assets["root"] / name)
     spec = dict(model=assets["model"], tok=assets["tok"], out=out, per_device=per_device)
-    case_kw = FEATURES if case == "features" else CASES[case]
+    case_kw = dict(FEATURES if case == "features" else CASES[case])
+    if case_kw.get("reward_model"):
+        case_kw["reward_model"] = assets["reward_model"]
     return {**spec, **case_kw, "count": out + ".count", **kw}
 
 
