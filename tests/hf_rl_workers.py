@@ -108,7 +108,7 @@ def build(spec: dict) -> Any:
         cls, cfg_cls = trl.GRPOTrainer, trl.GRPOConfig
         common["loss_type"] = spec.get("loss_type", "grpo")
         for k in ("importance_sampling_level", "num_iterations", "mask_truncated_completions",
-                  "top_entropy_quantile", "steps_per_generation"):  # fmt: skip
+                  "top_entropy_quantile", "steps_per_generation", "entropy_coef"):  # fmt: skip
             if k in spec:
                 common[k] = spec[k]
     else:

@@ -47,7 +47,7 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
 
 Refused at construction, with the reason: tool calling, environments and ``rollout_func``
 (multi-turn), vLLM generation (no GPU test here yet), transformers' continuous batching,
-vision-language processors, an entropy bonus, a router (MoE) auxiliary loss and
+vision-language processors, the adaptive entropy bonus, a router (MoE) auxiliary loss and
 ``sync_ref_model``. Evaluation runs the stock trainer's ``prediction_step`` (rollouts and loss
 as in training). The generation batch is
 ``per_device_train_batch_size x dp x steps_per_generation`` (the config resolves it over all
@@ -404,9 +404,6 @@ def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
         ):  # fmt: skip
             if getattr(args, key, False):
                 problems.append(f"{key}=True: {why}")
-        if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0:
-            problems.append(f"entropy_coef={args.entropy_coef}: an entropy bonus is not covered "
-                            f"by the tests; set entropy_coef=0.0")  # fmt: skip
         coef = getattr(args, "router_aux_loss_coef", None)
         if coef:
             problems.append(f"router_aux_loss_coef={coef}: the router loss of a sharded "
