@@ -41,7 +41,6 @@ def build(spec: dict, grads: Any = None) -> Any:
     """A DPO or KTO trainer as the spec says (``sp`` None: the stock class)."""
     import transformers as tf
     import trl
-    from datasets import Dataset
 
     from dtensor_ulysses.hf import with_ulysses
 
@@ -51,7 +50,7 @@ def build(spec: dict, grads: Any = None) -> Any:
     common = dict(
         output_dir=spec["out"], per_device_train_batch_size=spec.get("batch", 4),
         gradient_accumulation_steps=spec.get("ga", 1), max_steps=spec.get("steps", 3),
-        learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, seed=0, report_to=[],
+        learning_rate=1e-2, logging_steps=1, max_grad_norm=100.0, seed=0, report_to=[],
         save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_drop_last=True,
         bf16=False, gradient_checkpointing=False, max_length=None, **spec.get("args", {}),
     )  # fmt: skip
@@ -70,10 +69,28 @@ def build(spec: dict, grads: Any = None) -> Any:
         kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                        lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
     if spec.get("eval"):
-        kw["eval_dataset"] = Dataset.from_list(_rows(spec["kind"])[: spec["eval"]])
+        kw["eval_dataset"] = _dataset(spec, "eval", _rows(spec["kind"])[: spec["eval"]])
     torch.manual_seed(0)
-    return cls(model=model, args=args, train_dataset=Dataset.from_list(_rows(spec["kind"])),
+    return cls(model=model, args=args, train_dataset=_dataset(spec, "train", _rows(spec["kind"])),
                processing_class=tok, **kw)  # fmt: skip
+
+
+def _dataset(spec: dict, name: str, rows: list) -> Any:
+    """The rows as a ``datasets.Dataset``; with ``on_disk`` saved by rank 0 and loaded by every
+    rank, so that its cache files (TRL's precomputed reference log-probabilities) are shared."""
+    from datasets import Dataset, load_from_disk
+
+    data = Dataset.from_list(rows)
+    if not spec.get("on_disk"):
+        return data
+    import torch.distributed as dist
+
+    path = f"{spec['out']}_data_{name}"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        data.save_to_disk(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return load_from_disk(path)
 
 
 def _grads_callback() -> Any:
@@ -81,7 +98,8 @@ def _grads_callback() -> Any:
     from transformers import TrainerCallback
 
     class FirstGrads(TrainerCallback):
-        """The full gradient of every parameter at the first optimizer step (after clipping)."""
+        """The full gradient of every parameter at the first optimizer step (max_grad_norm is
+        above every norm here: no clipping, so a scale error shows in every gradient)."""
 
         grads: dict | None = None
 
@@ -107,6 +125,7 @@ def run(spec: dict) -> dict:
     keys = sorted({k for e in logs for k in e} - _NOT_RESULTS)
     out: dict = {k: [e.get(k) for e in logs] for k in keys}
     out["grads"] = grads.grads
+    out["ref_columns"] = sorted(c for c in trainer.train_dataset.column_names if "ref_" in c)
     if spec.get("eval"):
         out["eval"] = trainer.evaluate()
     assert all(math.isfinite(x) for x in out["loss"]), out["loss"]

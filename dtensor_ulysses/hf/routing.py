@@ -85,6 +85,12 @@ from dtensor_ulysses.hf.mixers import (
     refused_mixer,
     route_mixers,
 )
+from dtensor_ulysses.hf.vision import (
+    is_vision_language,
+    language_model,
+    route_vision,
+    vision_family,
+)
 from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
 __all__ = [
@@ -167,9 +173,8 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """``(name, layers)``: the decoder's list of blocks (``model.model.layers`` for Llama)."""
     hf = unwrap(model)
-    base = hf.base_model
+    base_name, base = language_model(hf)  # a vision-language model: its text decoder
     n_layers = getattr(hf.config.get_text_config(), "num_hidden_layers", None)
-    base_name = "" if base is hf else hf.base_model_prefix
     candidates = [
         (name, m)
         for name, m in base.named_modules()
@@ -187,7 +192,7 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def _attention_classes(hf: PreTrainedModel) -> tuple[type, ...]:
     classes: list[type] = []
-    for owner in (type(hf), type(hf.base_model)):
+    for owner in (type(hf), type(hf.base_model), type(language_model(hf)[1])):
         rec = getattr(owner, "_can_record_outputs", None) or {}
         found = rec.get("attentions")
         for item in found if isinstance(found, (list, tuple)) else [found]:
@@ -398,6 +403,11 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
         is_sequence_mixer(m) or refused_mixer(m) for m in hf.modules()
     )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks;
     # a refused mixer is named below, layer by layer)
+    if is_vision_language(hf):
+        try:
+            vision_family(hf)
+        except ValueError as e:
+            raise UnsupportedModelError(str(e)) from None
     if not (routable and hf._can_set_attn_implementation()):
         raise UnsupportedModelError(
             f"{what} does not route its attention through transformers' AttentionInterface, "
@@ -506,7 +516,7 @@ def apply_ulysses(
         check_head_chunks(n_heads, sp, head_chunks)
     _choose_kernels(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend,
                     compute_dtype)  # fmt: skip
-    base = hf.base_model
+    _, base = language_model(hf)  # the decoder's sequence (after a VLM's image merge)
     old: _State | None = base.__dict__.get(_STATE)
     if old is not None:
         if (old.group, old.backend, old.head_chunks) == (group, backend, head_chunks):
@@ -533,7 +543,11 @@ def apply_ulysses(
         m.__dict__[_STATE] = state
     AttentionInterface.register(ATTN_IMPLEMENTATION, _ulysses_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
-    hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if is_vision_language(hf):  # the vision tower keeps its own attention (whole images)
+        route_vision(hf, group)
+        hf.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
+    else:
+        hf.set_attn_implementation(ATTN_IMPLEMENTATION)
     params = list(inspect.signature(base.forward).parameters)
     state.hooks = [
         base.register_forward_pre_hook(
@@ -610,11 +624,12 @@ def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     B, s = int(x.shape[0]), int(x.shape[1])
     layout: SeqLayout | None = kwargs.pop("ulysses_layout", None)
     pos = kwargs.get("position_ids")
-    if pos is not None:
+    if pos is not None and pos.dim() <= 2:  # M-RoPE's [3 or 4, B, s] rows stay as they are
         pos = pos.expand(B, s) if pos.dim() == 2 else pos.reshape(1, s).expand(B, s)
     me = dist.get_rank(state.group)
     if layout is None:
-        layout = _layout_from_slices(pos, B, s, x.device, state.group)
+        flat = pos if pos is None or pos.dim() == 2 else None
+        layout = _layout_from_slices(flat, B, s, x.device, state.group)
     elif layout.sp != dist.get_world_size(state.group) or layout.seq_sizes[me] != s:
         raise ValueError(
             f"ulysses_layout gives sp rank {me} {layout.seq_sizes[me] if me < layout.sp else 0} "

@@ -1,7 +1,8 @@
 """Memory of the real training step, traced with fake tensors on a fake process group.
 
-:mod:`.trace` has the results and :func:`trace_train_step`; the timeline of storage events is in
-``_timeline.py``, the fake world and the step's setup in ``_setup.py``.
+:mod:`.trace` has the results and :func:`trace_train_step`; :mod:`.steps` the DPO and GRPO steps
+it traces besides the trainer's; the timeline of storage events is in ``_timeline.py``, the fake
+world and the step's setup in ``_setup.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         trace_config,
     )
     from dtensor_ulysses.memtrace.kernel import AttentionTrace, trace_attention
+    from dtensor_ulysses.memtrace.steps import StepSpec
     from dtensor_ulysses.memtrace.trace import (
         PHASES,
         StepTrace,

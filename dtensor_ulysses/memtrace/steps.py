@@ -11,7 +11,7 @@ model: the same tensors, in the same order.
   chosen and the rejected row in one ``[2, S]`` batch, both sequence-sharded alike. The policy's
   forward gives per-token log-probabilities of the labels from the tiled output head (no
   ``[B, s, V]`` logits), summed per row on this rank's slice and then over the sp group
-  (:func:`sequence_logps`: an all-reduce whose backward passes the gradient through); then the
+  (:func:`sequence_logps`); then the
   reference model's forward without gradients on the same rows (TRL's order: the policy's graph
   is alive meanwhile); the loss ``-log sigmoid(beta * margin)``; backward, clipping, AdamW.
 * :func:`grpo_step` (TRL's ``GRPOTrainer``, ``loss_type="dapo"``): ``G`` prompt+completion rows
@@ -28,9 +28,12 @@ keep; :func:`reference_model`); its FSDP2 units are resharded after its forward 
 head keeps its gathered weight after a forward otherwise, as the policy's does for its
 backward).
 
-Per-token log-probabilities come from ``models.loss``'s tiled primitive when it is there
-(``tiled_token_logps``), else from the same chunked computation here (:func:`token_logps`):
-``loss_chunk_tokens`` rows of logits at a time, forward and backward, as the tiled loss.
+Per-token log-probabilities come from the library's tiled primitive
+(:func:`dtensor_ulysses.models.loss.tiled_token_logps`, the one ``du.hf``'s preference and RL
+trainers use), inside the output head's forward (``Transformer.forward(..., head_fn=)``, so
+FSDP2 gathers the head's weight and reduces its gradient): ``loss_chunk_tokens`` rows of logits
+at a time, forward and backward, as the tiled loss. The per-row sums go over the sp group with
+:func:`dtensor_ulysses.comm.all_reduce_sum` (its gradient passes through).
 
 Legend: ``B`` rows of this rank's micro-batch (2 for a DPO pair: chosen, rejected; ``G`` for
 GRPO), ``s`` this rank's slice of each row, ``D`` model dim, ``V`` vocabulary, ``C`` rows of a
@@ -47,9 +50,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.data import Batch
 from dtensor_ulysses.data.batch import IGNORE_INDEX
-from dtensor_ulysses.memory.tiling import tiled
+from dtensor_ulysses.models.loss import tiled_token_logps
 from dtensor_ulysses.parallel import global_valid_tokens
 
 __all__ = [
@@ -140,65 +144,21 @@ class StepSpec:
 # ----------------------------------------------------------------------------------------------
 # per-token and per-sequence log-probabilities
 # ----------------------------------------------------------------------------------------------
-def _chunk_logps(h_CD: torch.Tensor, weight_VD: torch.Tensor, labels_C: torch.Tensor):
-    """log p(label) of a chunk's rows, float32 (float64 stays); 0 where the label is ignored."""
-    logits_CV = h_CD @ weight_VD.t()
-    logits_CV = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
-    return -F.cross_entropy(logits_CV, labels_C, ignore_index=IGNORE_INDEX, reduction="none")
-
-
-def _tiled_token_logps(chunk_tokens: int) -> Callable[..., torch.Tensor]:
-    """``(h_BsD, weight_VD, labels_Bs) -> logp`` (``[B, s]`` or ``[B * s]``), ``chunk_tokens``
-    rows of logits at a time: ``models.loss.tiled_token_logps`` when the library has it, else
-    the same chunked
-    computation on :func:`dtensor_ulysses.memory.tiled` (equal memory: forward keeps the hidden
-    states, backward recomputes one chunk at a time)."""
-    from dtensor_ulysses.models import loss
-
-    shared = getattr(loss, "tiled_token_logps", None)
-    if shared is not None:
-        return lambda h, w, y: shared(h, w, y, chunk_tokens)
-
-    def head(h_BsD: torch.Tensor, weight_VD: torch.Tensor, labels_Bs: torch.Tensor):
-        h_TD, labels_T = h_BsD.flatten(0, 1), labels_Bs.flatten()
-        return tiled(_chunk_logps, h_TD, [weight_VD], chunk_tokens, extras=[labels_T])
-
-    return head
-
-
 def token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Per-token log-probabilities of ``batch.labels`` on this rank's slice, ``[B, s]`` float32
     (0 where ignored), through the model's output head (tiled: ``model.loss_chunk_tokens`` or
     :data:`DEFAULT_CHUNK_TOKENS` rows of logits at a time; never ``[B, s, V]``)."""
     chunk = getattr(model, "loss_chunk_tokens", None) or DEFAULT_CHUNK_TOKENS
+
+    def head(h_BsD: torch.Tensor, weight_VD: torch.Tensor, labels_Bs: torch.Tensor):
+        # flat [B * s] out of the module (FSDP2 warns about a view it returns), [B, s] after
+        return tiled_token_logps(h_BsD, weight_VD, labels_Bs, chunk).flatten()
+
     out = model(
         batch.input_ids, batch.position_ids, layout=batch.layout, labels=batch.labels,
-        head_fn=_tiled_token_logps(chunk),
+        head_fn=head,
     )  # fmt: skip
-    return out.view(batch.labels.shape)  # outside the module: FSDP2 hooks see no view
-
-
-class _GroupSum(torch.autograd.Function):
-    """All-reduce (sum) over a group; backward passes the gradient through unchanged.
-
-    Every rank of the group computes the same loss from the same sums; rank ``r``'s share of
-    the gradient is ``dL/dsum * d(its part)/dtheta``, and FSDP2 sums the shares."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def _group_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return x
-    return _GroupSum.apply(x, group)
+    return out.view(batch.labels.shape)
 
 
 def sequence_logps(
@@ -207,7 +167,7 @@ def sequence_logps(
     """Each row's log-probability of its labels, summed over the whole row: this rank's slice
     (:func:`token_logps`), then over the ``sp`` group (one all-reduce of ``B`` floats, the
     gradient passed through). ``[B]`` float32, equal on every rank of the sp group."""
-    return _group_sum(token_logps(model, batch).sum(1), sp_group)
+    return all_reduce_sum(token_logps(model, batch).sum(1), sp_group)
 
 
 def reference_model(net: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -289,7 +249,7 @@ def dpo_step(
         )
     pol_B = sequence_logps(policy, batch, sp_group)
     with torch.no_grad():
-        ref_B = _group_sum(_frozen_token_logps(reference, batch).sum(1), sp_group)
+        ref_B = all_reduce_sum(_frozen_token_logps(reference, batch).sum(1), sp_group)
     loss = dpo_loss(pol_B.view(-1, 2), ref_B.view(-1, 2), beta, dp)
     grad_norm = _finish(policy, optimizer, scheduler, loss, grad_clip)
     return PostTrainStepResult(float(loss.detach()), grad_norm)

@@ -41,6 +41,15 @@ forward and backward, until the gradient of the final norm's output exists), ``b
 (blocks, gradient reduction, clipping) and ``optimizer`` (the step and ``zero_grad``). Each
 phase's device peak, with its composition, is reported; the step's peak is their maximum.
 
+**Post-training steps** (``step="dpo"`` or ``"grpo"``, :mod:`dtensor_ulysses.memtrace.steps`):
+the same model and features, with the DPO or GRPO step in place of ``train_step`` (a chosen and
+a rejected row, or ``G`` rollouts, per dp rank). A reference model, when the step has one, is
+built by the same ``build`` (sharded alike), frozen, its shards in bf16 on CUDA; its weights
+are in ``parameters`` from the start. Forwards without gradients add phases: ``reference``
+(its blocks, ``reference/head`` its output head) and ``old_policy`` (GRPO with
+``num_iterations > 1``: the policy without gradients), each cut per block like ``forward``, so
+the extrapolation in depth holds for them too.
+
 Fewer blocks (``layers``): a model with ``L`` blocks holds, in every phase, per-block amounts
 (sharded states, checkpoints, gradients) times ``L`` plus amounts that do not depend on ``L``,
 and within a phase a block's memory is linear in its index except within two blocks of either

@@ -84,9 +84,18 @@ def world4(assets):
     specs = {
         (2, 2, "sigmoid"): _spec(assets, "sigmoid", "u22_sigmoid", sp=2, dp=2),
         (2, 2, "kto"): _spec(assets, "kto", "u22_kto", sp=2, dp=2),
-        (1, 4, "sigmoid"): _spec(assets, "sigmoid", "u14_sigmoid", sp=4),
         (1, 4, "combined"): _spec(assets, "combined", "u14_combined", sp=4),
         (1, 4, "lora_ga"): _spec(assets, "lora_ga", "u14_lora_ga", sp=4),
+        (1, 4, "kto"): _spec(assets, "kto", "u14_kto", sp=4),
+        (2, 2, "precompute"): _spec(
+            assets,
+            "sigmoid",
+            "u22_pre",
+            sp=2,
+            dp=2,
+            on_disk=True,
+            args={"precompute_ref_log_probs": True},
+        ),
     }
     out = run_local_world(P.run_specs, 4, list(specs.values()), timeout_s=500)[0]
     return dict(zip(specs, out))
@@ -94,8 +103,8 @@ def world4(assets):
 
 def _close(got: dict, ref: dict) -> None:
     """Every logged value, the eval metrics and every parameter's first-step gradient."""
-    keys = set(ref) - {"grads", "eval"}
-    assert set(got) - {"grads", "eval"} == keys, (sorted(got), sorted(ref))
+    keys = set(ref) - {"grads", "eval", "ref_columns"}
+    assert set(got) - {"grads", "eval", "ref_columns"} == keys, (sorted(got), sorted(ref))
     for k in sorted(keys):
         assert len(got[k]) == len(ref[k]) == 3, (k, got[k], ref[k])
         assert got[k] == pytest.approx(ref[k], rel=RTOL, abs=ATOL), (k, got[k], ref[k])
@@ -120,9 +129,10 @@ def test_sp2_equals_one_process(world2, refs, case):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", ["sigmoid", "combined", "lora_ga"])
+@pytest.mark.parametrize("case", ["combined", "lora_ga", "kto"])
 def test_sp4_equals_one_process(world4, refs, case):
-    """(1, 4): sp = 4 > the 2 kv heads, slices of 2-5 tokens."""
+    """(1, 4): sp = 4 > the 2 kv heads, slices of 2-5 tokens (the combined loss holds the
+    sigmoid term)."""
     _close(world4[(1, 4, case)], refs[case])
 
 
@@ -132,6 +142,17 @@ def test_dp2_sp2_equals_stock_dp2(world2, world4, case):
     """(2, 2) against the stock trainer on 2 processes (KTO's KL pairs are per device batch,
     so a dp = 2 run differs from dp = 1, for the stock trainer too)."""
     _close(world4[(2, 2, case)], world2[f"stock_dp2_{case}"])
+
+
+@pytest.mark.timeout(900)
+def test_precomputed_reference_equals_stock_dp2(world2, world4):
+    """precompute_ref_log_probs at (2, 2): TRL's precompute pass, run once the model is
+    sharded (rows cut over sp, batches over dp), gives the reference of the stock run without
+    precompute (the policy before training), for training and evaluation."""
+    got = world4[(2, 2, "precompute")]
+    assert got["ref_columns"] == ["ref_chosen_logps", "ref_rejected_logps"], got["ref_columns"]
+    assert world2["stock_dp2_sigmoid"]["ref_columns"] == []
+    _close(got, world2["stock_dp2_sigmoid"])
 
 
 @pytest.mark.timeout(900)
@@ -180,8 +201,8 @@ def test_refusals_one_line_at_construction(assets, tmp_path):
     data = Dataset.from_list(P._rows("dpo"))
     cls = with_ulysses(trl.DPOTrainer, sp=2)
     for option, match in (
-        ({"precompute_ref_log_probs": True}, "precompute_ref_log_probs=True"),
         ({"use_weighting": True}, "use_weighting=True"),
+        ({"activation_offloading": True}, "activation_offloading=True"),
         ({"sync_ref_model": True}, "sync_ref_model=True"),
     ):
         args = trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **option)

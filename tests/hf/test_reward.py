@@ -38,6 +38,8 @@ CONFIGS = {
     "lora": dict(lora=True, batch=4),
 }
 LAYOUTS = [(1, 2), (2, 2), (1, 4)]
+# examples/dpo_trl.py --trainer X: the TRL class it trains
+EXAMPLE_TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer"}
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +65,36 @@ def refs(assets):
     return {c: R.run(_spec(assets, c, 1, None)) for c in CONFIGS}
 
 
+def _refusal(trainer: str) -> str | None:
+    """Why ``with_ulysses`` refuses ``trl.<trainer>``, or ``None``."""
+    import trl
+
+    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+
+    try:
+        with_ulysses(getattr(trl, trainer), sp=2)
+    except UnsupportedTrainerError as e:
+        return str(e)
+    return None
+
+
+def _example_argv(assets, trainer: str, *extra: str) -> list[str]:
+    out = assets["root"] / f"example_{trainer}_{'stock' if '--stock' in extra else 'sp2'}"
+    return ["--trainer", trainer, "--steps", "2", "--out", str(out), *extra]
+
+
 @pytest.fixture(scope="module")
 def world2(assets):
-    """The stock trainer at dp = 2 (DDP over 2 gloo processes), then Ulysses at (1, 2)."""
+    """The stock trainer at dp = 2 (DDP over 2 gloo processes), then Ulysses at (1, 2), then
+    examples/dpo_trl.py at sp = 2 for each of its trainers that with_ulysses accepts."""
     specs = [_spec(assets, c, 2, None) for c in CONFIGS]
     specs += [_spec(assets, c, 1, 2, comm=c == "options") for c in CONFIGS]
+    keys: list = [("stock", c) for c in CONFIGS] + [((1, 2), c) for c in CONFIGS]
+    for flag, trainer in EXAMPLE_TRAINERS.items():
+        if _refusal(trainer) is None:
+            specs.append({"example": _example_argv(assets, flag, "--sp", "2")})
+            keys.append(("example", flag))
     runs = run_local_world(R.run_specs, 2, specs, timeout_s=400)[0]
-    keys = [("stock", c) for c in CONFIGS] + [((1, 2), c) for c in CONFIGS]
     return dict(zip(keys, runs))
 
 
@@ -172,3 +197,19 @@ def test_reward_refusals(assets, tmp_path):
         )
     sub = type("MyRewardTrainer", (trl.RewardTrainer,), {})
     assert issubclass(with_ulysses(sub, sp=2), sub)  # a subclass takes the same mixin
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("flag", list(EXAMPLE_TRAINERS))
+def test_example_equals_stock(world2, assets, flag):
+    """``examples/dpo_trl.py --trainer X --sp 2`` on 2 ranks logs the losses of the same
+    script with ``--stock`` on one process (fp32). A trainer that ``with_ulysses`` still
+    refuses is skipped with the refusal."""
+    why = _refusal(EXAMPLE_TRAINERS[flag])
+    if why is not None:
+        pytest.skip(f"with_ulysses(trl.{EXAMPLE_TRAINERS[flag]}) is refused: {why}")
+    torch.set_num_threads(1)
+    ref = R.run_example(_example_argv(assets, flag, "--stock"))
+    got = world2[("example", flag)]
+    assert len(got["loss"]) == len(ref["loss"]) == 2, (got, ref)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), (got, ref)

@@ -3,7 +3,9 @@
 One process, the tiny built-in model in float64 (no parallelism: ``sp_group=None``), the head
 tiled in chunks of 7 rows: each step's loss and its update (SGD with lr 1, no clipping: the new
 weights are the old ones minus the gradient) against an independent computation from full
-``[B, S, V]`` logits (``log_softmax`` gathered at the labels) and autograd.
+``[B, S, V]`` logits in float64 (``log_softmax`` gathered at the labels) and autograd. The
+library's log-probability primitive computes its logits in float32 (as on a GPU), hence the
+float32 tolerances.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _optim(model):
 
 def _assert_updated(model, expect):
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p, expect[n], rtol=1e-9, atol=1e-11, msg=n)
+        torch.testing.assert_close(p, expect[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_sequence_logps_equal_full_logits(models):
@@ -80,7 +82,8 @@ def test_sequence_logps_equal_full_logits(models):
     b = _batch(2, 1)
     for model in (models[0], tied):
         got = sequence_logps(model, b)
-        torch.testing.assert_close(got, _full_logps(model, b).sum(1), rtol=1e-10, atol=1e-10)
+        want = _full_logps(model, b).sum(1)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
 
 
 def test_dpo_step_is_trl_sigmoid_loss(models):
@@ -98,7 +101,7 @@ def test_dpo_step_is_trl_sigmoid_loss(models):
     expect, loss = _sgd_step(policy, loss_fn)
     opt, sched = _optim(policy)
     out = dpo_step(policy, reference, b, opt, sched, beta=beta, dp=dp, grad_clip=0)
-    assert out.loss == pytest.approx(loss, rel=1e-10)
+    assert out.loss == pytest.approx(loss, rel=1e-5)
     _assert_updated(policy, expect)
     with pytest.raises(ValueError, match="pairs"):
         dpo_step(policy, reference, _batch(3, 2), opt, sched)
@@ -138,7 +141,7 @@ def test_grpo_step_is_trl_dapo_loss(models, beta, old_shift):
     out = grpo_step(policy, None if beta == 0 else reference, b, adv, opt, sched, beta=beta,
                     epsilon=eps, num_iterations=1 if old is None else 2, old_logps_Bs=old,
                     grad_clip=0)  # fmt: skip
-    assert out.loss == pytest.approx(loss, rel=1e-10)
+    assert out.loss == pytest.approx(loss, rel=1e-5)
     _assert_updated(policy, expect)
 
 
