@@ -113,6 +113,8 @@ def build(spec: dict) -> Any:
                 common[k] = spec[k]
     else:
         cls, cfg_cls = trl.RLOOTrainer, trl.RLOOConfig
+    if spec.get("accumulation"):
+        common["gradient_accumulation_steps"] = spec["accumulation"]
     if spec.get("eval"):  # evaluation at step 2, on the prompts
         common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     args = cfg_cls(**common)

@@ -38,8 +38,10 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
   ``[B, C]`` log-probabilities; the stock loss (ratios, clipping, KL, entropy masks, every
   ``loss_type`` and ``importance_sampling_level``) then runs unchanged on them. Each token's
   gradient flows through the one rank that computed it, so the normalisations count every
-  token once; the returned loss keeps its value and carries ``1/dp`` of its gradient (FSDP2
-  sums gradients over dp x sp, where DDP averages over dp).
+  token once (``top_entropy_quantile < 1`` compares entropies with a quantile of them: tokens
+  tied there, equal to round-off, can be split differently); the returned loss keeps its value
+  and carries ``1/dp`` of its gradient (FSDP2 sums gradients over dp x sp, where DDP averages
+  over dp).
 * **The reference model** (``beta > 0``) is loaded by the stock trainer and prepared like the
   policy (Ulysses on every attention layer, ``fully_shard`` over dp x sp), without gradients;
   ``beta = 0`` loads none; with a PEFT adapter it is the policy with the adapter disabled, as in

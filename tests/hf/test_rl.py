@@ -37,13 +37,15 @@ CASES = {
     "dapo_kl": dict(kind="grpo", loss_type="dapo", beta=0.1, entropy_coef=0.05),
     "rloo": dict(kind="rloo", beta=0.05, reward_model=True),
 }
-# at (1, 2) only: the options that reduce over sequences or over the batch's tokens, a LoRA
-# adapter (the reference: the adapter disabled), and evaluation (its own rollouts) at step 2.
-# (The top-entropy mask is a step function of each token's entropy: tokens tied at the quantile
-# can flip with round-off, so it is not combined with the entropy bonus, which moves them.)
+# at (1, 2) only: the options that reduce over sequences or over the batch's tokens, gradient
+# accumulation (2 steps per generation), a LoRA adapter (the reference: the adapter disabled),
+# and evaluation (its own rollouts) at step 2.
+# (Not the top-entropy mask: a step function of each token's entropy, whose ties at the quantile,
+# e.g. the first tokens of one prompt's completions, split differently when their entropies
+# differ in the last bit, as the sliced forward's round-off makes them; see docs/how-to.)
 FEATURES = dict(kind="grpo", loss_type="bnpo", beta=0.1, lora=True, num_iterations=2,
                 importance_sampling_level="sequence", mask_truncated_completions=True,
-                top_entropy_quantile=0.5, eval=True)  # fmt: skip
+                eval=True, accumulation=2)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
