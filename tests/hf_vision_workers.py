@@ -286,7 +286,7 @@ def collate(rows: list) -> dict:
 
 
 def trainer_run(rank: int, world: int, model_dir: str, out_dir: str, sp: int | None,
-                batch: int, steps: int = 3) -> dict:  # fmt: skip
+                batch: int, steps: int = 2) -> dict:  # fmt: skip
     """``transformers.Trainer`` (``sp`` None: the stock class) on the image + text rows: the
     logged losses and gradient norms, and the images the vision tower saw."""
     import os

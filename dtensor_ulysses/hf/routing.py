@@ -32,6 +32,12 @@ Granite 4.0-H, Falcon-H1) go through the same exchange (their heads split over s
 are); LFM2's short convolutions through a halo exchange: :mod:`~dtensor_ulysses.hf.mixers` holds
 the table of routed and refused mixers.
 
+Vision-language models (Qwen2.5-VL, Qwen3-VL): only the text config's attention is routed (the
+vision tower keeps its own, on whole images); the pre-hook sits on the language model, after
+the slicing hook of :mod:`~dtensor_ulysses.hf.vision` (which also splits the vision work over
+sp): the model is called on the full rows, and the decoder sees this rank's slice of the
+merged embeddings with M-RoPE's rows of position ids (left as they are).
+
 Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Kimi) runs through the engine with
 v's own head dim; each such layer either exchanges its expanded heads or gathers its kv latent,
 whichever moves fewer bytes (:mod:`~dtensor_ulysses.hf.latent_attention`). A layer that attends

@@ -23,6 +23,10 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   model its sequence slice (:func:`~dtensor_ulysses.hf.shard_batch`): labels shifted over the
   full row before slicing, global position ids, padding and packed documents (position ids
   restarting at 0, as ``padding_free`` collators give) as the engine's document layout.
+  A vision-language model (Qwen2.5-VL, Qwen3-VL) takes the full rows and the batch's images
+  (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) and slices after the image
+  merge, each image encoded on one rank of the sp group (:mod:`~dtensor_ulysses.hf.vision`);
+  video inputs are refused.
 * **Loss**: ``sum of the slice's cross entropy / N`` with ``N`` the valid targets of the whole
   optimizer step (all micro-batches, all dp ranks; ``-100`` and assistant / completion masks
   respected), so the summed gradients are the single-process gradients and gradient

@@ -8,7 +8,15 @@ process:
   (Qwen3-VL's deepstack features too) and the vision tower's gradients equal the stock tower's;
   each image is encoded on exactly one rank (the tower's own calls, counted by a hook), a rank
   with no image of its own still gets (zero) gradients; one all-gather forward and one
-  reduce-scatter backward on the group, with the closed-form bytes.
+  reduce-scatter backward on the group, with the closed-form bytes;
+* ``parallelize`` (Ulysses + FSDP2) + ``shard_batch``, both families at (dp, sp) = (1, 2),
+  (2, 2), (1, 4): the loss and every gradient (vision tower included) equal the stock model's,
+  each image encoded on one rank of its sp group;
+* ``with_ulysses(transformers.Trainer)``: two steps' losses and gradient norms equal the stock
+  Trainer on one process (both families at (1, 2); Qwen2.5-VL at (2, 2), also against the stock
+  Trainer at dp = 2, and (1, 4)), each step's images encoded once;
+* ``with_ulysses(trl.SFTTrainer)`` with a Qwen2.5-VL processor and TRL's vision-language rows
+  (sp = 2); examples/vlm_trainer.py; the refusals (video, families without an adapter).
 
 Two spawned worlds for the file (2 ranks, 4 ranks), many cases each.
 """
@@ -52,16 +60,15 @@ def _jobs2(assets) -> list:
         + [("split_check", (f,)) for f in FAMILIES]
         + [("model_check", (f, 1, 2)) for f in FAMILIES]
         + [_trainer_job(assets, f, 1, 2) for f in FAMILIES]
-        + [_trainer_job(assets, f, 2, None) for f in FAMILIES]  # the stock Trainer at dp=2
+        + [_trainer_job(assets, "qwen2_5_vl", 2, None)]  # the stock Trainer at dp=2
     )
 
 
 def _jobs4(assets) -> list:
     return (
-        [_sft_job(assets, 4)]
-        + [("split_check", (f, 0, FEW)) for f in FAMILIES]
+        [("split_check", (f, 0, FEW)) for f in FAMILIES]
         + [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS4]
-        + [_trainer_job(assets, f, dp, sp) for f in FAMILIES for dp, sp in LAYOUTS4]
+        + [_trainer_job(assets, "qwen2_5_vl", dp, sp) for dp, sp in LAYOUTS4]
     )
 
 
@@ -192,7 +199,7 @@ def trainer_references(assets):
 
 def _check_trainer(results: list, ref: dict):
     got = results[0]
-    assert len(got["loss"]) == 3
+    assert len(got["loss"]) == 2
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     # each step's images (the stock run's, one tower call) encoded once over all ranks, at most
@@ -208,6 +215,8 @@ def test_trainer_sp2_equals_stock_trainer_and_stock_dp2(world2, assets, trainer_
                                                         family):  # fmt: skip
     ref = trainer_references[family]
     _check_trainer(_job(world2, *_trainer_job(assets, family, 1, 2)), ref)
+    if family != "qwen2_5_vl":
+        return
     stock = _job(world2, *_trainer_job(assets, family, 2, None))[0]  # the stock Trainer, dp=2
     # every row has the same number of targets, so the stock per-rank token mean (Qwen-VL's
     # loss takes no num_items_in_batch) is the global one, as with_ulysses computes
@@ -216,10 +225,12 @@ def test_trainer_sp2_equals_stock_trainer_and_stock_dp2(world2, assets, trainer_
 
 
 @pytest.mark.parametrize("layout", LAYOUTS4, ids=lambda x: f"dp{x[0]}sp{x[1]}")
-@pytest.mark.parametrize("family", FAMILIES)
 def test_trainer_dp2_sp2_and_sp4_equal_stock_trainer(
-    world2, world4, assets, trainer_references, family, layout
+    world2, world4, assets, trainer_references, layout
 ):
+    """Qwen2.5-VL (Qwen3-VL's decoder path is the same code, held at every layout by
+    apply_ulysses above and by the Trainer at (1, 2))."""
+    family = "qwen2_5_vl"
     dp, sp = layout
     results = _job(world4, *_trainer_job(assets, family, dp, sp))
     _check_trainer(results, trainer_references[family])
@@ -229,14 +240,13 @@ def test_trainer_dp2_sp2_and_sp4_equal_stock_trainer(
         assert results[0]["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
 
 
-@pytest.mark.parametrize("sp", (2, 4))
-def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, world4, assets, sp):
+def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, assets):
     """TRL's vision-language format (images + messages) through a Qwen2.5-VL processor and
     TRL's collator (right padding, one or two images a row): losses, gradient norms and TRL's
-    metrics equal the stock SFTTrainer on one process."""
+    metrics equal the stock SFTTrainer on one process (sp = 2)."""
     pytest.importorskip("trl")
     ref = V.sft_run(0, 1, *_sft_job(assets, 2)[1][:2], str(assets / "sft-ref"), None, 4)
-    got = _job(world2 if sp == 2 else world4, *_sft_job(assets, sp))[0]
+    got = _job(world2, *_sft_job(assets, 2))[0]
     assert len(got["loss"]) == 2
     for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"):
         assert got[key] == pytest.approx(ref[key], rel=1e-4), key
