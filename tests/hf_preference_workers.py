@@ -52,8 +52,9 @@ def build(spec: dict, grads: Any = None) -> Any:
         gradient_accumulation_steps=spec.get("ga", 1), max_steps=spec.get("steps", 3),
         learning_rate=1e-2, logging_steps=1, max_grad_norm=100.0, seed=0, report_to=[],
         save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_drop_last=True,
-        bf16=False, gradient_checkpointing=False, max_length=None, **spec.get("args", {}),
+        bf16=False, gradient_checkpointing=False, max_length=None,
     )  # fmt: skip
+    common.update(spec.get("args", {}))  # the case's arguments win
     if spec["kind"] == "dpo":
         args: Any = trl.DPOConfig(**common)
         cls: Any = trl.DPOTrainer
@@ -120,16 +121,43 @@ def run(spec: dict) -> dict:
     """Train; every value of every log entry with a loss, and the first step's gradients."""
     grads = _grads_callback()
     trainer = build(spec, grads)
-    trainer.train()
+    if spec.get("count_comm"):  # the sp group's all-reduces, and the rows of each step
+        out_comm = _train_counting(trainer)
+    else:
+        trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     keys = sorted({k for e in logs for k in e} - _NOT_RESULTS)
     out: dict = {k: [e.get(k) for e in logs] for k in keys}
     out["grads"] = grads.grads
+    if spec.get("count_comm"):
+        out["comm"] = out_comm
     out["ref_columns"] = sorted(c for c in trainer.train_dataset.column_names if "ref_" in c)
     if spec.get("eval"):
         out["eval"] = trainer.evaluate()
     assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
     return out
+
+
+def _train_counting(trainer: Any) -> dict:
+    """Train with every collective recorded: the bytes of each all-reduce on the sp group, in
+    order, and the ``[B, S]`` shape of each step's batch."""
+    from dtensor_ulysses.debug import CommCounter
+
+    shapes: list = []
+    compute_loss = trainer.compute_loss
+
+    def recording(model: Any, inputs: dict, *a: Any, **kw: Any) -> Any:
+        shapes.append(tuple(inputs["input_ids"].shape))
+        return compute_loss(model, inputs, *a, **kw)
+
+    trainer.compute_loss = recording
+    sp_group = trainer._du_mesh["sp"].get_group().group_name
+    with CommCounter() as comm:
+        trainer.train()
+    sp_reduces = [
+        c.bytes for c in comm.calls if c.kind == "all_reduce" and c.group_name == sp_group
+    ]
+    return {"shapes": shapes, "sp_all_reduce": sp_reduces}
 
 
 def primitive(spec: dict) -> dict:
@@ -146,7 +174,7 @@ def primitive(spec: dict) -> dict:
     mesh = init_mesh(1, world, device_type="cpu")
     model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     hf.parallelize(model, mesh, mixed_precision=None)
-    batch = primitive_batch()
+    batch = primitive_batch(short=spec.get("short", False))
     sp_group = mesh["sp"].get_group()
     with CommCounter() as fwd:
         rows, _ = hf.token_rows(model, batch, mesh, chunk_tokens=3, stats=True)
@@ -163,14 +191,16 @@ def primitive(spec: dict) -> dict:
             "reduce_fwd": reduce_fwd, "reduce_bwd": len(reduce_bwd)}  # fmt: skip
 
 
-def primitive_batch() -> dict:
-    """2 rows of 11 tokens, the second right-padded to 7, labels only on a completion."""
+def primitive_batch(short: bool = False) -> dict:
+    """2 rows of 11 tokens, the second right-padded to 7, labels only on a completion; or
+    (``short``) of 3 tokens, the second padded to 2: fewer columns than sp = 4."""
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 90, (2, 11), generator=g)
-    mask = torch.ones(2, 11, dtype=torch.int64)
-    mask[1, 7:] = 0
+    S, real, prompt = (3, 2, 1) if short else (11, 7, 3)
+    ids = torch.randint(3, 90, (2, S), generator=g)
+    mask = torch.ones(2, S, dtype=torch.int64)
+    mask[1, real:] = 0
     labels = ids.clone()
-    labels[:, :3] = -100
+    labels[:, :prompt] = -100
     labels[mask == 0] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 

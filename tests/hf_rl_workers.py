@@ -29,6 +29,20 @@ _LORA = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.default.weight"
 LORA_GRAD_PARAMS = (_LORA.format(0, "q_proj", "A"), _LORA.format(1, "v_proj", "B"))
 
 
+def save_reward_model(directory: Path, tok_dir: str) -> str:
+    """A tiny random sequence-classification model (one label) with the tokenizer beside it."""
+    import transformers as tf
+
+    from tests import hf_workers as W
+
+    torch.manual_seed(3)
+    cfg = W.make_config("llama")
+    cfg.num_labels, cfg.pad_token_id = 1, 0
+    tf.LlamaForSequenceClassification(cfg).save_pretrained(directory)
+    tf.AutoTokenizer.from_pretrained(tok_dir).save_pretrained(directory)
+    return str(directory)
+
+
 def reward_the(completions: list, **_: Any) -> list[float]:
     """A rule reward: how often "the" appears, minus a length term."""
     return [c.split().count("the") - 0.1 * len(c.split()) for c in completions]
@@ -85,7 +99,7 @@ def build(spec: dict) -> Any:
     model.generation_config.eos_token_id = [tok.eos_token_id, *range(10, 40)]
     common = dict(
         output_dir=spec["out"], use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
-        save_strategy="no", learning_rate=spec.get("lr", 3e-2), bf16=False, seed=0,
+        save_strategy="no", learning_rate=spec.get("lr", 0.5), optim="sgd", bf16=False, seed=0,
         per_device_train_batch_size=spec["per_device"], num_generations=4,
         max_completion_length=spec.get("max_completion_length", 6), temperature=1.0,
         beta=spec.get("beta", 0.0), disable_tqdm=True,
@@ -94,11 +108,13 @@ def build(spec: dict) -> Any:
         cls, cfg_cls = trl.GRPOTrainer, trl.GRPOConfig
         common["loss_type"] = spec.get("loss_type", "grpo")
         for k in ("importance_sampling_level", "num_iterations", "mask_truncated_completions",
-                  "top_entropy_quantile", "steps_per_generation"):  # fmt: skip
+                  "top_entropy_quantile", "steps_per_generation", "entropy_coef"):  # fmt: skip
             if k in spec:
                 common[k] = spec[k]
     else:
         cls, cfg_cls = trl.RLOOTrainer, trl.RLOOConfig
+    if spec.get("accumulation"):
+        common["gradient_accumulation_steps"] = spec["accumulation"]
     if spec.get("eval"):  # evaluation at step 2, on the prompts
         common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     args = cfg_cls(**common)
@@ -106,7 +122,10 @@ def build(spec: dict) -> Any:
         cls = with_ulysses(cls, sp=spec["sp"])
     data = Dataset.from_list([{"prompt": p} for p in PROMPTS])
     grads = _Grads()
-    trainer = cls(model=model, reward_funcs=[reward_the, reward_counted], args=args,
+    rewards: list = [reward_the, reward_counted]
+    if spec.get("reward_model"):  # a sequence-classification reward model, from its directory
+        rewards.append(spec["reward_model"])
+    trainer = cls(model=model, reward_funcs=rewards, args=args,
                   train_dataset=data, processing_class=tok, callbacks=[grads],
                   eval_dataset=data if spec.get("eval") else None,
                   peft_config=_lora() if spec.get("lora") else None)  # fmt: skip

@@ -144,9 +144,57 @@ def model_reference(family: str = "gemma3", seed: int = 0, blocks: bool = True) 
     return {"loss": loss.item(), "grads": grads}
 
 
-def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int = 0) -> dict:
-    """``parallelize`` (Ulysses + FSDP2) and ``shard_batch`` on this dp rank's rows: the global
-    loss, every full gradient, the images each rank encoded and the kernels chosen."""
+PACKED = {0: 14, 2: 8}  # row -> where its second document starts (images inside documents)
+
+
+def packed_batch(family: str = "gemma3") -> dict:
+    """:func:`global_batch` with rows 0 and 2 packed from two documents each: position ids
+    restarting at the second document, whose first token is no target."""
+    batch = global_batch(family)
+    pos = torch.arange(S).repeat(G, 1)
+    for b, start in PACKED.items():
+        pos[b, start:] -= start
+        batch["labels"][b, start] = -100
+    return dict(batch, position_ids=pos)
+
+
+def packed_reference(family: str = "gemma3", seed: int = 0) -> dict:
+    """The stock model on each document on its own (its images with it): the token-mean loss
+    over every document of the batch, and every gradient."""
+    torch.set_num_threads(1)
+    model = make_model(family, seed)
+    batch = packed_batch(family)
+    key = "token_type_ids" if family == "gemma3" else "mm_token_type_ids"
+    first = [sum(len(r) for r in IMAGES[:b]) for b in range(G)]
+    total, n_valid = torch.zeros(()), 0
+    for b in range(G):
+        cuts = [0, PACKED[b], S] if b in PACKED else [0, S]
+        for lo, hi in zip(cuts, cuts[1:]):
+            mine = [i for i, st in enumerate(IMAGES[b]) if lo <= st < hi]
+            images = batch["pixel_values"][[first[b] + i for i in mine]]
+            labels = batch["labels"][b, lo:hi][None]
+            kw = {"input_ids": batch["input_ids"][b, lo:hi][None],
+                  key: batch[key][b, lo:hi][None],
+                  "attention_mask": batch["attention_mask"][b, lo:hi][None]}  # fmt: skip
+            if mine:
+                kw["pixel_values"] = images
+            logits = model(**kw).logits
+            target = labels[:, 1:]
+            total = total + torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), target.flatten(), reduction="sum"
+            )
+            n_valid += int((target != -100).sum())
+    loss = total / n_valid
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.item(), "grads": grads}
+
+
+def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int = 0,
+                packed: bool = False) -> dict:  # fmt: skip
+    """``parallelize`` (Ulysses + FSDP2) and ``shard_batch`` on this dp rank's rows (packed:
+    :func:`packed_batch`): the global loss, every full gradient, the images each rank encoded
+    and the kernels chosen."""
     from torch.distributed.tensor import DTensor
 
     from dtensor_ulysses import hf
@@ -164,7 +212,7 @@ def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int 
         with_kwargs=True,
     )
     hf.parallelize(model, mesh)
-    batch = global_batch(family)
+    batch = packed_batch(family) if packed else global_batch(family)
     b = G // dp
     lo = mesh.get_local_rank("dp") * b
     mine = rows_of(batch, lo, lo + b)
@@ -196,7 +244,8 @@ def run_jobs(rank: int, world: int, jobs: list) -> list:
 
 def refusal_check(rank: int, world: int) -> dict:
     """Gemma 4 under ``apply_ulysses``: the one-line refusals of video and audio inputs, and of
-    a padding mask without the batch's layout."""
+    a padding mask without the batch's layout; Gemma 3 with ``backend="sdpa"`` (its image
+    blocks): refused when the model is prepared."""
     from dtensor_ulysses import hf
     from dtensor_ulysses.parallel import init_mesh
 
@@ -215,6 +264,11 @@ def refusal_check(rank: int, world: int) -> dict:
         "padding": {k: v[-1:] for k, v in rows_of(batch, G - 1, G).items() if k != "labels"},
     }  # fmt: skip
     out = {}
+    try:
+        hf.apply_ulysses(make_model("gemma3"), mesh, backend="sdpa")
+        out["sdpa"] = None
+    except ValueError as e:
+        out["sdpa"] = str(e)
     for name, kwargs in calls.items():
         try:
             model(**kwargs)
@@ -222,3 +276,142 @@ def refusal_check(rank: int, world: int) -> dict:
         except ValueError as e:
             out[name] = str(e)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the Trainer door
+# ----------------------------------------------------------------------------------------------
+class RowsDataset(torch.utils.data.Dataset):
+    """The global batch's rows, one example each (its own images)."""
+
+    def __init__(self, family: str):
+        batch = global_batch(family)
+        self.rows = [rows_of(batch, i, i + 1) for i in range(G)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def collate(rows: list) -> dict:
+    """Rows stacked, images concatenated in row order (what Gemma's processor gives)."""
+    return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+
+def trainer_run(rank: int, world: int, family: str, out_dir: str, sp: int | None,
+                batch: int = 2, steps: int = 2) -> dict:  # fmt: skip
+    """``transformers.Trainer`` (``sp`` None: the stock class) on the image + text rows: the
+    logged losses and gradient norms, and the images the vision tower encoded per step."""
+    import os
+
+    import transformers as tf
+
+    from dtensor_ulysses.hf import with_ulysses
+
+    # the group is up already (launch.run_local_world); accelerate still reads these
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    torch.set_num_threads(1)
+    model = make_model(family)
+    encoded: list[int] = []
+    model.model.vision_tower.register_forward_hook(
+        lambda m, args, kwargs, out: encoded.append(int(kwargs["pixel_values"].shape[0])),
+        with_kwargs=True,
+    )
+    args = tf.TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps,
+        learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, lr_scheduler_type="linear",
+        weight_decay=0.1, seed=0, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, dataloader_drop_last=True, remove_unused_columns=False,
+    )  # fmt: skip
+    cls = tf.Trainer if sp is None else with_ulysses(tf.Trainer, sp)
+    torch.manual_seed(0)
+    trainer = cls(model=model, args=args, train_dataset=RowsDataset(family),
+                  data_collator=collate)  # fmt: skip
+    trainer.train()
+    h = trainer.state.log_history
+    return {"loss": [e["loss"] for e in h if "loss" in e],
+            "grad_norm": [e["grad_norm"] for e in h if "grad_norm" in e],
+            "encoded": encoded}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# the SFTTrainer door: a Gemma 3 processor and TRL's vision-language format (images + messages)
+# ----------------------------------------------------------------------------------------------
+SPECIALS = ["<f0>", "<f1>", "<f2>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}<|end|>{% endgeneration %}{% else %}<|user|>{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<start_of_image>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tokenizer(directory, text: str) -> str:
+    """The tests' small tokenizer (90 tokens) with Gemma 3's image tokens at the ids the tiny
+    config uses (BOI 93, EOI 94, image 95), saved to ``directory``."""
+    from tests import hf_workers as W
+
+    tok = W.make_tokenizer(directory, text)
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS},
+                           replace_extra_special_tokens=False)  # fmt: skip
+    assert tok.convert_tokens_to_ids(SPECIALS[3:]) == [BOI, EOI, IMAGE]
+    tok.save_pretrained(directory)
+    return str(directory)
+
+
+def make_processor(tok_dir: str):
+    """A Gemma 3 processor: the tokenizer above and a PIL image processor (12 x 12 images,
+    ``mm_tokens_per_image`` = 9 tokens each)."""
+    from unittest import mock
+
+    import transformers as tf
+
+    named = dict(boi_token=SPECIALS[3], eoi_token=SPECIALS[4], image_token=SPECIALS[5])
+    tok = tf.AutoTokenizer.from_pretrained(tok_dir, extra_special_tokens=named)
+    ip = tf.Gemma3ImageProcessorPil(size={"height": 12, "width": 12})
+    with mock.patch.object(tf.ProcessorMixin, "check_argument_for_proper_class",
+                           lambda self, name, arg: None):  # fmt: skip
+        return tf.Gemma3Processor(image_processor=ip, tokenizer=tok, chat_template=TEMPLATE,
+                                  image_seq_length=TOKENS)  # fmt: skip
+
+
+def sft_run(rank: int, world: int, tok_dir: str, out_dir: str, sp: int | None,
+            batch: int = 4, steps: int = 2) -> dict:  # fmt: skip
+    """``trl.SFTTrainer`` (``sp`` None: the stock class) on Gemma 3 with the processor and TRL's
+    vision-language rows: logged losses, gradient norms and TRL's metrics."""
+    import os
+
+    import trl
+
+    from dtensor_ulysses.hf import with_ulysses
+    from tests.hf_vision_workers import vl_dataset
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29518")
+    torch.set_num_threads(1)
+    model = make_model("gemma3")
+    image_tokens: list[int] = []  # the token types the model is called with (its image blocks)
+    model.model.register_forward_pre_hook(
+        lambda m, args, kwargs: image_tokens.append(int(kwargs["token_type_ids"].sum())),
+        with_kwargs=True,
+    )
+    args = trl.SFTConfig(
+        output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps,
+        learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, lr_scheduler_type="linear",
+        weight_decay=0.1, seed=0, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, dataloader_drop_last=True, max_length=None, bf16=False,
+    )  # fmt: skip
+    cls = trl.SFTTrainer if sp is None else with_ulysses(trl.SFTTrainer, sp)
+    torch.manual_seed(0)
+    trainer = cls(model=model, args=args, train_dataset=vl_dataset(),
+                  processing_class=make_processor(tok_dir))  # fmt: skip
+    trainer.train()
+    h = trainer.state.log_history
+    keys = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+    out = {k: [e[k] for e in h if "loss" in e and k in e] for k in keys}
+    return dict(out, image_tokens=image_tokens)

@@ -65,6 +65,7 @@ from dtensor_ulysses.hf.trainer import (
     _refusals_in_one_line,
     _refuse_attention_dropout,
 )
+from dtensor_ulysses.parallel import flatten_dp_sp
 
 __all__: list[str] = []
 
@@ -198,6 +199,9 @@ class _UlyssesPreference:
         check_supported(hf)
         _refuse_attention_dropout(ref, self.args)
         ref.requires_grad_(False)
+        # one set of weights on every rank (FSDP2 keeps each rank's own shard values)
+        _trainer_state.start_from_rank0(ref, flatten_dp_sp(self._du_mesh).get_group(),
+                                        self.args.device)  # fmt: skip
         o = self._du_options
         ref = _parallelize_root(
             ref, hf, self._du_mesh, activation_checkpointing=False, offload_activations=False,

@@ -38,8 +38,10 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
   ``[B, C]`` log-probabilities; the stock loss (ratios, clipping, KL, entropy masks, every
   ``loss_type`` and ``importance_sampling_level``) then runs unchanged on them. Each token's
   gradient flows through the one rank that computed it, so the normalisations count every
-  token once; the returned loss keeps its value and carries ``1/dp`` of its gradient (FSDP2
-  sums gradients over dp x sp, where DDP averages over dp).
+  token once (``top_entropy_quantile < 1`` compares entropies with a quantile of them: tokens
+  tied there, equal to round-off, can be split differently); the returned loss keeps its value
+  and carries ``1/dp`` of its gradient (FSDP2 sums gradients over dp x sp, where DDP averages
+  over dp).
 * **The reference model** (``beta > 0``) is loaded by the stock trainer and prepared like the
   policy (Ulysses on every attention layer, ``fully_shard`` over dp x sp), without gradients;
   ``beta = 0`` loads none; with a PEFT adapter it is the policy with the adapter disabled, as in
@@ -47,7 +49,7 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
 
 Refused at construction, with the reason: tool calling, environments and ``rollout_func``
 (multi-turn), vLLM generation (no GPU test here yet), transformers' continuous batching,
-vision-language processors, an entropy bonus, a router (MoE) auxiliary loss and
+vision-language processors, the adaptive entropy bonus, a router (MoE) auxiliary loss and
 ``sync_ref_model``. Evaluation runs the stock trainer's ``prediction_step`` (rollouts and loss
 as in training). The generation batch is
 ``per_device_train_batch_size x dp x steps_per_generation`` (the config resolves it over all
@@ -174,11 +176,16 @@ class _UlyssesRL:
         super().__init__(*args, **kwargs)
         # the stock trainer's own rule for gradient accumulation (the shared mixin set its own)
         self.__dict__.pop("loss_is_scaled_for_ga", None)
+        if getattr(self, "ref_model", None) is not None:
+            self.ref_model = self._du_parallelize_ref(self.ref_model)
+        # reward models run whole on sp rank 0 of each group: on this rank's device (the shared
+        # accelerator places no model itself; FSDP2 places the sharded ones)
+        for func in self.reward_funcs:
+            if isinstance(func, nn.Module):
+                func.to(self.accelerator.device)
         # the random stream of the stock rank with this dp index (generation, shuffles)
         from accelerate.utils import set_seed
 
-        if getattr(self, "ref_model", None) is not None:
-            self.ref_model = self._du_parallelize_ref(self.ref_model)
         set_seed(self.args.seed + self._du_mesh.get_local_rank(DP_AXIS))
 
     def _du_parallelize_ref(self, ref: nn.Module) -> nn.Module:
@@ -399,9 +406,6 @@ def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
         ):  # fmt: skip
             if getattr(args, key, False):
                 problems.append(f"{key}=True: {why}")
-        if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0:
-            problems.append(f"entropy_coef={args.entropy_coef}: an entropy bonus is not covered "
-                            f"by the tests; set entropy_coef=0.0")  # fmt: skip
         coef = getattr(args, "router_aux_loss_coef", None)
         if coef:
             problems.append(f"router_aux_loss_coef={coef}: the router loss of a sharded "

@@ -36,8 +36,10 @@ tower's own attention stays local (bidirectional, per image, on whole images) an
 implementation; only the text config's attention goes through the engine.
 
 Families: Qwen2.5-VL and Qwen3-VL (images, and videos split the same way: each video whole on
-one rank, with all its frames), Gemma 3 and Gemma 4 (images). Refused in one line: the videos
-and audio of the families without a split for them, and vision towers this module has no
+one rank, with all its frames), Gemma 3 (fixed-size SigLIP images) and Gemma 4 (images of any
+size; per-layer input embeddings sliced with the embeddings). Gemma's bidirectional image
+blocks come from its token types (:mod:`~dtensor_ulysses.hf.image_blocks`). Refused in one
+line: Gemma's video inputs, Gemma 4's audio inputs, and vision towers this module has no
 adapter for (:func:`vision_family`).
 """
 
@@ -369,7 +371,10 @@ def _gemma4_image_features(base: Any, state: VisionSplitState) -> Callable[..., 
     return get_image_features
 
 
-_ADAPTERS = {
+# family -> the factory of its split ``get_image_features(pixel_values, ...)`` (built on
+# :func:`encode_split`; a family's adapter says how to cut its inputs per image, how many
+# feature rows each image gives, and how to rebuild the output its model's forward reads)
+_ADAPTERS: dict[str, Callable[[Any, VisionSplitState], Callable[..., Any]]] = {
     "qwen": _qwen_image_features,
     "gemma3": _gemma3_image_features,
     "gemma4": _gemma4_image_features,

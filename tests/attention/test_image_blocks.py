@@ -119,10 +119,10 @@ def test_key_ranges_reach_the_end_of_a_block():
 def test_flex_blocks_forward_on_cpu_matches_dense_reference():
     """FlexAttention (forward only on CPU) with blocks over several 128-token blocks: an image
     crossing a block boundary, one inside a block, a window; the block mask is exact."""
-    S = 300
-    spans = [[(100, 140), (150, 170)], [(5, 9), (120, 290)]]
+    S = 260  # three blocks of 128
+    spans = [[(100, 140), (150, 170)], [(5, 9), (120, 250)]]
     ids = _ids(spans, S)
-    for n, (kw, K) in enumerate([(dict(), 2), (dict(window=(60, -1)), 1), (dict(softcap=2.0), 4)]):
+    for n, (kw, K) in enumerate([(dict(softcap=2.0), 2), (dict(window=(60, -1)), 1)]):
         q, k, v, _ = _draw(S, K, 10 + n)
         with torch.no_grad():
             o = local_attention(q, k, v, backend="flex", softmax_scale=SCALE, block_ids=ids, **kw)
@@ -200,3 +200,33 @@ def test_flex_blocks_backward_on_cuda_matches_dense_reference():
         torch.testing.assert_close(o.double(), o_ref, rtol=1e-3, atol=1e-4)
         for a, b in zip(got, want):
             torch.testing.assert_close(a.double(), b, rtol=1e-3, atol=1e-4)
+
+
+def test_compiled_blocks_equal_eager_without_graph_break():
+    """torch.compile(fullgraph=True) of a sliding window with image blocks: auto takes the
+    blockwise kernel (one opaque op; no host spans inside the graph, so no key block is
+    skipped on the causal side), the eager values and gradients; new blocks do not recompile
+    (the block ids are a tensor)."""
+    torch._dynamo.reset()
+    S = 23
+    q, k, v, go = (t.float() for t in _draw(S, 2, 30))
+
+    def attend(q, k, v, ids):
+        return local_attention(q, k, v, softmax_scale=SCALE, window=(4, -1), block_ids=ids)
+
+    frames = []
+
+    def counting(gm, example_inputs):  # aot_eager: the forward and backward graphs, run eagerly
+        frames.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(attend, fullgraph=True, backend=counting)
+    out = []
+    for fn in (attend, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = fn(*leaves, _ids(SPANS, S))
+        out.append((o, *torch.autograd.grad(o, leaves, go)))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    compiled(*leaves, _ids([[(1, 20)], []], S))
+    assert len(frames) == 1, f"{len(frames)} graphs: new blocks recompiled"

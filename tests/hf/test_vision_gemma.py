@@ -43,24 +43,50 @@ KERNELS = {
 LAYOUTS = {2: ((1, 2),), 4: ((2, 2), (1, 4))}
 
 
-def _jobs(world: int) -> list:
+def _jobs(world: int, root) -> list:
     jobs = [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS[world]]
-    return jobs + ([("refusal_check", ())] if world == 2 else [])
+    # the SFTTrainer door (Gemma 3) at sp = world
+    jobs += [("sft_run", (str(root / "tok"), str(root / f"sft-{world}"), world))]
+    # packed documents with images (Gemma 3) at (1, world)
+    jobs += [("model_check", ("gemma3", 1, world, 0, True))]
+    if world == 2:  # the Trainer door at (1, 2) for both families, then the refusals
+        jobs += [("trainer_run", (f, str(root / f"ulysses-{f}"), 2)) for f in FAMILIES]
+        jobs += [("refusal_check", ())]
+    return jobs
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_local_world(V.run_jobs, 2, _jobs(2), timeout_s=600)
+def root(tmp_path_factory):
+    from tests import hf_trainer_workers as T
+
+    path = tmp_path_factory.mktemp("gemma_doors")
+    V.save_tokenizer(path / "tok", " ".join(T.TEXTS) * 5)
+    return path
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_local_world(V.run_jobs, 4, _jobs(4), timeout_s=600)
+def world2(root):
+    return run_local_world(V.run_jobs, 2, _jobs(2, root), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def world4(root):
+    return run_local_world(V.run_jobs, 4, _jobs(4, root), timeout_s=600)
 
 
 @pytest.fixture(scope="module")
 def references():
     return {f: V.model_reference(f) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_packed_documents_with_images_equal_each_document_alone(world2, world4, sp):
+    """Rows packed from two documents (position ids restarting), images inside them: at
+    (1, sp) the loss and every gradient equal the stock model run on each document on its own
+    (no attention, no image block across a document)."""
+    ref = V.packed_reference("gemma3")
+    world = world2 if sp == 2 else world4
+    _check(world, ref, "gemma3", 1, len(FAMILIES) * len(LAYOUTS[sp]) + 1)
 
 
 def _check(results, ref, family: str, dp: int, index: int) -> None:
@@ -106,12 +132,20 @@ def test_the_image_blocks_matter(references, family):
 
 def test_refusals_name_the_input_and_the_reason(world2):
     """Video and audio inputs of Gemma 4, and a padding mask without the batch's layout: one
-    line each, before any attention runs; another multimodal family: named, with the reason."""
+    line each, before any attention runs; SDPA asked for Gemma 3's layers with image blocks:
+    refused when the model is prepared, naming the layer, its features and the kernels that
+    run them."""
     for res in world2:
         out = res[-1]
         assert out["video"].startswith("video inputs (pixel_values_videos) are not supported")
         assert out["audio"].startswith("audio inputs (input_features) are not supported")
         assert "attention_mask with padding needs the batch's layout" in out["padding"]
+        assert out["sdpa"].startswith("model.language_model.layers.0.self_attn (Gemma3Attention, "
+                                      "sliding_window=5, bidirectional image blocks): no "
+                                      "attention kernel runs it exactly")  # fmt: skip
+        assert out["sdpa"].endswith(
+            "or one of ['blockwise'] (these train with window, blocks on cpu)"
+        )
         assert all("\n" not in why for why in out.values())
 
 
@@ -132,3 +166,41 @@ def test_other_multimodal_families_are_refused_by_name():
         r"'paligemma'\): its vision tower has no adapter .*'gemma3', 'gemma4'",
     ):
         check_supported(model)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trainer_sp2_equals_stock_trainer(world2, tmp_path, family):
+    """``with_ulysses(transformers.Trainer)`` with a collator giving pixel_values and the token
+    types: two steps' logged losses and gradient norms equal the stock Trainer's (dp = 1, one
+    process); each step's images encoded once per sp group (split over its two ranks)."""
+    ref = V.trainer_run(0, 1, family, str(tmp_path / "stock"), None)
+    index = len(_jobs(2, tmp_path)) - 1 - len(FAMILIES) + FAMILIES.index(family)
+    encoded = [0] * len(ref["encoded"])
+    for res in world2:
+        got = res[index]
+        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL)
+        assert len(got["encoded"]) <= len(ref["encoded"])  # at most one tower call per step
+        for step, n in enumerate(got["encoded"]):
+            encoded[step] += n
+    assert len(ref["loss"]) == 2 and sum(encoded) == sum(ref["encoded"])
+
+
+@pytest.fixture(scope="module")
+def sft_reference(root):
+    return V.sft_run(0, 1, str(root / "tok"), str(root / "sft-stock"), None)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, world4, sft_reference, sp):
+    """``with_ulysses(trl.SFTTrainer)`` on Gemma 3 with its processor (token_type_ids from it)
+    and TRL's vision-language rows (images + messages): losses, grad norms and TRL's metrics of
+    two steps equal the stock SFTTrainer's (dp = 1)."""
+    world = world2 if sp == 2 else world4
+    index = len(FAMILIES) * len(LAYOUTS[sp])
+    for res in world:
+        got = res[index]
+        for key, want in sft_reference.items():
+            assert got[key] == pytest.approx(want, rel=RTOL), key
+    assert len(sft_reference["loss"]) == 2
+    assert all(n > 0 for n in sft_reference["image_tokens"])  # the processor's token types
