@@ -13,11 +13,11 @@ process:
   (2, 2), (1, 4): the loss and every gradient (vision tower included) equal the stock model's,
   each image encoded on one rank of its sp group;
 * ``with_ulysses(transformers.Trainer)``: two steps' losses and gradient norms equal the stock
-  Trainer on one process (both families at (1, 2); Qwen2.5-VL at (2, 2), also against the stock
-  Trainer at dp = 2, and (1, 4)), each step's images encoded once;
+  Trainer on one process, both families at (1, 2), (2, 2), (1, 4) (Qwen2.5-VL also against the
+  stock Trainer at dp = 2), each step's images encoded once;
 * videos (Qwen2.5-VL, Qwen3-VL: a group per frame) split like images, at (1, 2);
 * ``with_ulysses(trl.SFTTrainer)`` with a Qwen2.5-VL processor and TRL's vision-language rows
-  (sp = 2); examples/vlm_trainer.py; the refusals (Gemma's videos, families without an
+  (sp = 2, 4); examples/vlm_trainer.py; the refusals (Gemma's videos, families without an
   adapter).
 
 Two spawned worlds for the file (2 ranks, 4 ranks), many cases each.
@@ -69,9 +69,10 @@ def _jobs2(assets) -> list:
 
 def _jobs4(assets) -> list:
     return (
-        [("split_check", (f, 0, FEW)) for f in FAMILIES]
+        [_sft_job(assets, 4)]
+        + [("split_check", (f, 0, FEW)) for f in FAMILIES]
         + [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS4]
-        + [_trainer_job(assets, "qwen2_5_vl", dp, sp) for dp, sp in LAYOUTS4]
+        + [_trainer_job(assets, f, dp, sp) for f in FAMILIES for dp, sp in LAYOUTS4]
     )
 
 
@@ -247,28 +248,27 @@ def test_trainer_sp2_equals_stock_trainer_and_stock_dp2(world2, assets, trainer_
 
 
 @pytest.mark.parametrize("layout", LAYOUTS4, ids=lambda x: f"dp{x[0]}sp{x[1]}")
+@pytest.mark.parametrize("family", FAMILIES)
 def test_trainer_dp2_sp2_and_sp4_equal_stock_trainer(
-    world2, world4, assets, trainer_references, layout
+    world2, world4, assets, trainer_references, family, layout
 ):
-    """Qwen2.5-VL (Qwen3-VL's decoder path is the same code, held at every layout by
-    apply_ulysses above and by the Trainer at (1, 2))."""
-    family = "qwen2_5_vl"
     dp, sp = layout
     results = _job(world4, *_trainer_job(assets, family, dp, sp))
     _check_trainer(results, trainer_references[family])
-    if dp == 2:  # and the stock Trainer at the same dp
+    if dp == 2 and family == "qwen2_5_vl":  # and the stock Trainer at the same dp
         stock = _job(world2, *_trainer_job(assets, family, 2, None))[0]
         assert results[0]["loss"] == pytest.approx(stock["loss"], rel=1e-4)
         assert results[0]["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
 
 
-def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, assets):
+@pytest.mark.parametrize("sp", (2, 4))
+def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, world4, assets, sp):
     """TRL's vision-language format (images + messages) through a Qwen2.5-VL processor and
     TRL's collator (right padding, one or two images a row): losses, gradient norms and TRL's
-    metrics equal the stock SFTTrainer on one process (sp = 2)."""
+    metrics equal the stock SFTTrainer on one process."""
     pytest.importorskip("trl")
     ref = V.sft_run(0, 1, *_sft_job(assets, 2)[1][:2], str(assets / "sft-ref"), None, 4)
-    got = _job(world2, *_sft_job(assets, 2))[0]
+    got = _job(world2 if sp == 2 else world4, *_sft_job(assets, sp))[0]
     assert len(got["loss"]) == 2
     for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"):
         assert got[key] == pytest.approx(ref[key], rel=1e-4), key
