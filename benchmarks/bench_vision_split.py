@@ -11,11 +11,11 @@ A Qwen2.5-VL vision tower (random init, ``--hidden`` wide, ``--depth`` blocks) e
 
 The table gives, per ``P``, the patches each rank encodes (the largest share), the median time of
 the slowest rank for forward+backward, the same work timed in one process alone (all images vs the
-largest rank's share: the compute saved, without ``P`` ranks competing for the cores), the peak of
-the process's resident memory growth during the step (``ru_maxrss`` is monotonic: each variant runs
-in its own world), the bytes of the split's collectives per rank (forward all-gather / backward
-reduce-scatter), and the features checked equal. CPU numbers on a shared machine: the ratio matters,
-not the times.
+largest rank's share: the compute saved, without ``P`` ranks competing for the cores), the bytes of
+the tensors autograd saves for backward (the activations the vision tower keeps, per rank, the
+largest rank's; storages counted once), the bytes of the split's collectives per rank (forward all-
+gather / backward reduce-scatter), and the features checked equal. CPU numbers on a shared machine:
+the ratio matters, not the times.
 
     python -m benchmarks.bench_vision_split --json benchmarks/results/bench_vision_split_cpu.json
     python -m benchmarks.bench_vision_split --world-sizes 2 --iters 2   # a quick look
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -73,12 +72,18 @@ def _worker(rank: int, world: int, cfg: dict, variant: str) -> dict:
     if variant == "split":
         route_vision(model, dist.group.WORLD)
     base = model.model
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     times, comm, feats = [], {}, None
+    saved: dict[int, int] = {}  # storage -> bytes of the tensors autograd saves for backward
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
     for it in range(cfg["warmup"] + cfg["iters"]):
         dist.barrier()
+        saved.clear()
         t0 = time.perf_counter()
-        with CommCounter() as counter:
+        with CommCounter() as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = base.get_image_features(pixels, grid, return_dict=True)
             feats = torch.cat(list(out.pooler_output))
             w = torch.randn(feats.shape, generator=torch.Generator().manual_seed(2))
@@ -89,14 +94,14 @@ def _worker(rank: int, world: int, cfg: dict, variant: str) -> dict:
             times.append(elapsed.item())
         comm = counter.by_kind()
         model.zero_grad(set_to_none=True)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     patches = grid.prod(-1).tolist()
     owner = assign_images(patches, world)
     mine = (
         sum(p for p, o in zip(patches, owner) if o == rank) if variant == "split" else sum(patches)
     )
     assert feats is not None
-    return {"ms": 1e3 * statistics.median(times), "patches": mine, "rss_growth_bytes": rss,
+    return {"ms": 1e3 * statistics.median(times), "patches": mine,
+            "saved_activation_bytes": sum(saved.values()),
             "comm": comm, "feats_sum": float(feats.detach().double().sum())}  # fmt: skip
 
 
@@ -138,7 +143,7 @@ def _row(cfg: dict, P: int) -> dict:
         out[variant] = {
             "ms_fwd_bwd": max(r["ms"] for r in res),
             "max_patches_per_rank": max(r["patches"] for r in res),
-            "max_rss_growth_bytes": max(r["rss_growth_bytes"] for r in res),
+            "max_saved_activation_bytes": max(r["saved_activation_bytes"] for r in res),
             "comm_rank0": res[0]["comm"],
             "feats_sum": res[0]["feats_sum"],
         }
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
                threads=a.threads)  # fmt: skip
     rows = [_row(cfg, P) for P in a.world_sizes]
     cols = [f"{'P':>2}", "patches/rank every / split", "ms every", "ms split", "speedup",
-            "1-proc ms all / share", "RSS growth MiB every / split", "split bytes f / b",
+            "1-proc ms all / share", "saved activations MiB every / split", "split bytes f / b",
             "eq"]  # fmt: skip
     head = " | ".join(cols)
     print(head)
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         e, s = r["every_rank"], r["split"]
         ag = s["comm_rank0"].get("all_gather", {}).get("bytes", 0)
         rs = s["comm_rank0"].get("reduce_scatter", {}).get("bytes", 0)
-        mib = (e["max_rss_growth_bytes"] / 2**20, s["max_rss_growth_bytes"] / 2**20)
+        mib = (e["max_saved_activation_bytes"] / 2**20, s["max_saved_activation_bytes"] / 2**20)
         one = r["one_process"]
         print(" | ".join([
             f"{r['P']:>2}", f"{e['max_patches_per_rank']:>12} / {s['max_patches_per_rank']:<11}",

@@ -30,6 +30,12 @@ IMAGES = [
     [(4, (1, 4, 8)), (20, (1, 4, 4))],  # 8 + 4
 ]
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+# a row with an image and a video (2 frames), a row with a longer video: Qwen's videos are split
+# like its images (each video whole on one rank)
+VIDEO_ROWS = [
+    [(3, (1, 4, 8)), (16, (2, 4, 4), "video")],
+    [(5, (2, 4, 8), "video")],
+]
 
 
 def make_config(family: str):
@@ -96,18 +102,31 @@ def global_batch(family: str, seed: int = 1, rows: list | None = None) -> dict:
     ids = torch.randint(0, IMAGE, (len(rows), S), generator=g)
     types = torch.zeros_like(ids)
     grids, pixels = [], []
+    vgrids, vpixels = [], []
     for b, images in enumerate(rows):
-        for start, (t, h, w) in images:
+        for start, (t, h, w), *kind in images:
             n = t * h * w // 4
-            ids[b, start - 1], ids[b, start + n] = V_START, V_END
-            ids[b, start : start + n] = IMAGE
-            types[b, start : start + n] = 1
-            grids.append([t, h, w])
-            pixels.append(torch.randn(t * h * w, patch_dim(family), generator=g))
+            video = kind == ["video"]
+            # Qwen3-VL: each frame its own group (a timestamp token between frames)
+            frames = t if video and family == "qwen3_vl" else 1
+            at = start
+            for _ in range(frames):
+                k = n // frames
+                ids[b, at - 1], ids[b, at + k] = V_START, V_END
+                ids[b, at : at + k] = VIDEO if video else IMAGE
+                types[b, at : at + k] = 2 if video else 1
+                at += k + 3  # V_END, a timestamp token, V_START
+            (vgrids if video else grids).append([t, h, w])
+            patches = torch.randn(t * h * w, patch_dim(family), generator=g)
+            (vpixels if video else pixels).append(patches)
     labels = ids.clone()
-    labels[types == 1] = -100
-    return {"input_ids": ids, "labels": labels, "mm_token_type_ids": types,
-            "pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}  # fmt: skip
+    labels[types != 0] = -100
+    out = {"input_ids": ids, "labels": labels, "mm_token_type_ids": types}
+    if grids:
+        out.update(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids))
+    if vgrids:
+        out.update(pixel_values_videos=torch.cat(vpixels), video_grid_thw=torch.tensor(vgrids))
+    return out
 
 
 def rows_of(batch: dict, lo: int, hi: int) -> dict:
@@ -245,7 +264,7 @@ def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int 
     batch = global_batch(family, rows=rows)
     b = len(batch["input_ids"]) // dp
     lo = mesh.get_local_rank("dp") * b
-    mine = rows_of(batch, lo, lo + b)
+    mine = batch if dp == 1 else rows_of(batch, lo, lo + b)
     sb = hf.shard_batch(mine, mesh)
     out = model(**vision_model_inputs(mine, sb))
     local = cross_entropy_sum(out.logits, sb.labels) / sb.n_valid
@@ -256,7 +275,7 @@ def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int 
     for n, p in model.named_parameters():
         g = p.grad
         grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
-    images = mine["image_grid_thw"].tolist()
+    images = mine["image_grid_thw"].tolist() + mine.get("video_grid_thw", torch.zeros(0)).tolist()
     return {"loss": total.item(), "grads": grads, "seen": seen, "images": images,
             "dp_rank": mesh.get_local_rank("dp")}  # fmt: skip
 

@@ -25,8 +25,8 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   restarting at 0, as ``padding_free`` collators give) as the engine's document layout.
   A vision-language model (Qwen2.5-VL, Qwen3-VL) takes the full rows and the batch's images
   (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) and slices after the image
-  merge, each image encoded on one rank of the sp group (:mod:`~dtensor_ulysses.hf.vision`);
-  video inputs are refused.
+  merge, each image (Qwen: each video too) encoded on one rank of the sp group
+  (:mod:`~dtensor_ulysses.hf.vision`); other families' video inputs are refused.
 * **Loss**: ``sum of the slice's cross entropy / N`` with ``N`` the valid targets of the whole
   optimizer step (all micro-batches, all dp ranks; ``-100`` and assistant / completion masks
   respected), so the summed gradients are the single-process gradients and gradient
@@ -111,6 +111,7 @@ from dtensor_ulysses.hf.routing import (
     check_supported,
 )
 from dtensor_ulysses.hf.vision import (
+    VIDEO_KEYS,
     VISION_KEYS,
     is_vision_language,
     refuse_video,
@@ -636,9 +637,10 @@ class _UlyssesTrainer:
         this rank's part), the slice's logits (``None`` with the tiled loss unless ``logits``),
         and the sharded batch."""
         vision = is_vision_language(_trainer_state.base_model(model))
-        read = _READ | set(VISION_KEYS) if vision else _READ  # images: the model takes them whole
+        # images (and videos): the model takes them whole
+        read = _READ | set(VISION_KEYS) | set(VIDEO_KEYS) if vision else _READ
         if vision:
-            refuse_video(inputs)
+            refuse_video(inputs, _trainer_state.base_model(model))
         extra = sorted(
             k for k, v in inputs.items()
             if k not in read | _DROPPED and isinstance(v, torch.Tensor)

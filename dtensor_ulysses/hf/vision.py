@@ -35,10 +35,11 @@ image tokens in the slice), and the decoder layers run under Ulysses as for text
 tower's own attention stays local (bidirectional, per image, on whole images) and keeps its
 implementation; only the text config's attention goes through the engine.
 
-Families: Qwen2.5-VL and Qwen3-VL (images), Gemma 3 (fixed-size SigLIP images) and Gemma 4
-(images of any size; per-layer input embeddings sliced with the embeddings). Gemma's
-bidirectional image blocks come from its token types (:mod:`~dtensor_ulysses.hf.image_blocks`).
-Refused in one line: video inputs, Gemma 4's audio inputs, and vision towers this module has no
+Families: Qwen2.5-VL and Qwen3-VL (images, and videos split the same way: each video whole on
+one rank, with all its frames), Gemma 3 (fixed-size SigLIP images) and Gemma 4 (images of any
+size; per-layer input embeddings sliced with the embeddings). Gemma's bidirectional image
+blocks come from its token types (:mod:`~dtensor_ulysses.hf.image_blocks`). Refused in one
+line: Gemma's video inputs, Gemma 4's audio inputs, and vision towers this module has no
 adapter for (:func:`vision_family`).
 """
 
@@ -57,6 +58,7 @@ from dtensor_ulysses.comm import all_gather_seq
 from dtensor_ulysses.plan.splits import SeqLayout, seq_split
 
 __all__ = [
+    "VIDEO_KEYS",
     "VISION_KEYS",
     "VisionSplitState",
     "assign_images",
@@ -77,13 +79,14 @@ VISION_KEYS = (
     "token_type_ids",
     "image_position_ids",
 )
-_VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+# batch keys of video inputs (split like images by the families in _VIDEO_ADAPTERS)
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 _STATE = "_du_vision_state"
 # model_type -> what the split needs to know of the family's vision tower
 _FAMILIES = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen", "gemma3": "gemma3", "gemma4": "gemma4"}
 
 
-def assign_images(costs: Sequence[int], P: int) -> tuple[int, ...]:
+def assign_images(costs: Sequence[int], P: int, load: list[int] | None = None) -> tuple[int, ...]:
     """The rank that encodes each image: the largest first (ties: the first), each to the rank
     with the least work so far (ties: the lowest rank). Deterministic, so every rank of a group
     computes the same assignment from the same batch.
@@ -91,13 +94,17 @@ def assign_images(costs: Sequence[int], P: int) -> tuple[int, ...]:
     Args:
         costs: the work of each image (its patches), in image order.
         P: ranks in the group.
+        load: each rank's work so far (the same step's images, before its videos); updated in
+            place. Default: none.
 
     Returns:
         ``owner[i]`` for each image ``i``.
     """
     if P < 1:
         raise ValueError(f"assign_images needs P >= 1 ranks, got {P}")
-    load = [0] * P
+    load = [0] * P if load is None else load
+    if len(load) != P:
+        raise ValueError(f"load has {len(load)} entries for P={P} ranks")
     owner = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-int(costs[i]), i)):
         r = min(range(P), key=lambda r: (load[r], r))
@@ -115,6 +122,7 @@ def encode_split(
     dtype: torch.dtype,
     device: torch.device,
     zero_grad_params: Callable[[], Sequence[torch.Tensor]] | None = None,
+    load: list[int] | None = None,
 ) -> torch.Tensor:
     """Every image's features on every rank of ``group``, each image encoded on one rank.
 
@@ -131,13 +139,14 @@ def encode_split(
         device: where a rank with no image allocates its empty share.
         zero_grad_params: on a rank with no image, the vision tower's parameters, tied to the
             result with weight 0 so that they get (zero) gradients as on the other ranks.
+        load: each rank's work so far in this step (see :func:`assign_images`; updated).
 
     Returns:
         ``feats[R, channels]`` in image order, differentiable (the gradient of each image's
         rows flows back to the rank that encoded it, summed over the group's ranks).
     """
     P, me = dist.get_world_size(group), dist.get_rank(group)
-    owner = assign_images(costs, P)
+    owner = assign_images(costs, P, load)
     mine = [i for i, r in enumerate(owner) if r == me]
     if mine:
         local = encode(mine).to(dtype)
@@ -219,6 +228,7 @@ class VisionSplitState:
     encoded: list[int] = field(default_factory=list)
     calls: int = 0
     hooks: list = field(default_factory=list)
+    load: list[int] = field(default_factory=list)  # this forward's work per rank (images first)
 
 
 def _unsupported(msg: str) -> Exception:
@@ -226,10 +236,17 @@ def _unsupported(msg: str) -> Exception:
     return ValueError(msg)
 
 
-def _qwen_image_features(base: Any, state: VisionSplitState) -> Callable[..., Any]:
+def _qwen_image_features(
+    base: Any, state: VisionSplitState, kind: str = "image"
+) -> Callable[..., Any]:
     """The split ``get_image_features`` of Qwen2.5-VL / Qwen3-VL: ``pixel_values[sum(t*h*w),
-    patch]`` (patches of every image, concatenated) and ``image_grid_thw[n, 3]``."""
+    patch]`` (patches of every image, concatenated) and ``image_grid_thw[n, 3]``; with
+    ``kind="video"`` the split ``get_video_features`` (``pixel_values_videos``,
+    ``video_grid_thw``: each video whole on one rank, all its frames). Both encode with the
+    class's own ``get_image_features`` (the same tower call; Qwen3-VL's videos go through it)."""
     original = type(base).get_image_features.__get__(base)
+    if kind not in ("image", "video"):
+        raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
     visual: Any = base.visual
     merge = int(visual.spatial_merge_size)
     n_deep = len(getattr(visual, "deepstack_visual_indexes", None) or [])
@@ -266,8 +283,12 @@ def _qwen_image_features(base: Any, state: VisionSplitState) -> Callable[..., An
         dev = pixel_values.device.type
         dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
                  else next(visual.parameters()).dtype)  # fmt: skip
+        P = dist.get_world_size(state.group)
+        if kind == "image" or len(state.load) != P:  # a step's videos go where its images left room
+            state.load = [0] * P
         feats = encode_split(encode, rows, patches, state.group, width * (1 + n_deep), dtype,
-                             pixel_values.device, lambda: list(visual.parameters()))  # fmt: skip
+                             pixel_values.device, lambda: list(visual.parameters()),
+                             load=state.load)  # fmt: skip
         parts = feats.split(width, dim=-1)
         per_image = [tuple(p.split(rows)) for p in parts]
         out = out_cls(pooler_output=per_image[0])  # type: ignore[arg-type]
@@ -367,6 +388,12 @@ def _no_audio(*args: Any, **kwargs: Any) -> Any:
     )
 
 
+# family -> its split ``get_video_features`` (families without one refuse video inputs)
+_VIDEO_ADAPTERS: dict[str, Callable[[Any, VisionSplitState], Callable[..., Any]]] = {
+    "qwen": lambda base, state: _qwen_image_features(base, state, "video"),
+}
+
+
 def _no_video(*args: Any, **kwargs: Any) -> Any:
     raise _unsupported(
         "video inputs (pixel_values_videos) are not supported under Ulysses yet: pass images, "
@@ -425,6 +452,7 @@ def _slice_pre_forward(lm: nn.Module, args: tuple, kwargs: dict, params: list[st
     if per_layer is not None:
         kwargs["per_layer_inputs"] = per_layer[:, lo : lo + n]
     kwargs["ulysses_layout"] = layout
+    state.load = []  # the step's vision work is done: the next one starts from no load
     return (), kwargs
 
 
@@ -444,7 +472,8 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
             h.remove()
     state = VisionSplitState(group)
     base.get_image_features = _ADAPTERS[family](base, state)
-    base.get_video_features = _no_video
+    video = _VIDEO_ADAPTERS.get(family)
+    base.get_video_features = _no_video if video is None else video(base, state)
     if hasattr(type(base), "get_audio_features"):  # Gemma 4
         base.get_audio_features = _no_audio
     params = list(inspect.signature(lm.forward).parameters)
@@ -460,10 +489,11 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
     return state
 
 
-def refuse_video(batch: Mapping[str, Any]) -> None:
-    """Video inputs are not split yet: a ``ValueError`` naming the keys found in ``batch``."""
-    videos = [k for k in _VIDEO_KEYS if batch.get(k) is not None]
-    if videos:
+def refuse_video(batch: Mapping[str, Any], model: Any) -> None:
+    """Video inputs for a family whose videos are not split (every family but Qwen2.5-VL /
+    Qwen3-VL): a ``ValueError`` naming the keys found in ``batch``."""
+    videos = [k for k in VIDEO_KEYS if batch.get(k) is not None]
+    if videos and vision_family(model) not in _VIDEO_ADAPTERS:
         raise _unsupported(
             f"video inputs ({', '.join(videos)}) are not supported under Ulysses yet: pass "
             f"images, or frames as images"
@@ -473,15 +503,12 @@ def refuse_video(batch: Mapping[str, Any]) -> None:
 def vision_model_inputs(batch: Mapping[str, Any], sharded: Any) -> dict[str, Any]:
     """Keyword arguments for a vision-language model prepared by ``apply_ulysses``: the full
     rows (``input_ids``, ``attention_mask`` for the M-RoPE positions, ``position_ids`` if
-    given), the image inputs (:data:`VISION_KEYS`) and ``ulysses_layout`` of ``sharded`` (the
-    :func:`~dtensor_ulysses.hf.shard_batch` of ``batch``); the loss uses ``sharded.labels``.
-
-    Raises:
-        ValueError: video inputs in the batch.
-    """
-    refuse_video(batch)
+    given), the image and video inputs (:data:`VISION_KEYS`) and ``ulysses_layout`` of
+    ``sharded`` (the :func:`~dtensor_ulysses.hf.shard_batch` of ``batch``); the loss uses
+    ``sharded.labels``. A family whose videos are not split refuses video inputs in its
+    forward."""
     out: dict[str, Any] = {"input_ids": batch["input_ids"], "ulysses_layout": sharded.layout}
-    for key in ("attention_mask", "position_ids", *VISION_KEYS):
+    for key in ("attention_mask", "position_ids", *VISION_KEYS, *VIDEO_KEYS):
         if batch.get(key) is not None:
             out[key] = batch[key]
     return out

@@ -13,10 +13,12 @@ process:
   (2, 2), (1, 4): the loss and every gradient (vision tower included) equal the stock model's,
   each image encoded on one rank of its sp group;
 * ``with_ulysses(transformers.Trainer)``: two steps' losses and gradient norms equal the stock
-  Trainer on one process (both families at (1, 2); Qwen2.5-VL at (2, 2), also against the stock
-  Trainer at dp = 2, and (1, 4)), each step's images encoded once;
+  Trainer on one process, both families at (1, 2), (2, 2), (1, 4) (Qwen2.5-VL also against the
+  stock Trainer at dp = 2), each step's images encoded once;
+* videos (Qwen2.5-VL, Qwen3-VL: a group per frame) split like images, at (1, 2);
 * ``with_ulysses(trl.SFTTrainer)`` with a Qwen2.5-VL processor and TRL's vision-language rows
-  (sp = 2); examples/vlm_trainer.py; the refusals (video, families without an adapter).
+  (sp = 2, 4); examples/vlm_trainer.py; the refusals (Gemma's videos, families without an
+  adapter).
 
 Two spawned worlds for the file (2 ranks, 4 ranks), many cases each.
 """
@@ -59,6 +61,7 @@ def _jobs2(assets) -> list:
         [_sft_job(assets, 2), ("example_run", (str(assets / "example"),))]
         + [("split_check", (f,)) for f in FAMILIES]
         + [("model_check", (f, 1, 2)) for f in FAMILIES]
+        + [("model_check", (f, 1, 2, 0, V.VIDEO_ROWS)) for f in FAMILIES]
         + [_trainer_job(assets, f, 1, 2) for f in FAMILIES]
         + [_trainer_job(assets, "qwen2_5_vl", 2, None)]  # the stock Trainer at dp=2
     )
@@ -66,9 +69,10 @@ def _jobs2(assets) -> list:
 
 def _jobs4(assets) -> list:
     return (
-        [("split_check", (f, 0, FEW)) for f in FAMILIES]
+        [_sft_job(assets, 4)]
+        + [("split_check", (f, 0, FEW)) for f in FAMILIES]
         + [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS4]
-        + [_trainer_job(assets, "qwen2_5_vl", dp, sp) for dp, sp in LAYOUTS4]
+        + [_trainer_job(assets, f, dp, sp) for f in FAMILIES for dp, sp in LAYOUTS4]
     )
 
 
@@ -105,10 +109,17 @@ def references():
     return {f: V.model_reference(f) for f in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def video_references():
+    return {f: V.model_reference(f, rows=V.VIDEO_ROWS) for f in FAMILIES}
+
+
 def test_assign_images_balances_whole_images_deterministically():
     assert assign_images([16, 32, 32, 16, 16], 2) == (0, 0, 1, 1, 0)  # loads 64 / 48
     assert assign_images([8, 8, 8], 4) == (0, 1, 2)
     assert assign_images([], 3) == ()
+    load = [32, 0]  # a step's images placed first: its videos fill the other ranks
+    assert assign_images([64, 32], 2, load) == (1, 0) and load == [64, 64]
     with pytest.raises(ValueError, match="P >= 1"):
         assign_images([1], 0)
 
@@ -161,7 +172,7 @@ def test_reference_uses_mrope_and_deepstack():
     assert deep and all(ref["grads"][n].abs().sum() > 0 for n in deep)
 
 
-def _check_model(results, ref, dp: int, sp: int):
+def _check_model(results, ref, dp: int, sp: int, calls: int = 1):
     encoded_by_group: dict[int, list] = {}
     for out in results:
         assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5)
@@ -171,7 +182,7 @@ def _check_model(results, ref, dp: int, sp: int):
         encoded_by_group.setdefault(out["dp_rank"], []).extend(
             grid for call in out["seen"] for grid in call
         )
-        assert len(out["seen"]) <= 1  # one vision tower call per rank
+        assert len(out["seen"]) <= calls  # one vision tower call per rank (and kind)
     for dp_rank, grids in encoded_by_group.items():  # each image on one rank of its sp group
         images = next(o["images"] for o in results if o["dp_rank"] == dp_rank)
         assert sorted(grids) == sorted(images)
@@ -180,6 +191,18 @@ def _check_model(results, ref, dp: int, sp: int):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_apply_ulysses_sp2_equals_stock_model(world2, references, family):
     _check_model(_job(world2, "model_check", (family, 1, 2)), references[family], 1, 2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_videos_split_like_images_sp2_equals_stock_model(world2, video_references, family):
+    """A row with an image and a 2-frame video, a row with a longer video (Qwen3-VL: a group
+    of tokens per frame): loss and every gradient equal the stock model, each video encoded
+    whole on one rank (at most one tower call per rank for images, one for videos)."""
+    results = _job(world2, "model_check", (family, 1, 2, 0, V.VIDEO_ROWS))
+    _check_model(results, video_references[family], 1, 2, calls=2)
+    # images and videos balanced together: 32 + 32 patches on one rank, 64 on the other
+    work = [sum(t * h * w for call in out["seen"] for t, h, w in call) for out in results]
+    assert work == [64, 64]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS4, ids=lambda x: f"dp{x[0]}sp{x[1]}")
@@ -225,28 +248,27 @@ def test_trainer_sp2_equals_stock_trainer_and_stock_dp2(world2, assets, trainer_
 
 
 @pytest.mark.parametrize("layout", LAYOUTS4, ids=lambda x: f"dp{x[0]}sp{x[1]}")
+@pytest.mark.parametrize("family", FAMILIES)
 def test_trainer_dp2_sp2_and_sp4_equal_stock_trainer(
-    world2, world4, assets, trainer_references, layout
+    world2, world4, assets, trainer_references, family, layout
 ):
-    """Qwen2.5-VL (Qwen3-VL's decoder path is the same code, held at every layout by
-    apply_ulysses above and by the Trainer at (1, 2))."""
-    family = "qwen2_5_vl"
     dp, sp = layout
     results = _job(world4, *_trainer_job(assets, family, dp, sp))
     _check_trainer(results, trainer_references[family])
-    if dp == 2:  # and the stock Trainer at the same dp
+    if dp == 2 and family == "qwen2_5_vl":  # and the stock Trainer at the same dp
         stock = _job(world2, *_trainer_job(assets, family, 2, None))[0]
         assert results[0]["loss"] == pytest.approx(stock["loss"], rel=1e-4)
         assert results[0]["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
 
 
-def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, assets):
+@pytest.mark.parametrize("sp", (2, 4))
+def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, world4, assets, sp):
     """TRL's vision-language format (images + messages) through a Qwen2.5-VL processor and
     TRL's collator (right padding, one or two images a row): losses, gradient norms and TRL's
-    metrics equal the stock SFTTrainer on one process (sp = 2)."""
+    metrics equal the stock SFTTrainer on one process."""
     pytest.importorskip("trl")
     ref = V.sft_run(0, 1, *_sft_job(assets, 2)[1][:2], str(assets / "sft-ref"), None, 4)
-    got = _job(world2, *_sft_job(assets, 2))[0]
+    got = _job(world2 if sp == 2 else world4, *_sft_job(assets, sp))[0]
     assert len(got["loss"]) == 2
     for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"):
         assert got[key] == pytest.approx(ref[key], rel=1e-4), key
@@ -257,10 +279,15 @@ def test_refusals_name_the_input_and_the_family():
 
     from dtensor_ulysses.hf.vision import refuse_video, vision_family, vision_model_inputs
 
+    videos = {"input_ids": torch.zeros(1, 4), "pixel_values_videos": torch.zeros(4, 12)}
+    gemma = SimpleNamespace(config=SimpleNamespace(model_type="gemma3"))
     with pytest.raises(ValueError, match=r"video inputs \(pixel_values_videos\)"):
-        refuse_video({"input_ids": torch.zeros(1, 4), "pixel_values_videos": torch.zeros(4, 12)})
-    with pytest.raises(ValueError, match="video inputs"):
-        vision_model_inputs({"video_grid_thw": torch.ones(1, 3)}, None)
+        refuse_video(videos, gemma)  # Gemma's videos are not split
+    qwen = SimpleNamespace(config=SimpleNamespace(model_type="qwen2_5_vl"))
+    refuse_video(videos, qwen)  # Qwen's are
+    sb = SimpleNamespace(layout="L")
+    assert set(vision_model_inputs(videos, sb)) == {"input_ids", "pixel_values_videos",
+                                                   "ulysses_layout"}  # fmt: skip
     llava = SimpleNamespace(config=SimpleNamespace(model_type="llava"))
     with pytest.raises(ValueError, match=r"model_type 'llava'.*supported .*qwen2_5_vl"):
         vision_family(llava)
