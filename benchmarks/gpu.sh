@@ -20,7 +20,8 @@
 #   a2a    with 2+ GPUs: the Ulysses exchange against NCCL's own all-to-all at equal bytes
 #          (issue #14: within 10%)                                 -> OUT_DIR/bench_a2a_gpu.json
 #   hf     with 2+ GPUs and trl installed: with_ulysses in TRL's SFTTrainer (packed, tiled loss,
-#          sp = the GPUs) and in transformers' Trainer (sp 2, evaluation), the examples/ scripts
+#          sp = the GPUs) and in transformers' Trainer (sp 2, evaluation), GRPO (sp = the GPUs,
+#          a reference model), the examples/ scripts
 #                                                                  -> OUT_DIR/gpu_hf.txt
 # Each step prints as it goes; a failing step (any command of it, also inside a pipe) is reported
 # and the next one still runs; the exit status is 1 if any step failed.
@@ -106,7 +107,8 @@ for s in "${steps[@]}"; do
             launch=("$py" -m torch.distributed.run --standalone --nproc-per-node "$n")
             run hf eval '{ "${launch[@]}" examples/sft_trl.py --sp "$n" --packing --tiled-loss \
                 --out "$out/hf_sft" && "${launch[@]}" examples/trainer_hf.py --sp 2 --eval \
-                --out "$out/hf_trainer"; } 2>&1 | tee "$out/gpu_hf.txt"'
+                --out "$out/hf_trainer" && "${launch[@]}" examples/grpo_trl.py --sp "$n" \
+                --beta 0.04 --steps 2 --out "$out/hf_grpo"; } 2>&1 | tee "$out/gpu_hf.txt"'
         fi ;;
     *) echo "unknown step '$s' (use: env tests mfu long long4b a2a hf)"; exit 2 ;;
     esac

@@ -26,8 +26,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_model_and_tokenizer(model_dir: str | None = None):
-    """``(model, tokenizer)``: from ``model_dir`` (a local directory), else built here."""
+def tiny_model_and_tokenizer(model_dir: str | None = None, extra_words: tuple | list = ()):
+    """``(model, tokenizer)``: from ``model_dir`` (a local directory), else built here (the
+    tokenizer also learns ``extra_words``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model_dir:
@@ -41,7 +42,8 @@ def tiny_model_and_tokenizer(model_dir: str | None = None):
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.Whitespace()
     bpe.train_from_iterator(
-        [" ".join(TEXTS)], trainers.BpeTrainer(vocab_size=90, special_tokens=specials)
+        [" ".join([*TEXTS, *extra_words])],
+        trainers.BpeTrainer(vocab_size=90, special_tokens=specials),
     )
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",

@@ -41,7 +41,6 @@ def build(spec: dict, grads: Any = None) -> Any:
     """A DPO or KTO trainer as the spec says (``sp`` None: the stock class)."""
     import transformers as tf
     import trl
-    from datasets import Dataset
 
     from dtensor_ulysses.hf import with_ulysses
 
@@ -51,10 +50,11 @@ def build(spec: dict, grads: Any = None) -> Any:
     common = dict(
         output_dir=spec["out"], per_device_train_batch_size=spec.get("batch", 4),
         gradient_accumulation_steps=spec.get("ga", 1), max_steps=spec.get("steps", 3),
-        learning_rate=1e-2, logging_steps=1, max_grad_norm=1.0, seed=0, report_to=[],
+        learning_rate=1e-2, logging_steps=1, max_grad_norm=100.0, seed=0, report_to=[],
         save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_drop_last=True,
-        bf16=False, gradient_checkpointing=False, max_length=None, **spec.get("args", {}),
+        bf16=False, gradient_checkpointing=False, max_length=None,
     )  # fmt: skip
+    common.update(spec.get("args", {}))  # the case's arguments win
     if spec["kind"] == "dpo":
         args: Any = trl.DPOConfig(**common)
         cls: Any = trl.DPOTrainer
@@ -70,10 +70,28 @@ def build(spec: dict, grads: Any = None) -> Any:
         kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                        lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
     if spec.get("eval"):
-        kw["eval_dataset"] = Dataset.from_list(_rows(spec["kind"])[: spec["eval"]])
+        kw["eval_dataset"] = _dataset(spec, "eval", _rows(spec["kind"])[: spec["eval"]])
     torch.manual_seed(0)
-    return cls(model=model, args=args, train_dataset=Dataset.from_list(_rows(spec["kind"])),
+    return cls(model=model, args=args, train_dataset=_dataset(spec, "train", _rows(spec["kind"])),
                processing_class=tok, **kw)  # fmt: skip
+
+
+def _dataset(spec: dict, name: str, rows: list) -> Any:
+    """The rows as a ``datasets.Dataset``; with ``on_disk`` saved by rank 0 and loaded by every
+    rank, so that its cache files (TRL's precomputed reference log-probabilities) are shared."""
+    from datasets import Dataset, load_from_disk
+
+    data = Dataset.from_list(rows)
+    if not spec.get("on_disk"):
+        return data
+    import torch.distributed as dist
+
+    path = f"{spec['out']}_data_{name}"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        data.save_to_disk(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return load_from_disk(path)
 
 
 def _grads_callback() -> Any:
@@ -81,7 +99,8 @@ def _grads_callback() -> Any:
     from transformers import TrainerCallback
 
     class FirstGrads(TrainerCallback):
-        """The full gradient of every parameter at the first optimizer step (after clipping)."""
+        """The full gradient of every parameter at the first optimizer step (max_grad_norm is
+        above every norm here: no clipping, so a scale error shows in every gradient)."""
 
         grads: dict | None = None
 
@@ -102,15 +121,43 @@ def run(spec: dict) -> dict:
     """Train; every value of every log entry with a loss, and the first step's gradients."""
     grads = _grads_callback()
     trainer = build(spec, grads)
-    trainer.train()
+    if spec.get("count_comm"):  # the sp group's all-reduces, and the rows of each step
+        out_comm = _train_counting(trainer)
+    else:
+        trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     keys = sorted({k for e in logs for k in e} - _NOT_RESULTS)
     out: dict = {k: [e.get(k) for e in logs] for k in keys}
     out["grads"] = grads.grads
+    if spec.get("count_comm"):
+        out["comm"] = out_comm
+    out["ref_columns"] = sorted(c for c in trainer.train_dataset.column_names if "ref_" in c)
     if spec.get("eval"):
         out["eval"] = trainer.evaluate()
     assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
     return out
+
+
+def _train_counting(trainer: Any) -> dict:
+    """Train with every collective recorded: the bytes of each all-reduce on the sp group, in
+    order, and the ``[B, S]`` shape of each step's batch."""
+    from dtensor_ulysses.debug import CommCounter
+
+    shapes: list = []
+    compute_loss = trainer.compute_loss
+
+    def recording(model: Any, inputs: dict, *a: Any, **kw: Any) -> Any:
+        shapes.append(tuple(inputs["input_ids"].shape))
+        return compute_loss(model, inputs, *a, **kw)
+
+    trainer.compute_loss = recording
+    sp_group = trainer._du_mesh["sp"].get_group().group_name
+    with CommCounter() as comm:
+        trainer.train()
+    sp_reduces = [
+        c.bytes for c in comm.calls if c.kind == "all_reduce" and c.group_name == sp_group
+    ]
+    return {"shapes": shapes, "sp_all_reduce": sp_reduces}
 
 
 def primitive(spec: dict) -> dict:
@@ -127,7 +174,7 @@ def primitive(spec: dict) -> dict:
     mesh = init_mesh(1, world, device_type="cpu")
     model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     hf.parallelize(model, mesh, mixed_precision=None)
-    batch = primitive_batch()
+    batch = primitive_batch(short=spec.get("short", False))
     sp_group = mesh["sp"].get_group()
     with CommCounter() as fwd:
         rows, _ = hf.token_rows(model, batch, mesh, chunk_tokens=3, stats=True)
@@ -144,14 +191,16 @@ def primitive(spec: dict) -> dict:
             "reduce_fwd": reduce_fwd, "reduce_bwd": len(reduce_bwd)}  # fmt: skip
 
 
-def primitive_batch() -> dict:
-    """2 rows of 11 tokens, the second right-padded to 7, labels only on a completion."""
+def primitive_batch(short: bool = False) -> dict:
+    """2 rows of 11 tokens, the second right-padded to 7, labels only on a completion; or
+    (``short``) of 3 tokens, the second padded to 2: fewer columns than sp = 4."""
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 90, (2, 11), generator=g)
-    mask = torch.ones(2, 11, dtype=torch.int64)
-    mask[1, 7:] = 0
+    S, real, prompt = (3, 2, 1) if short else (11, 7, 3)
+    ids = torch.randint(3, 90, (2, S), generator=g)
+    mask = torch.ones(2, S, dtype=torch.int64)
+    mask[1, real:] = 0
     labels = ids.clone()
-    labels[:, :3] = -100
+    labels[:, :prompt] = -100
     labels[mask == 0] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 

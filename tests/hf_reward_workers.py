@@ -7,6 +7,7 @@ parameter at every optimizer step."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -146,6 +147,23 @@ def _comm(trainer: Any) -> dict:
     }
 
 
+def run_example(argv: list[str]) -> dict:
+    """``examples/dpo_trl.py``'s ``main(argv)`` in this process (the example's directory on the
+    path, as when it runs as a script): its logged losses."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    if str(examples) not in sys.path:
+        sys.path.insert(0, str(examples))
+    spec = importlib.util.spec_from_file_location("dpo_trl_example", examples / "dpo_trl.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {"loss": module.main(argv)}
+
+
 def run_specs(rank: int, world: int, specs: list) -> list | None:
     """Several runs in one spawned world; rank 0's results back."""
     import os
@@ -154,5 +172,9 @@ def run_specs(rank: int, world: int, specs: list) -> list | None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29512")
     torch.set_num_threads(1)
-    results = [run(spec) for spec in specs]
+    results = []
+    for spec in specs:
+        start = time.perf_counter()
+        results.append(run_example(spec["example"]) if "example" in spec else run(spec))
+        results[-1]["seconds"] = time.perf_counter() - start
     return results if rank == 0 else None

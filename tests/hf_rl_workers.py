@@ -25,6 +25,22 @@ PROMPTS = [
 ]
 GRAD_PARAMS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                "model.layers.1.mlp.down_proj.weight", "lm_head.weight")  # fmt: skip
+_LORA = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.default.weight"
+LORA_GRAD_PARAMS = (_LORA.format(0, "q_proj", "A"), _LORA.format(1, "v_proj", "B"))
+
+
+def save_reward_model(directory: Path, tok_dir: str) -> str:
+    """A tiny random sequence-classification model (one label) with the tokenizer beside it."""
+    import transformers as tf
+
+    from tests import hf_workers as W
+
+    torch.manual_seed(3)
+    cfg = W.make_config("llama")
+    cfg.num_labels, cfg.pad_token_id = 1, 0
+    tf.LlamaForSequenceClassification(cfg).save_pretrained(directory)
+    tf.AutoTokenizer.from_pretrained(tok_dir).save_pretrained(directory)
+    return str(directory)
 
 
 def reward_the(completions: list, **_: Any) -> list[float]:
@@ -57,7 +73,7 @@ class _Grads:
 
                 named = dict(model.named_parameters())
                 row = {}
-                for name in GRAD_PARAMS:
+                for name in GRAD_PARAMS if "lm_head.weight" in named else LORA_GRAD_PARAMS:
                     g = named[name].grad
                     if isinstance(g, DTensor):
                         g = g.full_tensor()
@@ -83,7 +99,7 @@ def build(spec: dict) -> Any:
     model.generation_config.eos_token_id = [tok.eos_token_id, *range(10, 40)]
     common = dict(
         output_dir=spec["out"], use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
-        save_strategy="no", learning_rate=spec.get("lr", 3e-2), bf16=False, seed=0,
+        save_strategy="no", learning_rate=spec.get("lr", 0.5), optim="sgd", bf16=False, seed=0,
         per_device_train_batch_size=spec["per_device"], num_generations=4,
         max_completion_length=spec.get("max_completion_length", 6), temperature=1.0,
         beta=spec.get("beta", 0.0), disable_tqdm=True,
@@ -92,20 +108,36 @@ def build(spec: dict) -> Any:
         cls, cfg_cls = trl.GRPOTrainer, trl.GRPOConfig
         common["loss_type"] = spec.get("loss_type", "grpo")
         for k in ("importance_sampling_level", "num_iterations", "mask_truncated_completions",
-                  "top_entropy_quantile", "steps_per_generation"):  # fmt: skip
+                  "top_entropy_quantile", "steps_per_generation", "entropy_coef"):  # fmt: skip
             if k in spec:
                 common[k] = spec[k]
     else:
         cls, cfg_cls = trl.RLOOTrainer, trl.RLOOConfig
+    if spec.get("accumulation"):
+        common["gradient_accumulation_steps"] = spec["accumulation"]
+    if spec.get("eval"):  # evaluation at step 2, on the prompts
+        common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     args = cfg_cls(**common)
     if spec.get("sp"):
         cls = with_ulysses(cls, sp=spec["sp"])
     data = Dataset.from_list([{"prompt": p} for p in PROMPTS])
     grads = _Grads()
-    trainer = cls(model=model, reward_funcs=[reward_the, reward_counted], args=args,
-                  train_dataset=data, processing_class=tok, callbacks=[grads])  # fmt: skip
+    rewards: list = [reward_the, reward_counted]
+    if spec.get("reward_model"):  # a sequence-classification reward model, from its directory
+        rewards.append(spec["reward_model"])
+    trainer = cls(model=model, reward_funcs=rewards, args=args,
+                  train_dataset=data, processing_class=tok, callbacks=[grads],
+                  eval_dataset=data if spec.get("eval") else None,
+                  peft_config=_lora() if spec.get("lora") else None)  # fmt: skip
     trainer._du_test_grads = grads
     return trainer
+
+
+def _lora() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      init_lora_weights=False)  # fmt: skip
 
 
 LOGGED = ("loss", "reward", "reward_std", "rewards/reward_the/mean", "rewards/reward_the/std",
@@ -113,6 +145,10 @@ LOGGED = ("loss", "reward", "reward_std", "rewards/reward_the/mean", "rewards/re
           "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length",
           "completions/max_length", "completions/min_length", "frac_reward_zero_std",
           "grad_norm", "num_tokens")  # fmt: skip
+
+
+EVAL_LOGGED = ("eval_loss", "eval_reward", "eval_rewards/reward_the/mean", "eval_entropy",
+               "eval_completions/mean_length")  # fmt: skip
 
 
 def run(spec: dict) -> dict:
@@ -127,8 +163,34 @@ def run(spec: dict) -> dict:
     adv = list(trainer._logs["advantages"])
     out["advantages"] = [sum(adv) / len(adv), max(adv), min(adv)] if adv else []
     out["grads"] = [{k: v.tolist() for k, v in row.items()} for row in trainer._du_test_grads.steps]
+    out["eval"] = [{k: v for k, v in h.items() if k in EVAL_LOGGED}
+                   for h in trainer.state.log_history if "eval_loss" in h]  # fmt: skip
     assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
     return out
+
+
+def comm(spec: dict) -> dict:
+    """The collectives of one rollout-and-score and of one log-prob pass, counted on the sp
+    group (:class:`~dtensor_ulysses.debug.CommCounter`)."""
+    from dtensor_ulysses.debug import CommCounter
+
+    trainer = build(spec)
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    group = trainer._du_mesh["sp"].get_group()
+    with CommCounter() as score:
+        out = trainer._generate_and_score_completions(batch)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    C = out["completion_ids"].shape[1]
+    with CommCounter() as logps:
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C,
+                                                   compute_entropy=True)  # fmt: skip
+    return {
+        "rows": list(ids.shape),
+        "score_broadcasts": score.count("broadcast", group),
+        "logps_all_reduce": [logps.count("all_reduce", group), logps.bytes("all_reduce", group)],
+    }
 
 
 def run_specs(rank: int, world: int, specs: list) -> list:
@@ -137,7 +199,7 @@ def run_specs(rank: int, world: int, specs: list) -> list:
     os.environ.setdefault("MASTER_PORT", "29513")
     os.environ["RANK"] = str(rank)
     torch.set_num_threads(1)
-    results = [run(spec) for spec in specs]
+    results = [comm(spec) if spec.get("comm") else run(spec) for spec in specs]
     return results if rank == 0 else [None] * len(results)
 
 

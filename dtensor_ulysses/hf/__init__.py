@@ -21,7 +21,10 @@ Pieces: :mod:`~dtensor_ulysses.hf.routing` (``apply_ulysses``: every attention l
 one engine, refusals, the first-step guard), :mod:`~dtensor_ulysses.hf.batch` (``shard_batch``),
 :mod:`~dtensor_ulysses.hf.model` (``HFCausalLM``, ``parallelize``, safetensors in and out, the
 trainer's ``build``), :mod:`~dtensor_ulysses.hf.data` (tokenized and chat corpora, evaluation),
-:mod:`~dtensor_ulysses.hf.trainer` (``with_ulysses``).
+:mod:`~dtensor_ulysses.hf.trainer` (``with_ulysses``), :mod:`~dtensor_ulysses.hf.logps`
+(per-token label log-probabilities of a sharded batch over whole rows, for sequence-level
+losses), :mod:`~dtensor_ulysses.hf.preference` (TRL's DPO and KTO trainers under
+``with_ulysses``).
 """
 
 from __future__ import annotations

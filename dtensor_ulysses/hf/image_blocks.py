@@ -17,7 +17,10 @@ property of the step: :func:`install` puts a forward pre-hook on the multimodal 
 their token types and adds the blocks to the step's
 :class:`~dtensor_ulysses.plan.SeqLayout` (``blocks``: per row, each block's ``(start, end)``):
 one device-to-host copy of ``[B, S]`` small ints per step, no collective (every rank of an sp
-group holds the same rows). Each attention layer whose features say so
+group holds the same rows). It also takes the ``attention_mask`` away from the model (which
+would build its masks from it before the decoder): padding is already in the layout's
+documents (:func:`~dtensor_ulysses.hf.shard_batch`); a padding mask without a layout is
+refused. Each attention layer whose features say so
 (:attr:`~dtensor_ulysses.hf.routing.LayerFeatures.blocks`) runs the kernel feature of
 bidirectional blocks (``attention.local_attention(block_ids=)``: the blockwise kernel, or
 FlexAttention on CUDA; no ``S x S`` mask); the other layers get the layout without them.
@@ -97,6 +100,15 @@ def _pre_forward(
     kwargs = dict(kwargs)
     for name, value in zip(params, args):
         kwargs[name] = value
+    layout: SeqLayout | None = kwargs.get("ulysses_layout")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):  # padding: the layout's documents (shard_batch)
+        if layout is None and not bool(mask.all()):
+            raise ValueError(
+                "an attention_mask with padding needs the batch's layout: pass the rows through "
+                "du.hf.shard_batch and call the model with ulysses_layout=sb.layout"
+            )
+        del kwargs["attention_mask"]  # the model would build its mask from it, for the slice
     types = kwargs.get(blocks.key)
     if types is None:
         return (), kwargs
@@ -111,14 +123,7 @@ def _pre_forward(
     spans = block_spans(types, blocks.types)
     if spans is None:
         return (), kwargs
-    layout: SeqLayout | None = kwargs.get("ulysses_layout")
     if layout is None:
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-            raise ValueError(
-                "an attention_mask with padding needs the batch's layout: pass the rows through "
-                "du.hf.shard_batch and call the model with ulysses_layout=sb.layout"
-            )
         layout = SeqLayout(tuple(seq_split(S, dist.get_world_size(group))))
     if layout.seq_len != S:
         raise ValueError(

@@ -22,7 +22,11 @@ thus computes exactly the loss and metrics the stock trainer computes on that dp
 The reference log-probabilities come from TRL's own ``compute_ref_log_probs`` called with the
 same stand-in over the reference model (``ref_model``, sharded on the same mesh: Ulysses +
 FSDP2, frozen, no optimizer state) or, with a PEFT adapter, over the policy with the adapter
-disabled (TRL's rule); they enter TRL's loss as if precomputed.
+disabled (TRL's rule); they enter TRL's loss as if precomputed. With
+``precompute_ref_log_probs=True``, TRL's precompute pass (which the base ``__init__`` would run
+on the unsharded model) is deferred until the model is sharded and then runs TRL's own code
+with the stand-in: the rows cut over sp, each dp rank its batches, the values gathered over dp;
+no reference model is kept for training (TRL's rule).
 
 Scaling: TRL's loss is a mean over this dp rank's rows; the stock trainer divides it by the
 accumulation steps and DDP averages over the dp ranks. Here each rank's gradient part is
@@ -36,12 +40,11 @@ bytes under AdamW in fp32), one more all-gather of its weights per forward, and 
 without activations kept (about a third of a training step's compute). With a PEFT adapter the
 reference is the same weights: no memory, one more forward.
 
-Refused at construction, with the reason (one line): ``precompute_ref_log_probs`` (TRL computes
-them before the model is sharded: one full unsharded forward per row on every rank),
-``use_weighting`` (WPO needs ``log(sum p^2)`` per token, not computed by the tiled head),
-``sync_ref_model``, TRL's ``activation_offloading`` (use ``offload_activations``), a router
-auxiliary loss (Mixture-of-Experts), ``compute_metrics`` (TRL's logits for it need a second
-full-vocabulary forward), vision datasets, and inputs other than ids, masks and labels.
+Refused at construction, with the reason (one line): ``use_weighting`` (WPO needs
+``log(sum p^2)`` per token, not computed by the tiled head), ``sync_ref_model``, TRL's
+``activation_offloading`` (use ``offload_activations``), a router auxiliary loss
+(Mixture-of-Experts), ``compute_metrics`` (TRL's logits for it need a second full-vocabulary
+forward), vision datasets, and inputs other than ids, masks and labels.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from dtensor_ulysses.hf.trainer import (
     _refusals_in_one_line,
     _refuse_attention_dropout,
 )
+from dtensor_ulysses.parallel import flatten_dp_sp
 
 __all__: list[str] = []
 
@@ -106,12 +110,6 @@ class _SlicedLM:
 
 def _refuse_preference_args(args: Any, kwargs: dict) -> None:
     problems = []
-    if getattr(args, "precompute_ref_log_probs", False):
-        problems.append(
-            "precompute_ref_log_probs=True: TRL computes them before the model is sharded (a "
-            "full, unsharded forward of every row on every rank); set it to False (the "
-            "reference then runs sharded on the same mesh)"
-        )
     if getattr(args, "use_weighting", False):
         problems.append(
             "use_weighting=True (WPO) needs log(sum p^2) per token, which the tiled output "
@@ -151,9 +149,12 @@ class _UlyssesPreference:
     precompute_ref_logps: bool
     aux_loss_enabled: bool
 
+    _du_deferred: list | None = None  # TRL's precompute calls, run once the model is sharded
+
     @_refusals_in_one_line
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _refuse_preference_args(kwargs.get("args"), kwargs)
+        self._du_deferred = []
         super().__init__(*args, **kwargs)
         if getattr(self, "_is_vision_dataset", False):
             raise UnsupportedTrainerError(
@@ -167,6 +168,30 @@ class _UlyssesPreference:
             )
         if self.ref_model is not None:
             self.ref_model = self._du_parallelize_reference(self.ref_model)
+        deferred, self._du_deferred = self._du_deferred, None
+        for key, name, batch_size in deferred:  # precompute_ref_log_probs, now sharded
+            data = getattr(self, key)
+            if isinstance(data, dict):
+                data = {**data, name: self._precompute_ref_logps(data[name], name, batch_size)}
+            else:
+                data = self._precompute_ref_logps(data, name, batch_size)
+            setattr(self, key, data)
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        """TRL's precompute of the reference log-probabilities, deferred while the base
+        ``__init__`` runs (the model is not sharded yet) and run right after sharding, with the
+        sharded reference (or the policy as it is before training) through ``_SlicedLM``."""
+        if self._du_deferred is not None:
+            key = "train_dataset" if name == "train" else "eval_dataset"
+            self._du_deferred.append((key, name, batch_size))
+            return dataset
+        return super()._precompute_ref_logps(dataset, name, batch_size)  # type: ignore[misc]
+
+    def compute_ref_log_probs(self, model: Any, inputs: dict) -> Any:
+        """TRL's own, with the (sharded) model called through ``_SlicedLM``."""
+        if not isinstance(model, _SlicedLM):
+            model = _SlicedLM(self, model, stats=False)
+        return super().compute_ref_log_probs(model, inputs)  # type: ignore[misc]
 
     def _du_parallelize_reference(self, ref: nn.Module) -> nn.Module:
         """The reference model on the policy's mesh: Ulysses + FSDP2, frozen."""
@@ -174,6 +199,9 @@ class _UlyssesPreference:
         check_supported(hf)
         _refuse_attention_dropout(ref, self.args)
         ref.requires_grad_(False)
+        # one set of weights on every rank (FSDP2 keeps each rank's own shard values)
+        _trainer_state.start_from_rank0(ref, flatten_dp_sp(self._du_mesh).get_group(),
+                                        self.args.device)  # fmt: skip
         o = self._du_options
         ref = _parallelize_root(
             ref, hf, self._du_mesh, activation_checkpointing=False, offload_activations=False,
@@ -195,7 +223,7 @@ class _UlyssesPreference:
             )
         if not self.precompute_ref_logps:  # TRL's reference code, on the sharded reference
             ref = self.ref_model if self.ref_model is not None else model
-            ref_out = self.compute_ref_log_probs(_SlicedLM(self, ref, stats=False), inputs)  # type: ignore[attr-defined]
+            ref_out = self.compute_ref_log_probs(ref, inputs)
             inputs = {**inputs, **self._du_reference_keys(ref_out)}
         saved, self.precompute_ref_logps = self.precompute_ref_logps, True
         try:

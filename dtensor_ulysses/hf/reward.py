@@ -12,12 +12,15 @@ not ``pad_token_id`` (found from the *full* row's ``input_ids``). Under the sequ
 rank holds ``[B, s]`` of every row, so here:
 
 * the index is found once from the full rows (every sp rank of a dp group reads the same rows)
-  with the model's own rule (:func:`last_token`);
+  with the model's own rule (:func:`last_token`); the batch is then padded at the right to a
+  multiple of sp (at most ``sp - 1`` columns, never attended to), so that every slice holds a
+  column (the model reads its own score position in each slice's ids);
 * the score head's output on this rank's slice is kept where this rank holds a row's index and
   is ``0`` elsewhere (a forward hook on the head while the trainer's forward runs: the head and
   every module under it, a PEFT ``modules_to_save`` copy included, are unchanged);
-* :func:`sum_over_group` adds the ``[B, L]`` pieces over the sp group: the forward is one
-  all-reduce of ``B x L`` numbers, the backward hands each rank the gradient of its own piece
+* :func:`~dtensor_ulysses.comm.all_reduce_sum` adds the ``[B, L]`` pieces over the sp group:
+  the forward is one all-reduce of ``B x L`` numbers, the backward hands each rank the gradient
+  of its own piece
   (no collective), so only the rank holding a row's last token sends a gradient into the head,
   and from there through attention to the other slices of the row;
 * the loss is TRL's, on the full rewards: ``-logsigmoid(r_chosen - r_rejected [- margin])``
@@ -31,6 +34,11 @@ rank holds ``[B, s]`` of every row, so here:
 
 Evaluation runs the same forward (no gradient) through the Trainer's own ``prediction_step``,
 which sees the full ``[B, 1]`` rewards as its logits.
+
+Refused at construction, with the reason (one line): ``tiled_loss`` (no vocabulary logits to
+tile), TRL's ``activation_offloading`` (use ``offload_activations``), a model that is not a
+``GenericForSequenceClassification``; at the first step, batch keys other than
+``input_ids``, ``attention_mask`` and ``margin``.
 """
 
 from __future__ import annotations
@@ -38,9 +46,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.hf import _trainer_state
 from dtensor_ulysses.hf._trainer_accel import dp_gather
 from dtensor_ulysses.hf.batch import shard_batch
@@ -50,7 +58,7 @@ from dtensor_ulysses.hf.trainer import (
     _UlyssesTrainer,
 )
 
-__all__ = ["last_token", "sum_over_group"]
+__all__ = ["last_token"]
 
 # batch keys the reward step reads, and keys it drops (the model's own flags)
 _READ = {"input_ids", "attention_mask", "margin"}
@@ -86,41 +94,14 @@ def last_token(input_ids_BS: torch.Tensor, pad_token_id: int | None) -> torch.Te
     return (columns_S * real_BS).argmax(-1).to(torch.int64)
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """Forward: the sum of ``x`` over ``group`` (one all-reduce). Backward: each rank's ``x``
-    gets the gradient of the sum unchanged (every rank computes the same loss from the sum;
-    with gradients summed over the ranks afterwards, each piece is counted once)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.detach().clone().contiguous()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def sum_over_group(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """``x`` summed over the ranks of ``group`` (one all-reduce of ``x``'s numbers); in
-    backward each rank's ``x`` receives the output's gradient, without communication: use it
-    where every rank of the group computes the same loss from the sum (each rank's piece then
-    receives exactly its gradient, once)."""
-    if dist.get_world_size(group) == 1:
-        return x
-    return _SumOverGroup.apply(x, group)
-
-
 def _padded(ids_BS: torch.Tensor, mask_BS: torch.Tensor | None, pad_id: int | None,
             sp: int) -> dict[str, torch.Tensor]:  # fmt: skip
     """The batch with padding columns appended up to a multiple of ``sp`` (mask 0, the pad
     id): every rank's slice then holds ``S' / sp >= 1`` columns (the model's own read of its
     score position needs one), and no real token changes (causal attention; padding is never
     attended to; the score position, found before, is unchanged)."""
-    B, S = ids_BS.shape
     mask_BS = torch.ones_like(ids_BS) if mask_BS is None else mask_BS
-    extra = -S % sp
+    extra = -ids_BS.shape[1] % sp
     if extra:
         fill = 0 if pad_id is None else pad_id
         ids_BS = nn.functional.pad(ids_BS, (0, extra), value=fill)
@@ -185,6 +166,12 @@ class _UlyssesReward:
                 "tiled_loss=True: a reward model has no [B, S, vocab] logits (its score head "
                 "gives one number per token); drop tiled_loss"
             )
+        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(config, "activation_offloading", False):
+            raise UnsupportedTrainerError(
+                "activation_offloading=True (TRL's hooks, set on the unsharded model): use "
+                "with_ulysses(..., offload_activations=True) instead"
+            )
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module):  # a loaded model (a name: checked once TRL loads it)
             _score_head(_trainer_state.base_model(model))
@@ -227,7 +214,7 @@ class _UlyssesReward:
                         ulysses_layout=sb.layout, use_cache=False)  # fmt: skip
         finally:
             pick.index_B = pick.held_B = None
-        rewards_BL = sum_over_group(out.logits, sp_mesh.get_group())
+        rewards_BL = all_reduce_sum(out.logits, sp_mesh.get_group())
         chosen_b, rejected_b = torch.chunk(rewards_BL.squeeze(-1), chunks=2)
         if "margin" in inputs:
             margin = inputs["margin"]

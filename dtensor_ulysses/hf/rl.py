@@ -28,22 +28,30 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
   :func:`~dtensor_ulysses.hf.shard_batch` (labels shifted over the full row first, padding as
   documents, global positions ``0..S-1`` as the stock forward uses); the policy, old policy and
   reference models run this rank's slice, and TRL's own fused head returns the per-token
-  log-probabilities (and entropies) of the slice in chunks, never ``[B, s, V]`` logits. The
-  ``[B, S]`` rows of every slice are summed over sp (:func:`_sp_sum`: forward all-reduce, the
-  gradient of this rank's slice passes through) so that each rank holds the completion's
+  log-probabilities (and entropies) of the slice in chunks, never ``[B, s, V]`` logits (TRL's
+  head, not :func:`~dtensor_ulysses.hf.logps.token_rows`' plain one: GRPO's log-probabilities
+  are those of the logits divided by the sampling temperature, with the model's logit scale and
+  softcap). The
+  ``[B, S]`` rows of every slice are summed over sp
+  (:func:`~dtensor_ulysses.comm.all_reduce_sum`: forward all-reduce, the gradient of this rank's
+  slice passes through) so that each rank holds the completion's
   ``[B, C]`` log-probabilities; the stock loss (ratios, clipping, KL, entropy masks, every
   ``loss_type`` and ``importance_sampling_level``) then runs unchanged on them. Each token's
   gradient flows through the one rank that computed it, so the normalisations count every
-  token once; the returned loss keeps its value and carries ``1/dp`` of its gradient (FSDP2
-  sums gradients over dp x sp, where DDP averages over dp).
+  token once (``top_entropy_quantile < 1`` compares entropies with a quantile of them: tokens
+  tied there, equal to round-off, can be split differently); the returned loss keeps its value
+  and carries ``1/dp`` of its gradient (FSDP2 sums gradients over dp x sp, where DDP averages
+  over dp).
 * **The reference model** (``beta > 0``) is loaded by the stock trainer and prepared like the
   policy (Ulysses on every attention layer, ``fully_shard`` over dp x sp), without gradients;
-  ``beta = 0`` loads none.
+  ``beta = 0`` loads none; with a PEFT adapter it is the policy with the adapter disabled, as in
+  the stock trainer.
 
 Refused at construction, with the reason: tool calling, environments and ``rollout_func``
 (multi-turn), vLLM generation (no GPU test here yet), transformers' continuous batching,
-vision-language processors, PEFT adapters, an entropy bonus, a router (MoE) auxiliary loss,
-``sync_ref_model`` and evaluation during training. The generation batch is
+vision-language processors, the adaptive entropy bonus, a router (MoE) auxiliary loss and
+``sync_ref_model``. Evaluation runs the stock trainer's ``prediction_step`` (rollouts and loss
+as in training). The generation batch is
 ``per_device_train_batch_size x dp x steps_per_generation`` (the config resolves it over all
 ``dp x sp`` processes; it is re-resolved over dp, so set ``steps_per_generation``, not an
 explicit ``generation_batch_size``).
@@ -61,6 +69,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.hf import _trainer_state
 from dtensor_ulysses.hf._trainer_accel import dp_gather
 from dtensor_ulysses.hf.batch import shard_batch
@@ -78,27 +87,6 @@ __all__: list[str] = []
 
 _SP_AXIS = "sp"
 _RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
-
-
-# ----------------------------------------------------------------------------------------------
-# the sp-reduced rows (the gradient of each rank's slice passes through)
-# ----------------------------------------------------------------------------------------------
-class _SpSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def _sp_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``x`` summed over ``group``; every rank computes the same loss from the sum, so the
-    gradient of this rank's ``x`` is the sum's gradient (no second reduction)."""
-    return _SpSum.apply(x, group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,11 +176,16 @@ class _UlyssesRL:
         super().__init__(*args, **kwargs)
         # the stock trainer's own rule for gradient accumulation (the shared mixin set its own)
         self.__dict__.pop("loss_is_scaled_for_ga", None)
+        if getattr(self, "ref_model", None) is not None:
+            self.ref_model = self._du_parallelize_ref(self.ref_model)
+        # reward models run whole on sp rank 0 of each group: on this rank's device (the shared
+        # accelerator places no model itself; FSDP2 places the sharded ones)
+        for func in self.reward_funcs:
+            if isinstance(func, nn.Module):
+                func.to(self.accelerator.device)
         # the random stream of the stock rank with this dp index (generation, shuffles)
         from accelerate.utils import set_seed
 
-        if getattr(self, "ref_model", None) is not None:
-            self.ref_model = self._du_parallelize_ref(self.ref_model)
         set_seed(self.args.seed + self._du_mesh.get_local_rank(DP_AXIS))
 
     def _du_parallelize_ref(self, ref: nn.Module) -> nn.Module:
@@ -247,10 +240,20 @@ class _UlyssesRL:
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
         hf: Any = _trainer_state.base_model(self.model)
         hf._is_fsdp_managed_module = True  # generate(synced_gpus=True): every rank steps
+        # the root unit's weights (embeddings, head) gathered for the whole generation: a PEFT
+        # model's generate calls the inner model, not the root's hooks
+        root: Any = self.model
         try:
             with plain_attention(hf):
+                if not getattr(self, "_du_root_ready", False):  # FSDP2 sets up from the root's
+                    with torch.no_grad():  # first forward: one token through it, every rank
+                        root(input_ids=torch.zeros((1, 1), dtype=torch.long,
+                                                   device=self.accelerator.device))  # fmt: skip
+                    self._du_root_ready = True
+                root.unshard()
                 out = super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
         finally:
+            root.reshard()
             del hf._is_fsdp_managed_module
         if self._du_sp > 1:  # one set of rollouts per sp group: sp rank 0's (GRPO returns
             box = [out]  # (completion_ids, logprobs), RLOO completion_ids)
@@ -307,10 +310,10 @@ class _UlyssesRL:
             left = sb.layout.offset(me)
             right = S - left - sb.input_ids.shape[1]
             # [B, S]: the log-probability at t is that of token t + 1 (the shifted labels)
-            full_BS = _sp_sum(F.pad(out.log_probs.float(), (left, right)), group)
+            full_BS = all_reduce_sum(F.pad(out.log_probs.float(), (left, right)), group)
             logps.append(full_BS[:, -logits_to_keep - 1 : -1])
             if compute_entropy:
-                ent_BS = _sp_sum(F.pad(out.entropy.float(), (left, right)), group)
+                ent_BS = all_reduce_sum(F.pad(out.entropy.float(), (left, right)), group)
                 entropies.append(ent_BS[:, -logits_to_keep - 1 : -1])
         return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None)
 
@@ -334,6 +337,13 @@ class _UlyssesRL:
         # the value is the stock rank's loss; FSDP2 sums gradients over dp where DDP averages
         return loss.detach() + (loss - loss.detach()) / dp
 
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: Any = None):  # fmt: skip
+        # the stock trainer's (rollouts and loss as in training, through the methods above)
+        return super(_UlyssesTrainer, self).prediction_step(  # type: ignore[misc]
+            model, inputs, prediction_loss_only, ignore_keys
+        )
+
     def _track_num_input_tokens(self, inputs: Any) -> None:
         # the RL trainers count their tokens themselves (prompt + completion, over dp)
         super(_UlyssesTrainer, self)._track_num_input_tokens(inputs)  # type: ignore[misc]
@@ -349,13 +359,26 @@ def _init_names(cls: type) -> list[str]:
 
 def _dp_generation_batch(args: Any, sp: int) -> None:
     """GRPO's config resolved ``generation_batch_size`` over every process; the stock trainer
-    at this dp resolves it over ``dp = world / sp``."""
+    at this dp resolves it over ``dp = world / sp``.
+
+    Raises:
+        ValueError: the batch over dp does not hold whole groups of ``num_generations``.
+    """
     world = int(getattr(args, "world_size", 1) or 1)
     if world % sp:
         return  # the mesh check names it
     dp = world // sp
     steps = args.steps_per_generation
-    args.generation_batch_size = args.per_device_train_batch_size * dp * steps
+    batch = args.per_device_train_batch_size * dp * steps
+    groups = int(getattr(args, "num_generations", 1) or 1)
+    if batch % groups:
+        raise ValueError(
+            f"the generation batch per_device_train_batch_size x dp x steps_per_generation = "
+            f"{args.per_device_train_batch_size} x {dp} x {steps} = {batch} rows does not hold "
+            f"whole groups of num_generations={groups} (dp = {world} ranks / sp={sp}); raise "
+            f"per_device_train_batch_size or steps_per_generation"
+        )
+    args.generation_batch_size = batch
 
 
 def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
@@ -367,14 +390,9 @@ def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
         ("tools", "tool calling (multi-turn rollouts whose tool outputs are spliced in)"),
         ("environment_factory", "environments (multi-turn rollouts)"),
         ("rollout_func", "a custom rollout_func (its generation runs outside with_ulysses)"),
-        ("peft_config", "a PEFT adapter (not yet covered by the exactness tests)"),
-        ("eval_dataset", "evaluation (its generation batches are not yet covered by tests)"),
     ):
         if bound.get(key):
             problems.append(f"{key}: {why}")
-    model = bound.get("model")
-    if isinstance(model, nn.Module) and _trainer_state.is_peft(model):
-        problems.append("a PEFT model: not yet covered by the exactness tests")
     processing = bound.get("processing_class")
     if processing is not None and hasattr(processing, "image_processor"):
         problems.append("a vision-language processor: vision-language rollouts are not supported")
@@ -388,17 +406,10 @@ def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
         ):  # fmt: skip
             if getattr(args, key, False):
                 problems.append(f"{key}=True: {why}")
-        if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0:
-            problems.append(f"entropy_coef={args.entropy_coef}: an entropy bonus is not covered "
-                            f"by the tests; set entropy_coef=0.0")  # fmt: skip
         coef = getattr(args, "router_aux_loss_coef", None)
         if coef:
             problems.append(f"router_aux_loss_coef={coef}: the router loss of a sharded "
                             f"sequence is not wired into the RL loss; set it to 0.0")  # fmt: skip
-        if getattr(args, "eval_strategy", "no") not in ("no", None) and str(
-            getattr(args, "eval_strategy", "no")
-        ) not in ("IntervalStrategy.NO", "no"):
-            problems.append(f"eval_strategy={args.eval_strategy}: evaluation is not yet covered")
     if problems:
         raise UnsupportedTrainerError(
             f"with_ulysses({name}) cannot run this exactly: " + "; ".join(problems)

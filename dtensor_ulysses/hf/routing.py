@@ -32,6 +32,12 @@ Granite 4.0-H, Falcon-H1) go through the same exchange (their heads split over s
 are); LFM2's short convolutions through a halo exchange: :mod:`~dtensor_ulysses.hf.mixers` holds
 the table of routed and refused mixers.
 
+Vision-language models (Qwen2.5-VL, Qwen3-VL): only the text config's attention is routed (the
+vision tower keeps its own, on whole images); the pre-hook sits on the language model, after
+the slicing hook of :mod:`~dtensor_ulysses.hf.vision` (which also splits the vision work over
+sp): the model is called on the full rows, and the decoder sees this rank's slice of the
+merged embeddings with M-RoPE's rows of position ids (left as they are).
+
 Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Kimi) runs through the engine with
 v's own head dim; each such layer either exchanges its expanded heads or gathers its kv latent,
 whichever moves fewer bytes (:mod:`~dtensor_ulysses.hf.latent_attention`). A layer that attends
@@ -84,6 +90,12 @@ from dtensor_ulysses.hf.mixers import (
     is_sequence_mixer,
     refused_mixer,
     route_mixers,
+)
+from dtensor_ulysses.hf.vision import (
+    is_vision_language,
+    language_model,
+    route_vision,
+    vision_family,
 )
 from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
@@ -167,9 +179,8 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """``(name, layers)``: the decoder's list of blocks (``model.model.layers`` for Llama)."""
     hf = unwrap(model)
-    base = hf.base_model
+    base_name, base = language_model(hf)  # a vision-language model: its text decoder
     n_layers = getattr(hf.config.get_text_config(), "num_hidden_layers", None)
-    base_name = "" if base is hf else hf.base_model_prefix
     candidates = [
         (name, m)
         for name, m in base.named_modules()
@@ -187,7 +198,7 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def _attention_classes(hf: PreTrainedModel) -> tuple[type, ...]:
     classes: list[type] = []
-    for owner in (type(hf), type(hf.base_model)):
+    for owner in (type(hf), type(hf.base_model), type(language_model(hf)[1])):
         rec = getattr(owner, "_can_record_outputs", None) or {}
         found = rec.get("attentions")
         for item in found if isinstance(found, (list, tuple)) else [found]:
@@ -398,6 +409,11 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
         is_sequence_mixer(m) or refused_mixer(m) for m in hf.modules()
     )  # the hybrids leave the flag off, yet call the interface (the first-forward guard checks;
     # a refused mixer is named below, layer by layer)
+    if is_vision_language(hf):
+        try:
+            vision_family(hf)
+        except ValueError as e:
+            raise UnsupportedModelError(str(e)) from None
     if not (routable and hf._can_set_attn_implementation()):
         raise UnsupportedModelError(
             f"{what} does not route its attention through transformers' AttentionInterface, "
@@ -506,7 +522,7 @@ def apply_ulysses(
         check_head_chunks(n_heads, sp, head_chunks)
     _choose_kernels(hf, [(n, m, f) for n, m, f in found if f is not None], mesh, backend,
                     compute_dtype)  # fmt: skip
-    base = hf.base_model
+    _, base = language_model(hf)  # the decoder's sequence (after a VLM's image merge)
     old: _State | None = base.__dict__.get(_STATE)
     if old is not None:
         if (old.group, old.backend, old.head_chunks) == (group, backend, head_chunks):
@@ -533,7 +549,11 @@ def apply_ulysses(
         m.__dict__[_STATE] = state
     AttentionInterface.register(ATTN_IMPLEMENTATION, _ulysses_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
-    hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if is_vision_language(hf):  # the vision tower keeps its own attention (whole images)
+        route_vision(hf, group)
+        hf.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
+    else:
+        hf.set_attn_implementation(ATTN_IMPLEMENTATION)
     params = list(inspect.signature(base.forward).parameters)
     state.hooks = [
         base.register_forward_pre_hook(
@@ -610,11 +630,12 @@ def _pre_forward(base: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     B, s = int(x.shape[0]), int(x.shape[1])
     layout: SeqLayout | None = kwargs.pop("ulysses_layout", None)
     pos = kwargs.get("position_ids")
-    if pos is not None:
+    if pos is not None and pos.dim() <= 2:  # M-RoPE's [3 or 4, B, s] rows stay as they are
         pos = pos.expand(B, s) if pos.dim() == 2 else pos.reshape(1, s).expand(B, s)
     me = dist.get_rank(state.group)
     if layout is None:
-        layout = _layout_from_slices(pos, B, s, x.device, state.group)
+        flat = pos if pos is None or pos.dim() == 2 else None
+        layout = _layout_from_slices(flat, B, s, x.device, state.group)
     elif layout.sp != dist.get_world_size(state.group) or layout.seq_sizes[me] != s:
         raise ValueError(
             f"ulysses_layout gives sp rank {me} {layout.seq_sizes[me] if me < layout.sp else 0} "

@@ -23,6 +23,10 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   model its sequence slice (:func:`~dtensor_ulysses.hf.shard_batch`): labels shifted over the
   full row before slicing, global position ids, padding and packed documents (position ids
   restarting at 0, as ``padding_free`` collators give) as the engine's document layout.
+  A vision-language model (Qwen2.5-VL, Qwen3-VL) takes the full rows and the batch's images
+  (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) and slices after the image
+  merge, each image encoded on one rank of the sp group (:mod:`~dtensor_ulysses.hf.vision`);
+  video inputs are refused.
 * **Loss**: ``sum of the slice's cross entropy / N`` with ``N`` the valid targets of the whole
   optimizer step (all micro-batches, all dp ranks; ``-100`` and assistant / completion masks
   respected), so the summed gradients are the single-process gradients and gradient
@@ -106,6 +110,12 @@ from dtensor_ulysses.hf.routing import (
     attention_modules,
     check_supported,
 )
+from dtensor_ulysses.hf.vision import (
+    VISION_KEYS,
+    is_vision_language,
+    refuse_video,
+    vision_model_inputs,
+)
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.parallel import flatten_dp_sp
 from dtensor_ulysses.parallel.mesh import ParallelDims
@@ -123,7 +133,7 @@ OPTIONS = {
 }  # fmt: skip
 # trainers whose inputs come from generation, or whose loss is not the token cross entropy
 _GENERATION = ("OnlineDPOTrainer", "PPOTrainer", "GKDTrainer", "NashMDTrainer", "XPOTrainer",
-               "GOLDTrainer")  # fmt: skip
+               "GOLDTrainer", "AsyncGRPOTrainer")  # fmt: skip
 # TRL trainers whose loss is not the token cross entropy, made exact by a mixin of their own
 # (one module per trainer family's loss): class name in the MRO -> (module, mixin)
 _FAMILIES: dict[str, tuple[str, str]] = {
@@ -214,8 +224,9 @@ def _leave_refused(e: BaseException) -> None:
 
 @_refusals_in_one_line
 def with_ulysses(cls: type, sp: int, **options: Any) -> type:
-    """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer`` or a subclass of
-    either) that trains with Ulysses sequence parallelism of degree ``sp`` on FSDP2.
+    """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer``, ``DPOTrainer``,
+    ``KTOTrainer`` or a subclass of one) that trains with Ulysses sequence parallelism of
+    degree ``sp`` on FSDP2.
 
     Args:
         cls: the trainer class.
@@ -236,7 +247,8 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
 
     Raises:
         UnsupportedTrainerError: a trainer whose inputs come from generation or whose loss is
-            not the token cross entropy.
+            not the token cross entropy without a family mixin (DPO and KTO have theirs:
+            :mod:`~dtensor_ulysses.hf.preference`).
         ValueError: bad ``sp`` or an unknown option.
     """
     from transformers import Trainer
@@ -257,9 +269,9 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     if generation:
         raise UnsupportedTrainerError(
             f"{cls.__name__} ({generation[0]}) builds its training inputs by generation, which "
-            f"needs the whole sequence on one rank (a KV cache) and a loss that is not the "
-            f"token cross entropy; with_ulysses supports transformers.Trainer and TRL's "
-            f"SFTTrainer (and their subclasses)"
+            f"with_ulysses makes exact for GRPOTrainer and RLOOTrainer only (rollouts on whole "
+            f"prompts, shared by the sp group); supported: transformers.Trainer, "
+            f"trl.SFTTrainer{''.join(', trl.' + n for n in _FAMILIES)} (and subclasses)"
         )
     family = next((n for n in names if n in _FAMILIES), None)
     is_trl = any(c.__module__.split(".")[0] == "trl" for c in cls.__mro__)
@@ -623,14 +635,18 @@ class _UlyssesTrainer:
         """This rank's slice through the model: the loss (its value the global one, its gradient
         this rank's part), the slice's logits (``None`` with the tiled loss unless ``logits``),
         and the sharded batch."""
+        vision = is_vision_language(_trainer_state.base_model(model))
+        read = _READ | set(VISION_KEYS) if vision else _READ  # images: the model takes them whole
+        if vision:
+            refuse_video(inputs)
         extra = sorted(
             k for k, v in inputs.items()
-            if k not in _READ | _DROPPED and isinstance(v, torch.Tensor)
+            if k not in read | _DROPPED and isinstance(v, torch.Tensor)
         )  # fmt: skip
         if extra:
             raise UnsupportedTrainerError(
                 f"batch keys {extra} cannot be cut into sequence slices by with_ulysses (it "
-                f"reads {sorted(_READ)}); remove them from the collator's output"
+                f"reads {sorted(read)}); remove them from the collator's output"
             )
         mesh = self._du_mesh
         sb = shard_batch(inputs, mesh, count_valid=False)
@@ -648,9 +664,13 @@ class _UlyssesTrainer:
                 sb.labels.numel()
             )
         extra_kw = {"output_router_logits": True} if self._du_router else {}
+        if vision:  # the full rows and their images; the model slices after the merge
+            call = vision_model_inputs(inputs, sb)
+        else:
+            call = dict(input_ids=sb.input_ids, position_ids=sb.position_ids,
+                        ulysses_layout=sb.layout)  # fmt: skip
         try:
-            out = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
-                        ulysses_layout=sb.layout, use_cache=False, **extra_kw)  # fmt: skip
+            out = model(**call, use_cache=False, **extra_kw)
         finally:
             if head is not None:
                 head.labels = None

@@ -35,8 +35,11 @@ image tokens in the slice), and the decoder layers run under Ulysses as for text
 tower's own attention stays local (bidirectional, per image, on whole images) and keeps its
 implementation; only the text config's attention goes through the engine.
 
-Families: Qwen2.5-VL and Qwen3-VL (images). Refused in one line: video inputs, and vision
-towers this module has no adapter for (:func:`vision_family`).
+Families: Qwen2.5-VL and Qwen3-VL (images), Gemma 3 (fixed-size SigLIP images) and Gemma 4
+(images of any size; per-layer input embeddings sliced with the embeddings). Gemma's
+bidirectional image blocks come from its token types (:mod:`~dtensor_ulysses.hf.image_blocks`).
+Refused in one line: video inputs, Gemma 4's audio inputs, and vision towers this module has no
+adapter for (:func:`vision_family`).
 """
 
 from __future__ import annotations
@@ -60,17 +63,24 @@ __all__ = [
     "encode_split",
     "is_vision_language",
     "language_model",
+    "refuse_video",
     "route_vision",
     "vision_family",
     "vision_model_inputs",
 ]
 
 # batch keys of the image inputs the model takes whole (never cut into sequence slices)
-VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+VISION_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "mm_token_type_ids",
+    "token_type_ids",
+    "image_position_ids",
+)
 _VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 _STATE = "_du_vision_state"
 # model_type -> what the split needs to know of the family's vision tower
-_FAMILIES = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen"}
+_FAMILIES = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen", "gemma3": "gemma3", "gemma4": "gemma4"}
 
 
 def assign_images(costs: Sequence[int], P: int) -> tuple[int, ...]:
@@ -268,6 +278,95 @@ def _qwen_image_features(base: Any, state: VisionSplitState) -> Callable[..., An
     return get_image_features
 
 
+def _gemma3_image_features(base: Any, state: VisionSplitState) -> Callable[..., Any]:
+    """The split ``get_image_features`` of Gemma 3: ``pixel_values[n, 3, H, W]`` (fixed-size
+    images), each image ``mm_tokens_per_image`` feature rows (SigLIP, then the projector)."""
+    original = type(base).get_image_features.__get__(base)
+    rows = int(base.config.mm_tokens_per_image)
+    width = int(base.config.get_text_config().hidden_size)
+    towers = (base.vision_tower, base.multi_modal_projector)
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    def get_image_features(pixel_values: torch.Tensor, **kwargs: Any) -> Any:
+        kwargs.pop("ulysses_layout", None)
+        kwargs["return_dict"] = True
+        n = int(pixel_values.shape[0])
+
+        def encode(idx: list[int]) -> torch.Tensor:
+            out = original(pixel_values[torch.tensor(idx, device=pixel_values.device)], **kwargs)
+            state.calls += 1
+            state.encoded = list(idx)
+            return out.pooler_output.reshape(-1, width)
+
+        state.encoded = []
+        dev = pixel_values.device.type
+        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                 else next(base.vision_tower.parameters()).dtype)  # fmt: skip
+        patches = int(pixel_values[0].numel())  # every image the same size: an even split
+        feats = encode_split(encode, [rows] * n, [patches] * n, state.group, width, dtype,
+                             pixel_values.device,
+                             lambda: [p for t in towers for p in t.parameters()])  # fmt: skip
+        return BaseModelOutputWithPooling(pooler_output=feats.view(n, rows, width))
+
+    return get_image_features
+
+
+def _gemma4_image_features(base: Any, state: VisionSplitState) -> Callable[..., Any]:
+    """The split ``get_image_features`` of Gemma 4: ``pixel_values[n, p, 3 * patch**2]`` padded
+    to ``p`` patches and ``image_position_ids[n, p, 2]`` (``-1``: padding); image ``i`` gives
+    its real patches over ``pooling_kernel_size**2`` feature rows (images of any size)."""
+    original = type(base).get_image_features.__get__(base)
+    width = int(base.config.get_text_config().hidden_size)
+    pool = int(base.config.vision_config.pooling_kernel_size) ** 2
+    towers = (base.vision_tower, base.embed_vision)
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    def get_image_features(pixel_values: torch.Tensor, image_position_ids: Any = None,
+                           **kwargs: Any) -> Any:  # fmt: skip
+        kwargs.pop("ulysses_layout", None)
+        kwargs["return_dict"] = True
+        if image_position_ids is None:
+            raise ValueError("Gemma 4's images need image_position_ids (the image processor's)")
+        patches = [int(n) for n in (image_position_ids != -1).all(-1).sum(-1).tolist()]
+        rows = [n // pool for n in patches]
+
+        def encode(idx: list[int]) -> torch.Tensor:
+            sel = torch.tensor(idx, device=pixel_values.device)
+            out = original(pixel_values[sel], image_position_ids[sel], **kwargs)
+            state.calls += 1
+            state.encoded = list(idx)
+            return torch.cat(list(out.pooler_output))
+
+        state.encoded = []
+        dev = pixel_values.device.type
+        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                 else next(base.vision_tower.parameters()).dtype)  # fmt: skip
+        feats = encode_split(encode, rows, patches, state.group, width, dtype,
+                             pixel_values.device,
+                             lambda: [p for t in towers for p in t.parameters()])  # fmt: skip
+        per_image: Any = tuple(feats.split(rows))  # what the stock method returns: a tuple
+        return BaseModelOutputWithPooling(pooler_output=per_image)
+
+    return get_image_features
+
+
+# family -> the factory of its split ``get_image_features(pixel_values, ...)`` (built on
+# :func:`encode_split`; a family's adapter says how to cut its inputs per image, how many
+# feature rows each image gives, and how to rebuild the output its model's forward reads)
+_ADAPTERS: dict[str, Callable[[Any, VisionSplitState], Callable[..., Any]]] = {
+    "qwen": _qwen_image_features,
+    "gemma3": _gemma3_image_features,
+    "gemma4": _gemma4_image_features,
+}
+
+
+def _no_audio(*args: Any, **kwargs: Any) -> Any:
+    raise _unsupported(
+        "audio inputs (input_features) are not supported under Ulysses yet: the audio tower "
+        "has no split over sp; train on image + text rows"
+    )
+
+
 def _no_video(*args: Any, **kwargs: Any) -> Any:
     raise _unsupported(
         "video inputs (pixel_values_videos) are not supported under Ulysses yet: pass images, "
@@ -294,7 +393,7 @@ def _slice_pre_forward(lm: nn.Module, args: tuple, kwargs: dict, params: list[st
     layout: SeqLayout | None = kwargs.get("ulysses_layout")
     mask = kwargs.pop("attention_mask", None)
     if layout is None:
-        if mask is not None and not bool(mask.all()):
+        if isinstance(mask, torch.Tensor) and not bool(mask.all()):  # Gemma: a dict of masks
             raise ValueError(
                 "an attention_mask with padding needs the batch's layout: pass the rows through "
                 "du.hf.shard_batch and call the model with ulysses_layout=sb.layout "
@@ -322,6 +421,9 @@ def _slice_pre_forward(lm: nn.Module, args: tuple, kwargs: dict, params: list[st
         deep = kwargs.get("deepstack_visual_embeds")
         if deep is not None:
             kwargs["deepstack_visual_embeds"] = [d[sel] for d in deep]
+    per_layer = kwargs.get("per_layer_inputs")  # Gemma 4's per-layer token embeddings
+    if per_layer is not None:
+        kwargs["per_layer_inputs"] = per_layer[:, lo : lo + n]
     kwargs["ulysses_layout"] = layout
     return (), kwargs
 
@@ -333,7 +435,7 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
     Raises:
         ValueError: a family without an adapter (:func:`vision_family`).
     """
-    vision_family(model)
+    family = vision_family(model)
     base = model.base_model
     _, lm = language_model(model)
     old: VisionSplitState | None = lm.__dict__.get(_STATE)
@@ -341,8 +443,10 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
         for h in old.hooks:
             h.remove()
     state = VisionSplitState(group)
-    base.get_image_features = _qwen_image_features(base, state)
+    base.get_image_features = _ADAPTERS[family](base, state)
     base.get_video_features = _no_video
+    if hasattr(type(base), "get_audio_features"):  # Gemma 4
+        base.get_audio_features = _no_audio
     params = list(inspect.signature(lm.forward).parameters)
     state.hooks = [
         lm.register_forward_pre_hook(
@@ -356,6 +460,16 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
     return state
 
 
+def refuse_video(batch: Mapping[str, Any]) -> None:
+    """Video inputs are not split yet: a ``ValueError`` naming the keys found in ``batch``."""
+    videos = [k for k in _VIDEO_KEYS if batch.get(k) is not None]
+    if videos:
+        raise _unsupported(
+            f"video inputs ({', '.join(videos)}) are not supported under Ulysses yet: pass "
+            f"images, or frames as images"
+        )
+
+
 def vision_model_inputs(batch: Mapping[str, Any], sharded: Any) -> dict[str, Any]:
     """Keyword arguments for a vision-language model prepared by ``apply_ulysses``: the full
     rows (``input_ids``, ``attention_mask`` for the M-RoPE positions, ``position_ids`` if
@@ -365,12 +479,7 @@ def vision_model_inputs(batch: Mapping[str, Any], sharded: Any) -> dict[str, Any
     Raises:
         ValueError: video inputs in the batch.
     """
-    videos = [k for k in _VIDEO_KEYS if batch.get(k) is not None]
-    if videos:
-        raise _unsupported(
-            f"video inputs ({', '.join(videos)}) are not supported under Ulysses yet: pass "
-            f"images, or frames as images"
-        )
+    refuse_video(batch)
     out: dict[str, Any] = {"input_ids": batch["input_ids"], "ulysses_layout": sharded.layout}
     for key in ("attention_mask", "position_ids", *VISION_KEYS):
         if batch.get(key) is not None:

@@ -72,8 +72,9 @@ def test_dry_run_executes_every_step_on_cpu(tmp_path):
         rows = json.loads((tmp_path / name).read_text())["rows"]
         assert len(rows) == n_rows and all("error" not in r["measured"] for r in rows), name
     assert "flash_attn" in (tmp_path / "gpu_environment.txt").read_text()
-    # the examples/ scripts: with_ulysses in SFTTrainer and in Trainer, each trained to the end
-    assert (tmp_path / "gpu_hf.txt").read_text().count("'train_loss'") == 2, log[-4000:]
+    # the examples/ scripts: with_ulysses in SFTTrainer, Trainer and GRPOTrainer, each trained to
+    # the end
+    assert (tmp_path / "gpu_hf.txt").read_text().count("'train_loss'") == 3, log[-4000:]
 
 
 @pytest.mark.timeout(120)

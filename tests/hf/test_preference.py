@@ -72,6 +72,15 @@ def world2(assets):
         "stock_dp2_sigmoid": _spec(assets, "sigmoid", "s_dp2", dp=2),
         "stock_dp2_kto": _spec(assets, "kto", "k_dp2", dp=2),
         **{case: _spec(assets, case, f"u12_{case}", sp=2) for case in CASES},
+        # TRL's default gradient_checkpointing=True: checkpointing per decoder layer, in FSDP2
+        "ipo": _spec(
+            assets,
+            "ipo",
+            "u12_ipo",
+            sp=2,
+            count_comm=True,
+            args={**CASES["ipo"][1]["args"], "gradient_checkpointing": True},
+        ),
         "primitive": dict(kind="primitive", model=assets["model"]),
     }
     out = run_local_world(P.run_specs, 2, list(specs.values()), timeout_s=500)[0]
@@ -84,9 +93,19 @@ def world4(assets):
     specs = {
         (2, 2, "sigmoid"): _spec(assets, "sigmoid", "u22_sigmoid", sp=2, dp=2),
         (2, 2, "kto"): _spec(assets, "kto", "u22_kto", sp=2, dp=2),
-        (1, 4, "sigmoid"): _spec(assets, "sigmoid", "u14_sigmoid", sp=4),
         (1, 4, "combined"): _spec(assets, "combined", "u14_combined", sp=4),
         (1, 4, "lora_ga"): _spec(assets, "lora_ga", "u14_lora_ga", sp=4),
+        (1, 4, "kto"): _spec(assets, "kto", "u14_kto", sp=4),
+        (2, 2, "precompute"): _spec(
+            assets,
+            "sigmoid",
+            "u22_pre",
+            sp=2,
+            dp=2,
+            on_disk=True,
+            args={"precompute_ref_log_probs": True},
+        ),
+        "primitive_short": dict(kind="primitive", model=assets["model"], short=True),
     }
     out = run_local_world(P.run_specs, 4, list(specs.values()), timeout_s=500)[0]
     return dict(zip(specs, out))
@@ -94,8 +113,9 @@ def world4(assets):
 
 def _close(got: dict, ref: dict) -> None:
     """Every logged value, the eval metrics and every parameter's first-step gradient."""
-    keys = set(ref) - {"grads", "eval"}
-    assert set(got) - {"grads", "eval"} == keys, (sorted(got), sorted(ref))
+    skip = {"grads", "eval", "ref_columns", "comm"}
+    keys = set(ref) - skip
+    assert set(got) - skip == keys, (sorted(got), sorted(ref))
     for k in sorted(keys):
         assert len(got[k]) == len(ref[k]) == 3, (k, got[k], ref[k])
         assert got[k] == pytest.approx(ref[k], rel=RTOL, abs=ATOL), (k, got[k], ref[k])
@@ -113,16 +133,32 @@ def _close(got: dict, ref: dict) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(CASES))
 def test_sp2_equals_one_process(world2, refs, case):
-    """(dp, sp) = (1, 2): DPO sigmoid (with evaluation), IPO, every loss type weighted (with
-    the sft term and ld_alpha), LoRA (reference: the adapter disabled) with gradient
+    """(dp, sp) = (1, 2): DPO sigmoid (with evaluation), IPO (with TRL's default gradient
+    checkpointing, here activation checkpointing per decoder layer), every loss type weighted
+    (with the sft term and ld_alpha), LoRA (reference: the adapter disabled) with gradient
     accumulation, KTO."""
     _close(world2[case], refs[case])
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", ["sigmoid", "combined", "lora_ga"])
+def test_dpo_step_sp_collectives(world2):
+    """The sp group's all-reduces of a DPO step at (1, 2): the reference's rows of
+    log-probabilities (``B x S`` floats), then the policy's rows with TRL's three token
+    statistics (``B x S x 4`` floats), for ``B`` = chosen + rejected rows; none in backward
+    (with activation checkpointing recomputing each layer)."""
+    comm = world2["ipo"]["comm"]
+    assert len(comm["shapes"]) == 3, comm["shapes"]
+    want = []
+    for B, S in comm["shapes"]:
+        want += [B * S * 4, B * S * 4 * 4]
+    assert comm["sp_all_reduce"] == want, (comm, want)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", ["combined", "lora_ga", "kto"])
 def test_sp4_equals_one_process(world4, refs, case):
-    """(1, 4): sp = 4 > the 2 kv heads, slices of 2-5 tokens."""
+    """(1, 4): sp = 4 > the 2 kv heads, slices of 2-5 tokens (the combined loss holds the
+    sigmoid term)."""
     _close(world4[(1, 4, case)], refs[case])
 
 
@@ -135,18 +171,32 @@ def test_dp2_sp2_equals_stock_dp2(world2, world4, case):
 
 
 @pytest.mark.timeout(900)
-def test_token_rows_and_sequence_logps_equal_full_logits(world2, assets):
-    """The primitive at (1, 2): the full rows of label log-probabilities and token statistics,
-    the per-row sums, and the summed gradient of a non-linear loss of the sums equal one
-    process with full logits; forward: one all-reduce of B*S*K floats (token_rows) and one of B
-    floats (sequence_logps) on the sp group; backward: no all-reduce."""
+def test_precomputed_reference_equals_stock_dp2(world2, world4):
+    """precompute_ref_log_probs at (2, 2): TRL's precompute pass, run once the model is
+    sharded (rows cut over sp, batches over dp), gives the reference of the stock run without
+    precompute (the policy before training), for training and evaluation."""
+    got = world4[(2, 2, "precompute")]
+    assert got["ref_columns"] == ["ref_chosen_logps", "ref_rejected_logps"], got["ref_columns"]
+    assert world2["stock_dp2_sigmoid"]["ref_columns"] == []
+    _close(got, world2["stock_dp2_sigmoid"])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["sp2", "sp4_short"])
+def test_token_rows_and_sequence_logps_equal_full_logits(world2, world4, assets, layout):
+    """The primitive at (1, 2), and at (1, 4) on a batch of 3 columns (fewer than sp: padded
+    to sp inside, no rank with an empty slice): the full rows of label log-probabilities and
+    token statistics, the per-row sums, and the summed gradient of a non-linear loss of the
+    sums equal one process with full logits; forward: one all-reduce of B*S*K floats
+    (token_rows) on the sp group; backward: no all-reduce."""
     import transformers as tf
 
     from dtensor_ulysses.models import token_logps
 
-    got = world2["primitive"]
+    short = layout == "sp4_short"
+    got = world4["primitive_short"] if short else world2["primitive"]
     model = tf.AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
-    b = P.primitive_batch()
+    b = P.primitive_batch(short=short)
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
     shifted = torch.full_like(b["labels"], -100)
     shifted[:, :-1] = b["labels"][:, 1:]
@@ -180,8 +230,8 @@ def test_refusals_one_line_at_construction(assets, tmp_path):
     data = Dataset.from_list(P._rows("dpo"))
     cls = with_ulysses(trl.DPOTrainer, sp=2)
     for option, match in (
-        ({"precompute_ref_log_probs": True}, "precompute_ref_log_probs=True"),
         ({"use_weighting": True}, "use_weighting=True"),
+        ({"activation_offloading": True}, "activation_offloading=True"),
         ({"sync_ref_model": True}, "sync_ref_model=True"),
     ):
         args = trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **option)

@@ -6,11 +6,12 @@ directory, ``num_labels=1``) and tokenized preference pairs of uneven lengths, r
 tokens among them (shorter than sp = 4), an evaluation set whose longest row (3 tokens) is
 shorter than sp = 4. Three configurations: ``margin`` column + ``center_rewards_coefficient``
 + evaluation, gradient accumulation (2 micro-batches), a LoRA adapter (``task_type="SEQ_CLS"``:
-the score head a trainable ``modules_to_save`` copy). Each is run at (dp, sp) = (1, 2), (1, 4)
-against the stock trainer on this process and at (2, 2) against the stock trainer on 2 gloo
-processes (DDP), with the same global batch: the 3 logged losses, gradient norms and TRL's
-metrics (``accuracy``, ``margin``, ``min/mean/max_reward``, ``num_tokens``), the evaluation
-metrics, and the full gradient of every trainable parameter at every step, fp32, rtol 1e-4.
+the score head a trainable ``modules_to_save`` copy). Each is run at (dp, sp) = (1, 2) against
+the stock trainer on this process and at (2, 2) against the stock trainer on 2 gloo processes
+(DDP), and the first at (1, 4) against this process too, with the same global batch: the 3
+logged losses, gradient norms and TRL's metrics (``accuracy``, ``margin``,
+``min/mean/max_reward``, ``num_tokens``), the evaluation metrics, and the full gradient of every
+trainable parameter at every step, fp32, rtol 1e-4.
 Two spawned worlds: 2 ranks (stock dp=2 and Ulysses (1, 2)) and 4 ranks ((2, 2) and (1, 4)).
 """
 
@@ -38,6 +39,12 @@ CONFIGS = {
     "lora": dict(lora=True, batch=4),
 }
 LAYOUTS = [(1, 2), (2, 2), (1, 4)]
+# every configuration at (1, 2) and (2, 2); at (1, 4) (the rows shorter than sp) the options
+# (accumulation and LoRA run the same code at any sp: spared to keep the 4-rank world short)
+CASES = [(layout, c) for layout in LAYOUTS for c in CONFIGS
+         if layout != (1, 4) or c == "options"]  # fmt: skip
+# examples/dpo_trl.py --trainer X: the TRL class it trains
+EXAMPLE_TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer"}
 
 
 @pytest.fixture(scope="module")
@@ -63,22 +70,44 @@ def refs(assets):
     return {c: R.run(_spec(assets, c, 1, None)) for c in CONFIGS}
 
 
+def _refusal(trainer: str) -> str | None:
+    """Why ``with_ulysses`` refuses ``trl.<trainer>``, or ``None``."""
+    import trl
+
+    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+
+    try:
+        with_ulysses(getattr(trl, trainer), sp=2)
+    except UnsupportedTrainerError as e:
+        return str(e)
+    return None
+
+
+def _example_argv(assets, trainer: str, *extra: str) -> list[str]:
+    out = assets["root"] / f"example_{trainer}_{'stock' if '--stock' in extra else 'sp2'}"
+    return ["--trainer", trainer, "--steps", "2", "--out", str(out), *extra]
+
+
 @pytest.fixture(scope="module")
 def world2(assets):
-    """The stock trainer at dp = 2 (DDP over 2 gloo processes), then Ulysses at (1, 2)."""
+    """The stock trainer at dp = 2 (DDP over 2 gloo processes), then Ulysses at (1, 2), then
+    examples/dpo_trl.py at sp = 2 for each of its trainers that with_ulysses accepts."""
     specs = [_spec(assets, c, 2, None) for c in CONFIGS]
     specs += [_spec(assets, c, 1, 2, comm=c == "options") for c in CONFIGS]
+    keys: list = [("stock", c) for c in CONFIGS] + [((1, 2), c) for c in CONFIGS]
+    for flag, trainer in EXAMPLE_TRAINERS.items():
+        if _refusal(trainer) is None:
+            specs.append({"example": _example_argv(assets, flag, "--sp", "2")})
+            keys.append(("example", flag))
     runs = run_local_world(R.run_specs, 2, specs, timeout_s=400)[0]
-    keys = [("stock", c) for c in CONFIGS] + [((1, 2), c) for c in CONFIGS]
     return dict(zip(keys, runs))
 
 
 @pytest.fixture(scope="module")
 def world4(assets):
-    specs = [_spec(assets, c, dp, sp, comm=c == "options") for dp, sp in LAYOUTS[1:]
-             for c in CONFIGS]  # fmt: skip
+    keys = [(layout, c) for layout, c in CASES if layout[0] * layout[1] == 4]
+    specs = [_spec(assets, c, dp, sp, comm=c == "options") for (dp, sp), c in keys]
     runs = run_local_world(R.run_specs, 4, specs, timeout_s=400)[0]
-    keys = [((dp, sp), c) for dp, sp in LAYOUTS[1:] for c in CONFIGS]
     return dict(zip(keys, runs))
 
 
@@ -106,8 +135,9 @@ def _close(got: dict, ref: dict) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}-sp{x[1]}")
+@pytest.mark.parametrize(
+    ("layout", "config"), CASES, ids=[f"dp{dp}-sp{sp}-{c}" for (dp, sp), c in CASES]
+)
 def test_reward_equals_stock(world2, world4, refs, layout, config):
     """Loss, metrics, evaluation and every gradient of 3 steps equal the stock trainer at the
     same dp (one process for dp = 1; DDP over 2 processes for dp = 2)."""
@@ -153,7 +183,7 @@ def test_last_token_is_the_models_score_position(assets):
 
 def test_reward_refusals(assets, tmp_path):
     """At construction, one line each: the tiled loss (a reward model has no vocabulary
-    logits), a model that is not a sequence classifier."""
+    logits), TRL's activation offloading, a model that is not a sequence classifier."""
     import transformers as tf
     import trl
 
@@ -164,6 +194,13 @@ def test_reward_refusals(assets, tmp_path):
     cls = with_ulysses(trl.RewardTrainer, sp=2, tiled_loss=True)
     with pytest.raises(UnsupportedTrainerError, match="tiled_loss=True: a reward model"):
         cls(model=assets["model"], args=args, train_dataset=R.pairs(), processing_class=tok)
+    offloading = trl.RewardConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                  activation_offloading=True)  # fmt: skip
+    with pytest.raises(UnsupportedTrainerError, match="activation_offloading=True .* use "
+                       "with_ulysses\\(..., offload_activations=True\\)"):  # fmt: skip
+        with_ulysses(trl.RewardTrainer, sp=2)(
+            model=assets["model"], args=offloading, train_dataset=R.pairs(), processing_class=tok
+        )
     lm = tf.AutoModelForCausalLM.from_pretrained(assets["model"], num_labels=1)
     with pytest.raises(UnsupportedTrainerError, match="LlamaForCausalLM is not a transformers "
                        "sequence-classification model"):  # fmt: skip
@@ -172,3 +209,27 @@ def test_reward_refusals(assets, tmp_path):
         )
     sub = type("MyRewardTrainer", (trl.RewardTrainer,), {})
     assert issubclass(with_ulysses(sub, sp=2), sub)  # a subclass takes the same mixin
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("flag", list(EXAMPLE_TRAINERS))
+def test_example_equals_stock(world2, assets, flag):
+    """``examples/dpo_trl.py --trainer X --sp 2`` on 2 ranks logs the losses of the same
+    script with ``--stock`` on one process (fp32). A trainer that ``with_ulysses`` still
+    refuses is skipped with the refusal."""
+    why = _refusal(EXAMPLE_TRAINERS[flag])
+    if why is not None:
+        pytest.skip(f"with_ulysses(trl.{EXAMPLE_TRAINERS[flag]}) is refused: {why}")
+    torch.set_num_threads(1)
+    ref = R.run_example(_example_argv(assets, flag, "--stock"))
+    got = world2[("example", flag)]
+    assert len(got["loss"]) == len(ref["loss"]) == 2, (got, ref)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), (got, ref)
+    # save_model: the files of the stock run (full weights, the same names), trained alike
+    from safetensors.torch import load_file
+
+    saved = [load_file(assets["root"] / f"example_{flag}_{run}" / "final" / "model.safetensors")
+             for run in ("sp2", "stock")]  # fmt: skip
+    assert saved[0].keys() == saved[1].keys()
+    for name, want in saved[1].items():
+        torch.testing.assert_close(saved[0][name], want, rtol=RTOL, atol=1e-6, msg=name)

@@ -331,6 +331,10 @@ def test_generation_and_other_loss_trainers_refused():
 
     with pytest.raises(UnsupportedTrainerError, match="OnlineDPOTrainer.*generation"):
         with_ulysses(OnlineDPOTrainer, sp=2)
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    with pytest.raises(UnsupportedTrainerError, match="AsyncGRPOTrainer.*generation"):
+        with_ulysses(AsyncGRPOTrainer, sp=2)
     with pytest.raises(UnsupportedTrainerError, match="DistillationTrainer computes its own loss"):
         with_ulysses(trl.DistillationTrainer, sp=2)
     # the families with a mixin of their own (tests/hf/test_preference.py, test_reward.py,

@@ -8,7 +8,15 @@ process:
   (Qwen3-VL's deepstack features too) and the vision tower's gradients equal the stock tower's;
   each image is encoded on exactly one rank (the tower's own calls, counted by a hook), a rank
   with no image of its own still gets (zero) gradients; one all-gather forward and one
-  reduce-scatter backward on the group, with the closed-form bytes.
+  reduce-scatter backward on the group, with the closed-form bytes;
+* ``parallelize`` (Ulysses + FSDP2) + ``shard_batch``, both families at (dp, sp) = (1, 2),
+  (2, 2), (1, 4): the loss and every gradient (vision tower included) equal the stock model's,
+  each image encoded on one rank of its sp group;
+* ``with_ulysses(transformers.Trainer)``: two steps' losses and gradient norms equal the stock
+  Trainer on one process (both families at (1, 2); Qwen2.5-VL at (2, 2), also against the stock
+  Trainer at dp = 2, and (1, 4)), each step's images encoded once;
+* ``with_ulysses(trl.SFTTrainer)`` with a Qwen2.5-VL processor and TRL's vision-language rows
+  (sp = 2); examples/vlm_trainer.py; the refusals (video, families without an adapter).
 
 Two spawned worlds for the file (2 ranks, 4 ranks), many cases each.
 """
@@ -22,7 +30,9 @@ pytest.importorskip("transformers")
 
 from dtensor_ulysses.hf.vision import assign_images  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
+from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_vision_workers as V  # noqa: E402
+from tests import hf_workers as W  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-6)
 FAMILIES = V.FAMILIES
@@ -30,16 +40,69 @@ FAMILIES = V.FAMILIES
 FEW = [V.IMAGES[0], V.IMAGES[1]]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    jobs = [("split_check", (f,)) for f in FAMILIES]
-    return run_local_world(V.run_jobs, 2, jobs, timeout_s=600)
+LAYOUTS4 = ((2, 2), (1, 4))
+BATCH = 4  # the Trainer's global batch
+
+
+def _trainer_job(assets, family: str, dp: int, sp: int | None) -> tuple:
+    out = str(assets / f"out-{family}-{dp}-{sp}")
+    return ("trainer_run", (str(assets / family), out, sp, BATCH // dp))
+
+
+def _sft_job(assets, sp: int) -> tuple:
+    out = str(assets / f"sft-{sp}")
+    return ("sft_run", (str(assets / "qwen2_5_vl"), str(assets / "tok"), out, sp, 4))
+
+
+def _jobs2(assets) -> list:
+    return (
+        [_sft_job(assets, 2), ("example_run", (str(assets / "example"),))]
+        + [("split_check", (f,)) for f in FAMILIES]
+        + [("model_check", (f, 1, 2)) for f in FAMILIES]
+        + [_trainer_job(assets, f, 1, 2) for f in FAMILIES]
+        + [_trainer_job(assets, "qwen2_5_vl", 2, None)]  # the stock Trainer at dp=2
+    )
+
+
+def _jobs4(assets) -> list:
+    return (
+        [("split_check", (f, 0, FEW)) for f in FAMILIES]
+        + [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS4]
+        + [_trainer_job(assets, "qwen2_5_vl", dp, sp) for dp, sp in LAYOUTS4]
+    )
+
+
+def _job(world: tuple, name: str, args: tuple) -> list:
+    """Every rank's result of job ``(name, args)`` in a world's results."""
+    jobs, results = world
+    i = jobs.index((name, args))
+    return [r[i] for r in results]
 
 
 @pytest.fixture(scope="module")
-def world4():
-    jobs = [("split_check", (f, 0, FEW)) for f in FAMILIES]
-    return run_local_world(V.run_jobs, 4, jobs, timeout_s=600)
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision")
+    for f in FAMILIES:
+        V.save_model(f, root / f)
+    W.make_tokenizer(root / "tok", " ".join(T.TEXTS) * 5)
+    return root
+
+
+@pytest.fixture(scope="module")
+def world2(assets):
+    jobs = _jobs2(assets)
+    return jobs, run_local_world(V.run_jobs, 2, jobs, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def world4(assets):
+    jobs = _jobs4(assets)
+    return jobs, run_local_world(V.run_jobs, 4, jobs, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {f: V.model_reference(f) for f in FAMILIES}
 
 
 def test_assign_images_balances_whole_images_deterministically():
@@ -50,11 +113,10 @@ def test_assign_images_balances_whole_images_deterministically():
         assign_images([1], 0)
 
 
-def _check_split(results, family: str, rows, world: int, index: int):
+def _check_split(results, family: str, rows):
     ref = V.split_reference(family, rows=rows)
     encoded: list[int] = []
-    for rank, res in enumerate(results):
-        out = res[index]
+    for rank, out in enumerate(results):
         torch.testing.assert_close(out["feats"], ref["feats"], **TOL)
         assert set(out["grads"]) == set(ref["grads"])
         for name, g in ref["grads"].items():
@@ -73,11 +135,139 @@ def _check_split(results, family: str, rows, world: int, index: int):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vision_split_sp2_equals_stock_tower(world2, family):
-    _check_split(world2, family, None, 2, FAMILIES.index(family))
+    _check_split(_job(world2, "split_check", (family,)), family, None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vision_split_sp4_with_an_idle_rank(world4, family):
-    _check_split(world4, family, FEW, 4, FAMILIES.index(family))
-    owners = world4[0][FAMILIES.index(family)]["owner"]
-    assert len(set(owners)) == 3  # 3 images on 4 ranks: one rank encoded none, yet matched
+    results = _job(world4, "split_check", (family, 0, FEW))
+    _check_split(results, family, FEW)
+    assert len(set(results[0]["owner"])) == 3  # 3 images on 4 ranks: one encoded none
+
+
+def test_reference_uses_mrope_and_deepstack():
+    """The features the decoder tests rely on change the stock result: M-RoPE positions
+    (from mm_token_type_ids) and Qwen3-VL's deepstack features (their mergers get gradients)."""
+    for family in FAMILIES:
+        model = V.make_model(family)
+        batch = V.global_batch(family)
+        with torch.no_grad():
+            with_mrope = model(**batch).loss
+            pos = torch.arange(V.S).expand(len(batch["input_ids"]), V.S)
+            plain = model(**batch, position_ids=pos).loss  # 1-D positions, no M-RoPE
+        assert abs(with_mrope.item() - plain.item()) > 1e-4, family
+    ref = V.model_reference("qwen3_vl")
+    deep = [n for n in ref["grads"] if "deepstack_merger_list" in n]
+    assert deep and all(ref["grads"][n].abs().sum() > 0 for n in deep)
+
+
+def _check_model(results, ref, dp: int, sp: int):
+    encoded_by_group: dict[int, list] = {}
+    for out in results:
+        assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert set(out["grads"]) >= set(ref["grads"])
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][name], g, **TOL, msg=name)
+        encoded_by_group.setdefault(out["dp_rank"], []).extend(
+            grid for call in out["seen"] for grid in call
+        )
+        assert len(out["seen"]) <= 1  # one vision tower call per rank
+    for dp_rank, grids in encoded_by_group.items():  # each image on one rank of its sp group
+        images = next(o["images"] for o in results if o["dp_rank"] == dp_rank)
+        assert sorted(grids) == sorted(images)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_apply_ulysses_sp2_equals_stock_model(world2, references, family):
+    _check_model(_job(world2, "model_check", (family, 1, 2)), references[family], 1, 2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS4, ids=lambda x: f"dp{x[0]}sp{x[1]}")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_apply_ulysses_dp2_sp2_and_sp4_equal_stock_model(world4, references, family, layout):
+    dp, sp = layout
+    results = _job(world4, "model_check", (family, dp, sp))
+    _check_model(results, references[family], dp, sp)
+
+
+@pytest.fixture(scope="module")
+def trainer_references(assets):
+    """The stock Trainer on one process (dp = 1)."""
+    return {f: V.trainer_run(0, 1, str(assets / f), str(assets / f"ref-{f}"), None, BATCH)
+            for f in FAMILIES}  # fmt: skip
+
+
+def _check_trainer(results: list, ref: dict):
+    got = results[0]
+    assert len(got["loss"]) == 2
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    # each step's images (the stock run's, one tower call) encoded once over all ranks, at most
+    # one tower call per rank and step
+    for step, want in enumerate(ref["seen"]):
+        calls = [grids for out in results for s, grids in out["seen"] if s == step]
+        assert all(sum(1 for s, _ in out["seen"] if s == step) <= 1 for out in results)
+        assert sorted(g for grids in calls for g in grids) == sorted(want[1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trainer_sp2_equals_stock_trainer_and_stock_dp2(world2, assets, trainer_references,
+                                                        family):  # fmt: skip
+    ref = trainer_references[family]
+    _check_trainer(_job(world2, *_trainer_job(assets, family, 1, 2)), ref)
+    if family != "qwen2_5_vl":
+        return
+    stock = _job(world2, *_trainer_job(assets, family, 2, None))[0]  # the stock Trainer, dp=2
+    # every row has the same number of targets, so the stock per-rank token mean (Qwen-VL's
+    # loss takes no num_items_in_batch) is the global one, as with_ulysses computes
+    assert stock["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+    assert stock["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS4, ids=lambda x: f"dp{x[0]}sp{x[1]}")
+def test_trainer_dp2_sp2_and_sp4_equal_stock_trainer(
+    world2, world4, assets, trainer_references, layout
+):
+    """Qwen2.5-VL (Qwen3-VL's decoder path is the same code, held at every layout by
+    apply_ulysses above and by the Trainer at (1, 2))."""
+    family = "qwen2_5_vl"
+    dp, sp = layout
+    results = _job(world4, *_trainer_job(assets, family, dp, sp))
+    _check_trainer(results, trainer_references[family])
+    if dp == 2:  # and the stock Trainer at the same dp
+        stock = _job(world2, *_trainer_job(assets, family, 2, None))[0]
+        assert results[0]["loss"] == pytest.approx(stock["loss"], rel=1e-4)
+        assert results[0]["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
+
+
+def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, assets):
+    """TRL's vision-language format (images + messages) through a Qwen2.5-VL processor and
+    TRL's collator (right padding, one or two images a row): losses, gradient norms and TRL's
+    metrics equal the stock SFTTrainer on one process (sp = 2)."""
+    pytest.importorskip("trl")
+    ref = V.sft_run(0, 1, *_sft_job(assets, 2)[1][:2], str(assets / "sft-ref"), None, 4)
+    got = _job(world2, *_sft_job(assets, 2))[0]
+    assert len(got["loss"]) == 2
+    for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-4), key
+
+
+def test_refusals_name_the_input_and_the_family():
+    from types import SimpleNamespace
+
+    from dtensor_ulysses.hf.vision import refuse_video, vision_family, vision_model_inputs
+
+    with pytest.raises(ValueError, match=r"video inputs \(pixel_values_videos\)"):
+        refuse_video({"input_ids": torch.zeros(1, 4), "pixel_values_videos": torch.zeros(4, 12)})
+    with pytest.raises(ValueError, match="video inputs"):
+        vision_model_inputs({"video_grid_thw": torch.ones(1, 3)}, None)
+    llava = SimpleNamespace(config=SimpleNamespace(model_type="llava"))
+    with pytest.raises(ValueError, match=r"model_type 'llava'.*supported .*qwen2_5_vl"):
+        vision_family(llava)
+
+
+def test_example_vlm_trainer_trains(world2, assets):
+    """examples/vlm_trainer.py at sp=2 (its main, in the 2-rank world) trains to the end."""
+    metrics = _job(world2, "example_run", (str(assets / "example"),))[0]
+    assert metrics["train_loss"] == pytest.approx(metrics["train_loss"])  # finite
+    assert 3.0 < metrics["train_loss"] < 6.0  # about ln(96) = 4.56 at random init
