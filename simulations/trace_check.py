@@ -97,7 +97,7 @@ CONFIGS = (
     CheckConfig("offload-act", 1, True, (2048, 8192), {"offload_activations": True}),
     # the DPO step (memtrace/steps.py): a chosen and a rejected row, the policy's forward and
     # backward, the frozen reference's forward while the policy's graph is alive (TRL's order)
-    CheckConfig("dpo", 1, False, (2048, 8192), step="dpo"),
+    CheckConfig("dpo", 1, False, (1024, 4096), step="dpo"),
 )
 # checked on request (``--config grpo``), not by default (nor by the test): the GRPO step with
 # every part (the old policy's and the reference's log-probabilities, 4 completions)

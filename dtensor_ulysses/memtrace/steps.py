@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.data import Batch
@@ -59,13 +60,16 @@ from dtensor_ulysses.parallel import global_valid_tokens
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "STEP_KINDS",
+    "PostTrainStepResult",
     "StepSpec",
+    "batch_token_logps",
+    "dpo_loss",
     "dpo_step",
     "grpo_step",
+    "grpo_token_loss",
     "reference_model",
     "sequence_logps",
     "step_runner",
-    "token_logps",
 ]
 
 STEP_KINDS = ("sft", "dpo", "grpo")
@@ -144,7 +148,7 @@ class StepSpec:
 # ----------------------------------------------------------------------------------------------
 # per-token and per-sequence log-probabilities
 # ----------------------------------------------------------------------------------------------
-def token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def batch_token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Per-token log-probabilities of ``batch.labels`` on this rank's slice, ``[B, s]`` float32
     (0 where ignored), through the model's output head (tiled: ``model.loss_chunk_tokens`` or
     :data:`DEFAULT_CHUNK_TOKENS` rows of logits at a time; never ``[B, s, V]``)."""
@@ -165,9 +169,9 @@ def sequence_logps(
     model: torch.nn.Module, batch: Batch, sp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Each row's log-probability of its labels, summed over the whole row: this rank's slice
-    (:func:`token_logps`), then over the ``sp`` group (one all-reduce of ``B`` floats, the
+    (:func:`batch_token_logps`), then over the ``sp`` group (one all-reduce of ``B`` floats, the
     gradient passed through). ``[B]`` float32, equal on every rank of the sp group."""
-    return all_reduce_sum(token_logps(model, batch).sum(1), sp_group)
+    return all_reduce_sum(batch_token_logps(model, batch).sum(1), sp_group)
 
 
 def reference_model(net: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -184,14 +188,13 @@ def reference_model(net: torch.nn.Module, dtype: torch.dtype | None = None) -> t
 def _reshard(net: torch.nn.Module) -> None:
     """Free every FSDP2 unit's gathered weights (after a forward without backward)."""
     for m in net.modules():
-        reshard = getattr(m, "reshard", None)
-        if callable(reshard) and type(m).__name__.startswith("FSDP"):
-            reshard()
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 @torch.no_grad()
 def _frozen_token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    out = token_logps(model, batch)
+    out = batch_token_logps(model, batch)
     _reshard(model)
     return out
 
@@ -306,7 +309,7 @@ def grpo_step(
     if old_Bs is None and num_iterations > 1:
         old_Bs = _frozen_token_logps(policy, batch)
     ref_Bs = _frozen_token_logps(reference, batch) if beta > 0 and reference else None
-    logp_Bs = token_logps(policy, batch)
+    logp_Bs = batch_token_logps(policy, batch)
     valid_Bs = batch.labels != IGNORE_INDEX
     n_valid = global_valid_tokens(batch.labels, group)
     per_tok = grpo_token_loss(logp_Bs, old_Bs, ref_Bs, advantages_B, beta=beta, epsilon=epsilon)

@@ -31,6 +31,14 @@ assert cpu.device == "cpu" and gpu.device == "cuda"
 # one memory on a CPU: the peak of device + host is at least each alone, at most their sum
 assert max(cpu.device_peak_bytes, cpu.host_bytes) <= cpu.peak_bytes
 assert cpu.peak_bytes <= cpu.device_peak_bytes + cpu.host_bytes
+# the post-training steps (CUDA mode): the reference's shards are bf16 beside the policy's fp32
+# (2 + 4 bytes a parameter at sp = 1); its forward, the old policy's, are phases of their own
+dpo = mt.trace_train_step("tiny", 1024, step="dpo")
+assert dpo.phases["forward"].by_category["parameters"] == 6 * m.n_params, dpo.phases
+assert list(dpo.phases) == ["forward", "loss", "reference", "backward", "optimizer"], dpo.phases
+grpo = mt.trace_train_step("tiny", 1024, step=mt.StepSpec("grpo", generations=2))
+assert grpo.phases["forward"].by_category["parameters"] == 4 * m.n_params  # beta 0: none
+assert "reference" not in grpo.phases and grpo.step["rows_per_dp_rank"] == 2, grpo.step
 try:
     mt.trace_train_step("tiny", S, device="tpu")
 except ValueError as e:
