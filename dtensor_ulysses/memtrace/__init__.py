@@ -29,5 +29,6 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         extrapolate,
         trace_train_step,
     )
+    from dtensor_ulysses.memtrace.vision_step import VisionSpec
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__)

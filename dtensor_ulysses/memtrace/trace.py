@@ -90,6 +90,7 @@ from dtensor_ulysses.memtrace._setup import (
     trace_config,
 )
 from dtensor_ulysses.memtrace.steps import StepSpec, reference_model, step_runner
+from dtensor_ulysses.memtrace.vision_step import VisionSpec, VisionTower, vl_step
 from dtensor_ulysses.parallel import default_mixed_precision, flatten_dp_sp
 from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS
 from dtensor_ulysses.train import build
@@ -103,8 +104,9 @@ __all__ = [
 ]
 
 # every phase a traced step can have (GRPO's old policy and the reference model run without
-# gradients; a DPO step runs its reference after the policy's forward, TRL's order)
-PHASES = ("old_policy", "reference", "forward", "loss", "backward", "optimizer")
+# gradients; a DPO step runs its reference after the policy's forward, TRL's order; a
+# vision-language step encodes its share of the images, ``vision``, before the decoder)
+PHASES = ("old_policy", "reference", "vision", "forward", "loss", "backward", "optimizer")
 TRACE_DEVICES = ("cuda", "cpu")
 
 
@@ -316,10 +318,19 @@ def trace_train_step(
                     ref_net = build(cfg, mesh, cpu, init=False, mixed_precision=policy)[0]
                     reference = reference_model(ref_net, frozen)
                     hooks += _phase_hooks(reference, None, rec, offload_params, "reference")
-                run = step_runner(spec, net, reference, optimizer, scheduler, mesh,
-                                  grad_clip=cfg.grad_clip)  # fmt: skip
+                tower = None
+                if spec.vision is not None:  # the vision-language step
+                    tower, run, more = _vision_runner(spec.vision, cfg, mesh, net, optimizer,
+                                                      scheduler, rec, policy)  # fmt: skip
+                    hooks += more
+                    warm = max(warm, -(-spec.vision.image_tokens // sp) * sp)
+                else:
+                    run = step_runner(spec, net, reference, optimizer, scheduler, mesh,
+                                      grad_clip=cfg.grad_clip)  # fmt: skip
                 run(rank0_batch(warm, sp, spec.rows))
                 _classify_states(net, optimizer, tl, offload_params)
+                if tower is not None:
+                    _classify_states(tower[0], tower[1], tl, offload_params)
                 if reference is not None:
                     _classify_states(reference, None, tl, offload_params)
                 batch = rank0_batch(seq_len, sp, spec.rows)
@@ -336,3 +347,34 @@ def trace_train_step(
         n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used,
         breakdown=top, device=device, peak_bytes=both, step=spec.describe(),
     )  # fmt: skip
+
+
+def _vision_runner(vision: VisionSpec, cfg, mesh, net, optimizer, scheduler, rec, policy):
+    """The vision-language step's tower (FSDP2 over ``dp x sp`` like the decoder, its own
+    AdamW), its ``vision`` mark and ``run(batch)``: ``((tower, tower_optimizer), run, hooks)``."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    tower = VisionTower(vision, net.shape.dim)
+    kw: dict[str, Any] = {"mesh": flatten_dp_sp(mesh)}
+    if policy is not None:
+        kw["mp_policy"] = policy
+    for block in tower.layers:
+        fully_shard(block, **kw)
+    fully_shard(tower, **kw)
+    for m in tower.modules():
+        if isinstance(m, FSDPModule):  # the decoder's reduction: a sum (the loss is a mean)
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    tower_opt = torch.optim.AdamW(tower.parameters(), lr=cfg.lr)
+    hooks = [tower.register_forward_pre_hook(lambda _m, _a: rec.timeline.mark("vision"),
+                                             prepend=True)]  # fmt: skip
+    pixels = [torch.zeros(r, 3 * 14 * 14) for r in vision.patches]  # the batch's images
+    sp_group, group = mesh["sp"].get_group(), flatten_dp_sp(mesh).get_group()
+    sp_rank = mesh["sp"].get_local_rank()
+
+    def run(batch):
+        return vl_step(net, tower, batch, pixels, (optimizer, tower_opt), scheduler,
+                       sp_group=sp_group, sp_rank=sp_rank, group=group,
+                       grad_clip=cfg.grad_clip)  # fmt: skip
+
+    return (tower, tower_opt), run, hooks
