@@ -366,8 +366,13 @@ def _vision_runner(vision: VisionSpec, cfg, mesh, net, optimizer, scheduler, rec
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     tower_opt = torch.optim.AdamW(tower.parameters(), lr=cfg.lr)
-    hooks = [tower.register_forward_pre_hook(lambda _m, _a: rec.timeline.mark("vision"),
-                                             prepend=True)]  # fmt: skip
+    tl = rec.timeline
+    # ``vision``: the tower's forward, the gather and the projection; the decoder's forward
+    # (its embedding, the merge) starts where the tower's forward ends
+    hooks = [
+        tower.register_forward_pre_hook(lambda _m, _a: tl.mark("vision"), prepend=True),
+        tower.register_forward_hook(lambda _m, _a, _o: tl.mark("forward:embed")),
+    ]
     pixels = [torch.zeros(r, 3 * 14 * 14) for r in vision.patches]  # the batch's images
     sp_group, group = mesh["sp"].get_group(), flatten_dp_sp(mesh).get_group()
     sp_rank = mesh["sp"].get_local_rank()

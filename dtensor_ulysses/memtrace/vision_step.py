@@ -19,7 +19,9 @@ on the built-in decoder so that the tracer can take it to any preset and world s
 **The tower is an approximation** of a SigLIP / Qwen-VL vision encoder, built from the
 library's own blocks: a linear patch embedding (``3 x 14 x 14`` pixel values per patch), ``L``
 pre-norm blocks (:class:`~dtensor_ulysses.models.RMSNorm`, multi-head attention that is
-bidirectional within each image and never crosses images, the SwiGLU
+bidirectional within each image and never crosses images, through the library's local kernel
+:func:`~dtensor_ulysses.attention.local_attention` (flash-attn or SDPA's flash kernel: no
+``r x r`` scores are kept), the SwiGLU
 :class:`~dtensor_ulysses.models.FeedForward` of width ``4 D_v``), a final norm and a linear
 projector to the decoder's width. It leaves out the position encoding (2-D RoPE or learned),
 biases, LayerNorm for RMSNorm, SigLIP's GELU MLP for SwiGLU and Qwen-VL's 2 x 2 patch merger
@@ -40,9 +42,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from dtensor_ulysses.attention import local_attention
 from dtensor_ulysses.comm import all_gather_seq
 from dtensor_ulysses.data import Batch
 from dtensor_ulysses.hf.vision import assign_images
@@ -114,11 +116,12 @@ class _VisionBlock(nn.Module):
 
     def forward(self, h_mE: torch.Tensor, patches: Sequence[int]) -> torch.Tensor:
         N, H = self.n_heads, self.head_dim
-        qkv_m3NH = self.wqkv(self.attention_norm(h_mE)).view(-1, 3, N, H)
+        qkv_1m3NH = self.wqkv(self.attention_norm(h_mE)).view(1, -1, 3, N, H)
         outs, lo = [], 0
         for r in patches:  # one image at a time: attention never crosses images
-            q, k, v = (qkv_m3NH[lo : lo + r, i].transpose(0, 1) for i in range(3))  # [N, r, H]
-            outs.append(F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(r, -1))
+            q, k, v = (qkv_1m3NH[:, lo : lo + r, i] for i in range(3))  # [1, r, N, H]
+            o_1rNH = local_attention(q, k, v, causal=False)  # saves o and its log-sum-exp
+            outs.append(o_1rNH.reshape(r, -1))
             lo += r
         h_mE = h_mE + self.wo(torch.cat(outs))
         return h_mE + self.feed_forward(self.ffn_norm(h_mE).unsqueeze(0))[0]  # takes [B, s, E]

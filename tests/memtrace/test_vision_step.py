@@ -142,3 +142,19 @@ def test_vision_phase_per_rank_halves_at_sp2():
     half = (a1 - pixels) / 2
     assert 0.95 * half <= a2 - pixels <= half + unsplit, (a1, a2, pixels, unsplit)
     assert 0.45 < a2 / a1 < 0.6
+
+
+def test_cli_trace_vl_bad_input(capsys):
+    from simulations.cli import main
+
+    base = ["trace", "--model", "llama3-8b", "--seq-len", "8192", "--sp", "8"]
+    assert main([*base, "--step", "dpo", "--images", "2"]) == 2
+    assert "--images do(es) not apply to --step dpo: use --step vl" in capsys.readouterr().err
+    assert main([*base, "--step", "vl", "--images", "9", "--image-patches", "1024"]) == 2
+    assert "9,216 image tokens, more than --seq-len 8,192" in capsys.readouterr().err
+    assert main([*base, "--step", "vl", "--vision-hidden", "1000"]) == 2
+    assert "hidden=1000 must be a multiple of head_dim=64" in capsys.readouterr().err
+    assert main([*base, "--step", "vl", "--image-patches", "0"]) == 2
+    assert "--image-patches 0 must be >= 1" in capsys.readouterr().err
+    assert main(["trace", "--model", "qwen3.5-9b", "--seq-len", "8192", "--step", "vl"]) == 2
+    assert "hybrid" in capsys.readouterr().err
