@@ -21,6 +21,9 @@ model: the same tensors, in the same order.
   row's advantage, the KL term ``exp(r - l) - (r - l) - 1``, summed over valid tokens and divided
   by their global count (each token counted once over dp x sp), backward, clipping, AdamW.
 
+The vision-language step (``kind="vl"``) is in :mod:`dtensor_ulysses.memtrace.vision_step`;
+:class:`StepSpec` carries its images and tower (``vision``).
+
 The reference model is a second copy of the architecture, built and sharded by the same
 ``build`` (Ulysses + FSDP2 over ``dp x sp``), with ``requires_grad`` off: no gradients and no
 optimizer state, and its shards in the compute dtype (bf16 on a GPU: no master weights to

@@ -50,6 +50,16 @@ are in ``parameters`` from the start. Forwards without gradients add phases: ``r
 ``num_iterations > 1``: the policy without gradients), each cut per block like ``forward``, so
 the extrapolation in depth holds for them too.
 
+**The vision-language step** (``step="vl"`` with a
+:class:`~dtensor_ulysses.memtrace.vision_step.VisionSpec`,
+:mod:`dtensor_ulysses.memtrace.vision_step`): before the decoder, this rank's share of the
+images (whole images, ``du.hf``'s assignment) runs through a ViT-like tower (FSDP2 over
+``dp x sp``, its own AdamW; its states count in ``parameters`` and ``optimizer_states``), the
+features are all-gathered over sp and merged at the image tokens of this rank's slice. Phase
+``vision``: the tower's forward, the gather and the projection (the vision encoder's share per
+rank); the decoder's ``forward`` starts with its embedding (segment ``forward/embed``); the
+tower's backward is part of ``backward``.
+
 Fewer blocks (``layers``): a model with ``L`` blocks holds, in every phase, per-block amounts
 (sharded states, checkpoints, gradients) times ``L`` plus amounts that do not depend on ``L``,
 and within a phase a block's memory is linear in its index except within two blocks of either
@@ -272,7 +282,9 @@ def trace_train_step(
             per dp rank), ``"dpo"`` (:func:`~dtensor_ulysses.memtrace.steps.dpo_step`: a
             chosen and a rejected row of ``seq_len`` tokens each, a reference model) or
             ``"grpo"`` (:func:`~dtensor_ulysses.memtrace.steps.grpo_step`: ``G``
-            prompt+completion rows of ``seq_len`` tokens, a reference when ``beta > 0``).
+            prompt+completion rows of ``seq_len`` tokens, a reference when ``beta > 0``) or
+            ``"vl"`` (:func:`~dtensor_ulysses.memtrace.vision_step.vl_step`: one row whose
+            first ``images x image_patches`` tokens are image tokens, a vision tower).
         **features: :class:`~dtensor_ulysses.train.TrainConfig` fields (``tiled_loss``,
             ``tiled_mlp``, ``head_chunks``, ``offload_*``, chunk sizes).
 
