@@ -162,19 +162,19 @@ def _memtrace():
     return memtrace
 
 
-def vision_spec(case: TraceCase) -> Any:
+def vision_spec(case: TraceCase, *, check_len: bool = True) -> Any:
     """``--step vl``'s images and tower (a :class:`dtensor_ulysses.memtrace.vision_step.
     VisionSpec`) from ``case.step_options``.
 
     Raises:
-        ValueError: the tower's width is not a multiple of its head dim (64), or the images'
-            tokens do not fit in ``case.seq_len``.
+        ValueError: the tower's width is not a multiple of its head dim (64), or (with
+            ``check_len``) the images' tokens do not fit in ``case.seq_len``.
     """
     from dtensor_ulysses.memtrace.vision_step import VisionSpec
 
     names = {"vision_layers": "layers", "vision_hidden": "hidden"}
     v = VisionSpec(**{names.get(k, k): x for k, x in case.step_options})
-    if v.image_tokens > case.seq_len:
+    if check_len and v.image_tokens > case.seq_len:
         raise ValueError(
             f"{v.images} images of {v.image_patches} patches are {v.image_tokens:,} image tokens, "
             f"more than --seq-len {case.seq_len:,}: raise --seq-len or pass fewer --images / "
@@ -314,8 +314,11 @@ def find_max(
     # two probes for the secant: the simulator's guess and half of it
     if start is None:
         start = _predicted_max(case, g, capacity=cap, host_capacity=hcap)
-    u1 = max(2, start // g)
-    u0 = max(1, u1 // 2)
+    # a vision-language row holds its image tokens: no shorter length is probed
+    least = -(-vision_spec(case, check_len=False).image_tokens // g) if case.step == "vl" else 1
+    least = max(1, least)
+    u1 = max(2, start // g, least + 1)
+    u0 = max(least, u1 // 2)
     known = {u0: load(u0), u1: load(u1)}
 
     def secant(a: int, b: int) -> int:
@@ -337,11 +340,11 @@ def find_max(
         else:
             hi = u
     while lo == 0:
-        u = max(1, min(hi - 1, secant(u0, u1) if u0 != u1 else hi // 2, hi // 2))
+        u = max(least, min(hi - 1, secant(u0, u1) if u0 != u1 else hi // 2, hi // 2))
         known[u] = load(u)
         if known[u] <= 1:
             lo = u
-        elif u == 1:
+        elif u == least:
             return 0, sorted(probes, key=lambda x: x["seq_len"]), None
         else:
             hi = u

@@ -505,7 +505,7 @@ def _trace_case(a):
     )  # fmt: skip
     Workload(**{**_workload_kwargs(case)})  # validate the options (clear errors) before tracing
     if case.step == "vl":  # the images fit the row, the tower's width divides into heads
-        _trace.vision_spec(case)
+        _trace.vision_spec(case, check_len=not a.find_max)  # --find-max: from the images up
     return case
 
 
@@ -544,7 +544,12 @@ def _format_trace(obj: dict) -> str:
             f"device peak {_b(obj['device_peak_bytes'])} ({obj['peak_phase']}) of "
             f"{_b(obj['capacity_bytes'])} usable: {'fits' if obj['fits'] else 'DOES NOT FIT'}; "
             f"host {_b(obj['host_bytes'])}; simulator {_b(obj['predicted']['device_peak_bytes'])}"
-            + ("" if step["kind"] == "sft" else " (an SFT step of as many rows: no reference)")
+            + (
+                ""
+                if step["kind"] == "sft"
+                else " (an SFT step of as many rows: no "
+                + ("vision tower)" if step["kind"] == "vl" else "reference)")
+            )
         )
     if "max_seq_len" in obj:
         hcap = obj.get("host_capacity_bytes")
