@@ -224,7 +224,8 @@ def vl_step(
         pixels: each image's pixel values ``[r_i, Q]``.
         optimizers: the decoder's and the tower's optimizers (stepped in order).
         scheduler: the decoder's schedule.
-        sp_group, sp_rank: the sp group and this rank's index in it (its slice's offset).
+        sp_group: the sp group (``None``: one process encodes every image).
+        sp_rank: this rank's index in the sp group (its slice's offset in the row).
         group: the ``dp x sp`` ranks (the valid-token count).
         grad_clip: clip the norm of every gradient (decoder and tower) to this; 0: off.
 
