@@ -87,10 +87,11 @@ from typing import Any
 
 import torch
 
-from dtensor_ulysses.memory import cuda_schedule_on_cpu
+from dtensor_ulysses.memory import cuda_schedule_on_cpu, fsdp_offload_policy
 from dtensor_ulysses.memtrace._results import PhasePeak
 from dtensor_ulysses.memtrace._setup import (
     _classify_states,
+    _local,
     _n_layers,
     _phase_hooks,
     _temporary_preset,
@@ -370,6 +371,8 @@ def _vision_runner(vision: VisionSpec, cfg, mesh, net, optimizer, scheduler, rec
     kw: dict[str, Any] = {"mesh": flatten_dp_sp(mesh)}
     if policy is not None:
         kw["mp_policy"] = policy
+    if cfg.offload_params:  # as the decoder: FSDP2's CPU offload, AdamW on the host
+        kw["offload_policy"] = fsdp_offload_policy(mesh)
     for block in tower.layers:
         fully_shard(block, **kw)
     fully_shard(tower, **kw)
@@ -385,6 +388,23 @@ def _vision_runner(vision: VisionSpec, cfg, mesh, net, optimizer, scheduler, rec
         tower.register_forward_pre_hook(lambda _m, _a: tl.mark("vision"), prepend=True),
         tower.register_forward_hook(lambda _m, _a, _o: tl.mark("forward:embed")),
     ]
+    offload = bool(cfg.offload_params)
+
+    def step_pre(_opt, _args, _kwargs):  # after the decoder's step: the same bookkeeping
+        for p in tower.parameters():
+            if p.grad is not None:
+                g = _local(p.grad)
+                tl.add(g)
+                tl.set_category(g, "gradients")
+                if offload:
+                    tl.set_host(g, late=True)
+        rec.all_host = offload  # CPUOffloadPolicy: AdamW steps on host tensors
+
+    def step_post(_opt, _args, _kwargs):
+        rec.all_host = False
+
+    hooks += [tower_opt.register_step_pre_hook(step_pre),
+              tower_opt.register_step_post_hook(step_post)]  # fmt: skip
     pixels = [torch.zeros(r, 3 * 14 * 14) for r in vision.patches]  # the batch's images
     sp_group, group = mesh["sp"].get_group(), flatten_dp_sp(mesh).get_group()
     sp_rank = mesh["sp"].get_local_rank()
