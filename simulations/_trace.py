@@ -73,8 +73,9 @@ class TraceCase:
     extrapolate_from: int | None = None
     gpu: str = "h100"
     device: str = "cuda"  # "cpu": the step as the trainer runs it on a CPU (fp32, gloo)
-    # the step traced: "sft" (the trainer's), "dpo" or "grpo" (dtensor_ulysses.memtrace.steps),
-    # with its options (beta, generations, num_iterations: StepSpec's fields)
+    # the step traced: "sft" (the trainer's), "dpo" or "grpo" (dtensor_ulysses.memtrace.steps)
+    # or "vl" (memtrace.vision_step), with its options (beta, generations, num_iterations:
+    # StepSpec's fields; images, image_patches, vision_layers, vision_hidden for "vl")
     step: str = "sft"
     step_options: tuple[tuple[str, Any], ...] = ()
 
@@ -161,6 +162,27 @@ def _memtrace():
     return memtrace
 
 
+def vision_spec(case: TraceCase, *, check_len: bool = True) -> Any:
+    """``--step vl``'s images and tower (a :class:`dtensor_ulysses.memtrace.vision_step.
+    VisionSpec`) from ``case.step_options``.
+
+    Raises:
+        ValueError: the tower's width is not a multiple of its head dim (64), or (with
+            ``check_len``) the images' tokens do not fit in ``case.seq_len``.
+    """
+    from dtensor_ulysses.memtrace.vision_step import VisionSpec
+
+    names = {"vision_layers": "layers", "vision_hidden": "hidden"}
+    v = VisionSpec(**{names.get(k, k): x for k, x in case.step_options})
+    if check_len and v.image_tokens > case.seq_len:
+        raise ValueError(
+            f"{v.images} images of {v.image_patches} patches are {v.image_tokens:,} image tokens, "
+            f"more than --seq-len {case.seq_len:,}: raise --seq-len or pass fewer --images / "
+            f"--image-patches"
+        )
+    return v
+
+
 def trace(case: TraceCase, *, breakdown: int = 0) -> Any:
     """The traced step of ``case`` (a :class:`dtensor_ulysses.memtrace.StepTrace`); with
     ``breakdown=n``, the ``n`` largest storages alive at its device peak as well."""
@@ -171,7 +193,10 @@ def trace(case: TraceCase, *, breakdown: int = 0) -> Any:
     if case.step != "sft":
         from dtensor_ulysses.memtrace.steps import StepSpec
 
-        kw["step"] = StepSpec(case.step, **dict(case.step_options))
+        if case.step == "vl":
+            kw["step"] = StepSpec("vl", vision=vision_spec(case))
+        else:
+            kw["step"] = StepSpec(case.step, **dict(case.step_options))
     if breakdown:
         kw["breakdown"] = breakdown
     try:
@@ -222,8 +247,14 @@ def report(case: TraceCase, *, traced: Any = None, breakdown: int = 0) -> dict[s
     if case.step != "sft":
         out["predicted"]["note"] = (
             f"simulations.memory.estimate of an SFT step of {case.rows} rows (the simulator "
-            f"has no {case.step.upper()} model: no reference weights, no frozen forwards); "
-            f"the trace is the figure"
+            f"has no {case.step.upper()} model: "
+            + (
+                "no vision tower"
+                if case.step == "vl"
+                else "no reference weights, no frozen forwards"
+            )
+            + "); "
+            "the trace is the figure"
         )
     return out
 
@@ -283,8 +314,11 @@ def find_max(
     # two probes for the secant: the simulator's guess and half of it
     if start is None:
         start = _predicted_max(case, g, capacity=cap, host_capacity=hcap)
-    u1 = max(2, start // g)
-    u0 = max(1, u1 // 2)
+    # a vision-language row holds its image tokens: no shorter length is probed
+    least = -(-vision_spec(case, check_len=False).image_tokens // g) if case.step == "vl" else 1
+    least = max(1, least)
+    u1 = max(2, start // g, least + 1)
+    u0 = max(least, u1 // 2)
     known = {u0: load(u0), u1: load(u1)}
 
     def secant(a: int, b: int) -> int:
@@ -306,11 +340,11 @@ def find_max(
         else:
             hi = u
     while lo == 0:
-        u = max(1, min(hi - 1, secant(u0, u1) if u0 != u1 else hi // 2, hi // 2))
+        u = max(least, min(hi - 1, secant(u0, u1) if u0 != u1 else hi // 2, hi // 2))
         known[u] = load(u)
         if known[u] <= 1:
             lo = u
-        elif u == 1:
+        elif u == least:
             return 0, sorted(probes, key=lambda x: x["seq_len"]), None
         else:
             hi = u

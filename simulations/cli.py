@@ -15,6 +15,8 @@ Kept in one file (~450 lines): the parser of every subcommand and its text outpu
     python -m simulations trace --model llama3-8b --sp 8 --step dpo --find-max [features]
     python -m simulations trace --model llama3-8b --sp 8 --step grpo --generations 8 \
         --beta 0.04 --find-max [features]    # the DPO / GRPO step (memtrace/steps.py)
+    python -m simulations trace --model llama3-8b --sp 8 --step vl --images 16 \
+        --image-patches 1024 --find-max      # a vision-language step (memtrace/vision_step.py)
     python -m simulations trace-check [--config plain]   # the CPU trace against a real run
 
 Bad input prints ``error: <what and how to fix it>`` and exits 2 (no traceback).
@@ -134,11 +136,14 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
         "CPU: fp32, gloo; checked against a real run by `trace-check`)",
     )  # fmt: skip
     p.add_argument(
-        "--step", default="sft", choices=("sft", "dpo", "grpo"),
+        "--step", default="sft", choices=("sft", "dpo", "grpo", "vl"),
         help="the step traced: sft (the trainer's), dpo (policy on a chosen and a rejected row "
-        "of --seq-len tokens each, a frozen reference model, TRL's sigmoid loss) or grpo "
+        "of --seq-len tokens each, a frozen reference model, TRL's sigmoid loss), grpo "
         "(--generations rows of --seq-len prompt+completion tokens; reference when --beta > 0, "
-        "old-policy log-probs when --num-iterations > 1; TRL's dapo loss)",
+        "old-policy log-probs when --num-iterations > 1; TRL's dapo loss) or vl (a "
+        "vision-language SFT step: each rank of the sp group encodes its share of --images "
+        "whole images through a ViT-like tower, the features are all-gathered and merged at the "
+        "row's first images x patches tokens; a 'vision' phase)",
     )  # fmt: skip
     p.add_argument(
         "--beta", type=float, default=None,
@@ -154,22 +159,47 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
         help="grpo: updates per generation batch (default 1; > 1 adds the old policy's "
         "log-probs)",
     )  # fmt: skip
+    p.add_argument(
+        "--images", type=int, default=None, metavar="N",
+        help="vl: images in the row of each dp rank (default 4)",
+    )  # fmt: skip
+    p.add_argument(
+        "--image-patches", type=int, default=None, metavar="P",
+        help="vl: patches per image, one image token each (default 1024)",
+    )  # fmt: skip
+    p.add_argument(
+        "--vision-layers", type=int, default=None, metavar="L",
+        help="vl: the vision tower's blocks (default 4; SigLIP-so400m 27, Qwen2.5-VL 32)",
+    )  # fmt: skip
+    p.add_argument(
+        "--vision-hidden", type=int, default=None, metavar="D",
+        help="vl: the vision tower's width, a multiple of 64 (default 1024; SigLIP-so400m "
+        "1152, Qwen2.5-VL 1280)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+VL_OPTIONS = ("images", "image_patches", "vision_layers", "vision_hidden")  # --step vl's
 
 
 def _step_options(a: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
     """``--step``'s options as ``TraceCase.step_options`` (checked: each belongs to the step)."""
-    given = {k: getattr(a, k) for k in ("beta", "generations", "num_iterations")}
+    given = {k: getattr(a, k) for k in ("beta", "generations", "num_iterations", *VL_OPTIONS)}
     given = {k: v for k, v in given.items() if v is not None}
-    allowed = {"sft": (), "dpo": ("beta",), "grpo": ("beta", "generations", "num_iterations")}
+    allowed = {"sft": (), "dpo": ("beta",), "grpo": ("beta", "generations", "num_iterations"),
+               "vl": VL_OPTIONS}  # fmt: skip
+    grpo = "grpo (--generations and --num-iterations are GRPO's)"
+    owner = {"beta": "dpo or grpo", "generations": grpo, "num_iterations": grpo,
+             **dict.fromkeys(VL_OPTIONS, "vl")}  # fmt: skip
     wrong = [k for k in given if k not in allowed[a.step]]
     if wrong:
         flags = ", ".join("--" + k.replace("_", "-") for k in wrong)
         raise ValueError(
-            f"{flags} do(es) not apply to --step {a.step}: "
-            + ("use --step dpo or grpo" if a.step == "sft" else "--generations and "
-               "--num-iterations are GRPO's (--step grpo)")
-        )  # fmt: skip
+            f"{flags} do(es) not apply to --step {a.step}: use --step {owner[wrong[0]]}"
+        )
+    for k in VL_OPTIONS:
+        if given.get(k, 1) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} {given[k]} must be >= 1")
     if given.get("beta", 0) < 0:
         raise ValueError(f"--beta {given['beta']} must be >= 0 (e.g. 0.1 for DPO, 0.04 for GRPO)")
     if given.get("generations", 1) < 1:
@@ -474,6 +504,8 @@ def _trace_case(a):
         step_options=_step_options(a),
     )  # fmt: skip
     Workload(**{**_workload_kwargs(case)})  # validate the options (clear errors) before tracing
+    if case.step == "vl":  # the images fit the row, the tower's width divides into heads
+        _trace.vision_spec(case, check_len=not a.find_max)  # --find-max: from the images up
     return case
 
 
@@ -512,7 +544,12 @@ def _format_trace(obj: dict) -> str:
             f"device peak {_b(obj['device_peak_bytes'])} ({obj['peak_phase']}) of "
             f"{_b(obj['capacity_bytes'])} usable: {'fits' if obj['fits'] else 'DOES NOT FIT'}; "
             f"host {_b(obj['host_bytes'])}; simulator {_b(obj['predicted']['device_peak_bytes'])}"
-            + ("" if step["kind"] == "sft" else " (an SFT step of as many rows: no reference)")
+            + (
+                ""
+                if step["kind"] == "sft"
+                else " (an SFT step of as many rows: no "
+                + ("vision tower)" if step["kind"] == "vl" else "reference)")
+            )
         )
     if "max_seq_len" in obj:
         hcap = obj.get("host_capacity_bytes")

@@ -372,3 +372,65 @@ def run_calls(rank: int, world_size: int, calls: list[tuple[str, tuple]]) -> lis
         torch._dynamo.reset()
         out.append(getattr(owner, fn)(rank, world_size, *args))
     return out
+
+
+VL_PATCHES = [5, 3, 4, 7, 2]  # images of different sizes: R = 21 image tokens of a 40-token row
+
+
+def vl_setup():
+    """The vision-language step's tiny decoder, tower, images and row (float32, seeded)."""
+    from dtensor_ulysses.data import full_batch
+    from dtensor_ulysses.data.batch import IGNORE_INDEX
+    from dtensor_ulysses.memtrace.vision_step import PATCH_VALUES, VisionSpec, VisionTower
+    from dtensor_ulysses.models import build_model
+
+    torch.manual_seed(0)
+    policy = build_model("tiny", device="cpu")
+    tower = VisionTower(VisionSpec(layers=2, hidden=32, head_dim=8), policy.shape.dim)
+    with torch.no_grad():
+        for p in tower.parameters():  # gains away from 1 too
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 1.0))
+    pixels = [torch.randn(r, PATCH_VALUES) for r in VL_PATCHES]
+    ids = torch.randint(0, 200, (1, 40))
+    labels = torch.roll(ids, -1, 1)
+    labels[:, : sum(VL_PATCHES)] = IGNORE_INDEX
+    labels[:, -1] = IGNORE_INDEX
+    return policy, tower, pixels, full_batch(ids, labels)
+
+
+def vl_step_worker(rank: int, world_size: int) -> dict:
+    """``memtrace.vision_step.vl_step`` at (dp, sp) = (1, world_size): the decoder under
+    ``du.parallelize`` (Ulysses + FSDP2), the tower under FSDP2 (sum reduction), SGD lr 1: the
+    global loss, the full weights after the step, and the patches this rank encoded."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from dtensor_ulysses.data import slice_batch
+    from dtensor_ulysses.memtrace.vision_step import vl_step
+    from dtensor_ulysses.parallel import flatten_dp_sp
+
+    mesh = get_mesh(1, world_size)
+    flat = flatten_dp_sp(mesh)
+    policy, tower, pixels, batch = vl_setup()
+    policy = du.parallelize(policy, mesh, mixed_precision=None)
+    for block in tower.layers:
+        fully_shard(block, mesh=flat)
+    fully_shard(tower, mesh=flat)
+    for m in tower.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    encoded: list[int] = []
+    encode = tower.encode
+    tower.encode = lambda x, patches: (encoded.append(x.shape[0]), encode(x, patches))[1]
+    opts = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (policy, tower)]
+    sched = torch.optim.lr_scheduler.LambdaLR(opts[0], lambda _: 1.0)
+    loss = vl_step(policy, tower, slice_batch(batch, sp=world_size, sp_rank=rank), pixels, opts,
+                   sched, sp_group=mesh["sp"].get_group(), sp_rank=rank,
+                   group=flat.get_group(), grad_clip=0)  # fmt: skip
+    total = torch.tensor([loss])
+    torch.distributed.all_reduce(total)
+    weights = {
+        **{f"p.{n}": p.full_tensor().detach() for n, p in policy.named_parameters()},
+        **{f"t.{n}": p.full_tensor().detach() for n, p in tower.named_parameters()},
+    }
+    return {"loss": total.item(), "weights": weights, "encoded": encoded}

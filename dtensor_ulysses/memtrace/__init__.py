@@ -1,8 +1,8 @@
 """Memory of the real training step, traced with fake tensors on a fake process group.
 
 :mod:`.trace` has the results and :func:`trace_train_step`; :mod:`.steps` the DPO and GRPO steps
-it traces besides the trainer's; the timeline of storage events is in ``_timeline.py``, the fake
-world and the step's setup in ``_setup.py``.
+it traces besides the trainer's, :mod:`.vision_step` the vision-language step; the timeline of
+storage events is in ``_timeline.py``, the fake world and the step's setup in ``_setup.py``.
 """
 
 from __future__ import annotations
@@ -29,5 +29,6 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         extrapolate,
         trace_train_step,
     )
+    from dtensor_ulysses.memtrace.vision_step import VisionSpec
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -21,6 +21,9 @@ model: the same tensors, in the same order.
   row's advantage, the KL term ``exp(r - l) - (r - l) - 1``, summed over valid tokens and divided
   by their global count (each token counted once over dp x sp), backward, clipping, AdamW.
 
+The vision-language step (``kind="vl"``) is in :mod:`dtensor_ulysses.memtrace.vision_step`;
+:class:`StepSpec` carries its images and tower (``vision``).
+
 The reference model is a second copy of the architecture, built and sharded by the same
 ``build`` (Ulysses + FSDP2 over ``dp x sp``), with ``requires_grad`` off: no gradients and no
 optimizer state, and its shards in the compute dtype (bf16 on a GPU: no master weights to
@@ -54,6 +57,7 @@ from torch.distributed.fsdp import FSDPModule
 from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.data import Batch
 from dtensor_ulysses.data.batch import IGNORE_INDEX
+from dtensor_ulysses.memtrace.vision_step import VisionSpec
 from dtensor_ulysses.models.loss import tiled_token_logps
 from dtensor_ulysses.parallel import global_valid_tokens
 
@@ -72,7 +76,7 @@ __all__ = [
     "step_runner",
 ]
 
-STEP_KINDS = ("sft", "dpo", "grpo")
+STEP_KINDS = ("sft", "dpo", "grpo", "vl")
 DEFAULT_CHUNK_TOKENS = 4096  # rows of logits at a time when the model has no loss_chunk_tokens
 
 
@@ -81,13 +85,17 @@ class StepSpec:
     """Which training step is traced, and its loss's options.
 
     Attributes:
-        kind: ``"sft"`` (the trainer's step), ``"dpo"`` or ``"grpo"``.
+        kind: ``"sft"`` (the trainer's step), ``"dpo"``, ``"grpo"`` or ``"vl"`` (a
+            vision-language SFT step, :mod:`dtensor_ulysses.memtrace.vision_step`).
         beta: DPO's temperature (default 0.1, TRL's), GRPO's KL coefficient (default 0.0, TRL's:
             no reference model).
         generations: GRPO's completions per prompt ``G``: the rows of a dp rank's micro-batch.
         num_iterations: GRPO's updates per generation batch (> 1: old-policy log-probabilities
             are computed before the step, without gradients).
         epsilon: GRPO's clipping range.
+        vision: the vision-language step's images and vision tower
+            (:class:`~dtensor_ulysses.memtrace.vision_step.VisionSpec`; ``kind="vl"`` only,
+            default ``VisionSpec()``).
     """
 
     kind: str = "sft"
@@ -95,10 +103,15 @@ class StepSpec:
     generations: int = 8
     num_iterations: int = 1
     epsilon: float = 0.2
+    vision: VisionSpec | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
             raise ValueError(f"step={self.kind!r}: trace one of {', '.join(STEP_KINDS)}")
+        if self.vision is not None and self.kind != "vl":
+            raise ValueError(f"images and a vision tower belong to step='vl', not {self.kind!r}")
+        if self.kind == "vl" and self.vision is None:
+            object.__setattr__(self, "vision", VisionSpec())
         if self.generations < 1:
             raise ValueError(
                 f"generations={self.generations}: GRPO needs G >= 1 completions per prompt "
@@ -119,7 +132,7 @@ class StepSpec:
     @property
     def rows(self) -> int:
         """Rows of one dp rank's micro-batch: 1 (SFT), 2 (a DPO pair), ``G`` (GRPO)."""
-        return {"sft": 1, "dpo": 2, "grpo": self.generations}[self.kind]
+        return {"sft": 1, "dpo": 2, "grpo": self.generations, "vl": 1}[self.kind]
 
     @property
     def has_reference(self) -> bool:
@@ -135,6 +148,11 @@ class StepSpec:
         """The step's options as the trace reports them."""
         out: dict[str, Any] = {"kind": self.kind, "rows_per_dp_rank": self.rows}
         if self.kind == "sft":
+            return out
+        if self.vision is not None:
+            v = self.vision
+            out.update(images=v.images, image_patches=v.image_patches, vision_layers=v.layers,
+                       vision_hidden=v.hidden)  # fmt: skip
             return out
         out.update(beta=self.loss_beta, reference_model=self.has_reference)
         if self.kind == "grpo":
@@ -338,6 +356,8 @@ def step_runner(
     from dtensor_ulysses.train import train_step
 
     group = flatten_dp_sp(mesh).get_group()
+    if spec.kind == "vl":
+        raise ValueError("the vision-language step is run by trace_train_step (it needs a tower)")
     if spec.kind == "sft":
         return lambda b: train_step(
             policy, b, optimizer, scheduler, group=group, grad_clip=grad_clip

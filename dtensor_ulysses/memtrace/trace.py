@@ -50,6 +50,16 @@ are in ``parameters`` from the start. Forwards without gradients add phases: ``r
 ``num_iterations > 1``: the policy without gradients), each cut per block like ``forward``, so
 the extrapolation in depth holds for them too.
 
+**The vision-language step** (``step="vl"`` with a
+:class:`~dtensor_ulysses.memtrace.vision_step.VisionSpec`,
+:mod:`dtensor_ulysses.memtrace.vision_step`): before the decoder, this rank's share of the
+images (whole images, ``du.hf``'s assignment) runs through a ViT-like tower (FSDP2 over
+``dp x sp``, its own AdamW; its states count in ``parameters`` and ``optimizer_states``), the
+features are all-gathered over sp and merged at the image tokens of this rank's slice. Phase
+``vision``: the tower's forward, the gather and the projection (the vision encoder's share per
+rank); the decoder's ``forward`` starts with its embedding (segment ``forward/embed``); the
+tower's backward is part of ``backward``.
+
 Fewer blocks (``layers``): a model with ``L`` blocks holds, in every phase, per-block amounts
 (sharded states, checkpoints, gradients) times ``L`` plus amounts that do not depend on ``L``,
 and within a phase a block's memory is linear in its index except within two blocks of either
@@ -77,10 +87,11 @@ from typing import Any
 
 import torch
 
-from dtensor_ulysses.memory import cuda_schedule_on_cpu
+from dtensor_ulysses.memory import cuda_schedule_on_cpu, fsdp_offload_policy
 from dtensor_ulysses.memtrace._results import PhasePeak
 from dtensor_ulysses.memtrace._setup import (
     _classify_states,
+    _local,
     _n_layers,
     _phase_hooks,
     _temporary_preset,
@@ -90,6 +101,7 @@ from dtensor_ulysses.memtrace._setup import (
     trace_config,
 )
 from dtensor_ulysses.memtrace.steps import StepSpec, reference_model, step_runner
+from dtensor_ulysses.memtrace.vision_step import VisionSpec, VisionTower, vl_step
 from dtensor_ulysses.parallel import default_mixed_precision, flatten_dp_sp
 from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS
 from dtensor_ulysses.train import build
@@ -103,8 +115,9 @@ __all__ = [
 ]
 
 # every phase a traced step can have (GRPO's old policy and the reference model run without
-# gradients; a DPO step runs its reference after the policy's forward, TRL's order)
-PHASES = ("old_policy", "reference", "forward", "loss", "backward", "optimizer")
+# gradients; a DPO step runs its reference after the policy's forward, TRL's order; a
+# vision-language step encodes its share of the images, ``vision``, before the decoder)
+PHASES = ("old_policy", "reference", "vision", "forward", "loss", "backward", "optimizer")
 TRACE_DEVICES = ("cuda", "cpu")
 
 
@@ -270,7 +283,9 @@ def trace_train_step(
             per dp rank), ``"dpo"`` (:func:`~dtensor_ulysses.memtrace.steps.dpo_step`: a
             chosen and a rejected row of ``seq_len`` tokens each, a reference model) or
             ``"grpo"`` (:func:`~dtensor_ulysses.memtrace.steps.grpo_step`: ``G``
-            prompt+completion rows of ``seq_len`` tokens, a reference when ``beta > 0``).
+            prompt+completion rows of ``seq_len`` tokens, a reference when ``beta > 0``) or
+            ``"vl"`` (:func:`~dtensor_ulysses.memtrace.vision_step.vl_step`: one row whose
+            first ``images x image_patches`` tokens are image tokens, a vision tower).
         **features: :class:`~dtensor_ulysses.train.TrainConfig` fields (``tiled_loss``,
             ``tiled_mlp``, ``head_chunks``, ``offload_*``, chunk sizes).
 
@@ -316,10 +331,19 @@ def trace_train_step(
                     ref_net = build(cfg, mesh, cpu, init=False, mixed_precision=policy)[0]
                     reference = reference_model(ref_net, frozen)
                     hooks += _phase_hooks(reference, None, rec, offload_params, "reference")
-                run = step_runner(spec, net, reference, optimizer, scheduler, mesh,
-                                  grad_clip=cfg.grad_clip)  # fmt: skip
+                tower = None
+                if spec.vision is not None:  # the vision-language step
+                    tower, run, more = _vision_runner(spec.vision, cfg, mesh, net, optimizer,
+                                                      scheduler, rec, policy)  # fmt: skip
+                    hooks += more
+                    warm = max(warm, -(-spec.vision.image_tokens // sp) * sp)
+                else:
+                    run = step_runner(spec, net, reference, optimizer, scheduler, mesh,
+                                      grad_clip=cfg.grad_clip)  # fmt: skip
                 run(rank0_batch(warm, sp, spec.rows))
                 _classify_states(net, optimizer, tl, offload_params)
+                if tower is not None:
+                    _classify_states(tower[0], tower[1], tl, offload_params)
                 if reference is not None:
                     _classify_states(reference, None, tl, offload_params)
                 batch = rank0_batch(seq_len, sp, spec.rows)
@@ -336,3 +360,58 @@ def trace_train_step(
         n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used,
         breakdown=top, device=device, peak_bytes=both, step=spec.describe(),
     )  # fmt: skip
+
+
+def _vision_runner(vision: VisionSpec, cfg, mesh, net, optimizer, scheduler, rec, policy):
+    """The vision-language step's tower (FSDP2 over ``dp x sp`` like the decoder, its own
+    AdamW), its ``vision`` mark and ``run(batch)``: ``((tower, tower_optimizer), run, hooks)``."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    tower = VisionTower(vision, net.shape.dim)
+    kw: dict[str, Any] = {"mesh": flatten_dp_sp(mesh)}
+    if policy is not None:
+        kw["mp_policy"] = policy
+    if cfg.offload_params:  # as the decoder: FSDP2's CPU offload, AdamW on the host
+        kw["offload_policy"] = fsdp_offload_policy(mesh)
+    for block in tower.layers:
+        fully_shard(block, **kw)
+    fully_shard(tower, **kw)
+    for m in tower.modules():
+        if isinstance(m, FSDPModule):  # the decoder's reduction: a sum (the loss is a mean)
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    tower_opt = torch.optim.AdamW(tower.parameters(), lr=cfg.lr)
+    tl = rec.timeline
+    # ``vision``: the tower's forward, the gather and the projection; the decoder's forward
+    # (its embedding, the merge) starts where the tower's forward ends
+    hooks = [
+        tower.register_forward_pre_hook(lambda _m, _a: tl.mark("vision"), prepend=True),
+        tower.register_forward_hook(lambda _m, _a, _o: tl.mark("forward:embed")),
+    ]
+    offload = bool(cfg.offload_params)
+
+    def step_pre(_opt, _args, _kwargs):  # after the decoder's step: the same bookkeeping
+        for p in tower.parameters():
+            if p.grad is not None:
+                g = _local(p.grad)
+                tl.add(g)
+                tl.set_category(g, "gradients")
+                if offload:
+                    tl.set_host(g, late=True)
+        rec.all_host = offload  # CPUOffloadPolicy: AdamW steps on host tensors
+
+    def step_post(_opt, _args, _kwargs):
+        rec.all_host = False
+
+    hooks += [tower_opt.register_step_pre_hook(step_pre),
+              tower_opt.register_step_post_hook(step_post)]  # fmt: skip
+    pixels = [torch.zeros(r, 3 * 14 * 14) for r in vision.patches]  # the batch's images
+    sp_group, group = mesh["sp"].get_group(), flatten_dp_sp(mesh).get_group()
+    sp_rank = mesh["sp"].get_local_rank()
+
+    def run(batch):
+        return vl_step(net, tower, batch, pixels, (optimizer, tower_opt), scheduler,
+                       sp_group=sp_group, sp_rank=sp_rank, group=group,
+                       grad_clip=cfg.grad_clip)  # fmt: skip
+
+    return (tower, tower_opt), run, hooks

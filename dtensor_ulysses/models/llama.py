@@ -30,6 +30,8 @@ Typical use::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,8 +51,13 @@ from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_s
 from dtensor_ulysses.plan.presets import PRESETS, ModelShape, get_shape, training_flops_per_token
 from dtensor_ulysses.plan.splits import SeqLayout
 
+EmbedFn = Callable[[torch.Tensor], torch.Tensor]
+"""``embed_fn(h[B, s, D]) -> h[B, s, D]``: a change of the token embeddings before the first
+block (:meth:`Transformer.forward`)."""
+
 __all__ = [
     "Attention",
+    "EmbedFn",
     "build_model",
     "model_flops_per_token",
     "set_tiling",
@@ -165,6 +172,7 @@ class Transformer(nn.Module):
         position_ids_Bs: torch.Tensor,
         *,
         layout: SeqLayout | None = None,
+        embed_fn: EmbedFn | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``h[B, s, D]`` (for a tiled loss).
 
@@ -176,6 +184,9 @@ class Transformer(nn.Module):
                 the sequence pieces per sp rank (uneven when sp does not divide ``S``) and,
                 for packed documents, where each document starts (attention never crosses a
                 start). ``None``: one piece per rank, equal, no documents.
+            embed_fn: ``embed_fn(h[B, s, D]) -> h[B, s, D]`` applied to the token embeddings
+                before the first block (e.g. image features merged at the image tokens of this
+                slice); ``None``: the embeddings as they are.
         """
         if input_ids_Bs.shape != position_ids_Bs.shape:
             raise ValueError(
@@ -183,6 +194,8 @@ class Transformer(nn.Module):
                 f"{tuple(position_ids_Bs.shape)} must have the same [B, s] shape"
             )
         h_BsD = self.tok_embeddings(input_ids_Bs)
+        if embed_fn is not None:
+            h_BsD = embed_fn(h_BsD)
         cos_Bs1R, sin_Bs1R = rope_cos_sin(
             position_ids_Bs, self.shape.head_dim, self.shape.rope_theta, _compute_dtype(h_BsD.dtype)
         )
@@ -203,6 +216,7 @@ class Transformer(nn.Module):
         layout: SeqLayout | None = None,
         labels: torch.Tensor | None = None,
         head_fn: HeadFn | None = None,
+        embed_fn: EmbedFn | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, s, V]`` for this rank's slice; with ``labels``, the loss instead.
 
@@ -214,8 +228,9 @@ class Transformer(nn.Module):
         backward: no ``[B, s, V]`` tensor ever exists. With ``labels`` and ``head_fn``, the
         output is ``head_fn(h_BsD, weight_VD, labels_Bs)`` (e.g. per-token log-probabilities for
         a preference or RL loss), computed inside the output head's forward like the loss.
+        ``embed_fn``: see :meth:`forward_hidden`.
         """
-        h_BsD = self.forward_hidden(input_ids_Bs, position_ids_Bs, layout=layout)
+        h_BsD = self.forward_hidden(input_ids_Bs, position_ids_Bs, layout=layout, embed_fn=embed_fn)
         chunk = self.loss_chunk_tokens if labels is not None else None
         if self.output is not None:  # through the module, so its FSDP2 hooks run
             return self.output(h_BsD, labels, chunk, head_fn)

@@ -126,6 +126,7 @@ def _world2_calls(checkpoints: Path) -> dict:
         "compiled_model": ("compiled_model_worker", ("aot_eager",)),
         "trainer_compile": ("train_workers.run_training", ([dict(_cfg(), dp=1, sp=2, steps=3,
                             compile="aot_eager", activation_checkpointing=True)],)),
+        "vl_step": ("vl_step_worker", ()),
     }  # fmt: skip
 
 
@@ -494,3 +495,30 @@ def test_kv_move_while_q_is_projected(qk_norm, world2):
         assert sorted(r["backward"]) == sorted([f"a2a {q} sync", f"a2a {q} sync",
                                                 f"a2a {kv} sync"])  # fmt: skip
         assert r["fused_backward"] == [f"a2a {q} sync", f"a2a {q + kv} sync"]
+
+
+@pytest.mark.timeout(900)
+def test_vl_step_at_sp2_equals_one_process(world2):
+    """The traced vision-language step (``memtrace/vision_step.py``) run for real at
+    (dp, sp) = (1, 2) on gloo (decoder under Ulysses + FSDP2, tower under FSDP2, five images of
+    different sizes split whole between the two ranks): the global loss and every weight after
+    an SGD step equal the same step in one process (itself checked against a plain computation
+    in tests/memtrace/test_vision_step.py); each image is encoded on exactly one rank."""
+    from dtensor_ulysses.memtrace.vision_step import vl_step
+
+    policy, tower, pixels, batch = feature_workers.vl_setup()
+    opts = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (policy, tower)]
+    sched = torch.optim.lr_scheduler.LambdaLR(opts[0], lambda _: 1.0)
+    loss = vl_step(policy, tower, batch, pixels, opts, sched, grad_clip=0)
+    want = {
+        **{f"p.{n}": p.detach() for n, p in policy.named_parameters()},
+        **{f"t.{n}": p.detach() for n, p in tower.named_parameters()},
+    }
+    ranks = world2["vl_step"]
+    encoded = [sum(r["encoded"]) for r in ranks]
+    assert sum(encoded) == sum(feature_workers.VL_PATCHES) and min(encoded) > 0, encoded
+    for r in ranks:
+        assert r["loss"] == pytest.approx(loss, rel=1e-6)
+        assert set(r["weights"]) == set(want)
+        for n, w in want.items():
+            torch.testing.assert_close(r["weights"][n], w, rtol=1e-5, atol=1e-6, msg=n)
