@@ -70,7 +70,9 @@ def _worker(rank: int, world: int, cfg: dict, variant: str) -> dict:
     g = torch.Generator().manual_seed(1)
     pixels = torch.randn(int(grid.prod(-1).sum()), patch, generator=g)
     if variant == "split":
-        route_vision(model, dist.group.WORLD)
+        group = dist.group.WORLD
+        assert group is not None  # run_local_world set it up
+        route_vision(model, group)
     base = model.model
     times, comm, feats = [], {}, None
     saved: dict[int, int] = {}  # storage -> bytes of the tensors autograd saves for backward
