@@ -55,6 +55,7 @@ from dtensor_ulysses.hf.batch import shard_batch
 from dtensor_ulysses.hf.trainer import (
     UnsupportedTrainerError,
     _refusals_in_one_line,
+    _refuse_batch_keys,
     _UlyssesTrainer,
 )
 
@@ -188,15 +189,7 @@ class _UlyssesReward:
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: Any = None):  # fmt: skip
         mode = "train" if self.model.training else "eval"
-        extra = sorted(
-            k for k, v in inputs.items()
-            if k not in _READ | _DROPPED and isinstance(v, torch.Tensor)
-        )  # fmt: skip
-        if extra:
-            raise UnsupportedTrainerError(
-                f"batch keys {extra} cannot be cut into sequence slices by with_ulysses (the "
-                f"reward step reads {sorted(_READ)}); remove them from the collator's output"
-            )
+        _refuse_batch_keys(inputs, _READ, _DROPPED, "the reward step")
         ids_BS, mask_BS = inputs["input_ids"], inputs.get("attention_mask")
         hf: Any = _trainer_state.base_model(model)
         pad_id = hf.config.get_text_config().pad_token_id

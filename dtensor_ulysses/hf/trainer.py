@@ -290,6 +290,20 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     return type(f"Ulysses{cls.__name__}", bases, attrs)
 
 
+def _refuse_batch_keys(inputs: dict, read: set[str], dropped: set[str], who: str) -> None:
+    """Refuse the batch's tensors that a step neither reads (``read``) nor replaces
+    (``dropped``): with_ulysses could not cut them into sequence slices. ``who`` names the step
+    in the message ("it", "the reward step")."""
+    extra = sorted(
+        k for k, v in inputs.items() if k not in read | dropped and isinstance(v, torch.Tensor)
+    )
+    if extra:
+        raise UnsupportedTrainerError(
+            f"batch keys {extra} cannot be cut into sequence slices by with_ulysses ({who} "
+            f"reads {sorted(read)}); remove them from the collator's output"
+        )
+
+
 def _refuse_args(args: Any, sp: int, *, own_loss: bool = False) -> None:
     """The training arguments with_ulysses cannot make exact; ``own_loss``: a trainer family
     whose mixin checks its own ``loss_type``."""
@@ -641,15 +655,7 @@ class _UlyssesTrainer:
         read = _READ | set(VISION_KEYS) | set(VIDEO_KEYS) if vision else _READ
         if vision:
             refuse_video(inputs, _trainer_state.base_model(model))
-        extra = sorted(
-            k for k, v in inputs.items()
-            if k not in read | _DROPPED and isinstance(v, torch.Tensor)
-        )  # fmt: skip
-        if extra:
-            raise UnsupportedTrainerError(
-                f"batch keys {extra} cannot be cut into sequence slices by with_ulysses (it "
-                f"reads {sorted(read)}); remove them from the collator's output"
-            )
+        _refuse_batch_keys(inputs, read, _DROPPED, "it")
         mesh = self._du_mesh
         sb = shard_batch(inputs, mesh, count_valid=False)
         group = flatten_dp_sp(mesh).get_group()
