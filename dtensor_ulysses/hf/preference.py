@@ -55,17 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtensor_ulysses.hf import _trainer_state
 from dtensor_ulysses.hf.logps import token_rows
-from dtensor_ulysses.hf.model import _parallelize_root
-from dtensor_ulysses.hf.routing import check_supported
 from dtensor_ulysses.hf.trainer import (
     UnsupportedTrainerError,
-    _compute_dtype,
     _refusals_in_one_line,
-    _refuse_attention_dropout,
 )
-from dtensor_ulysses.parallel import flatten_dp_sp
 
 __all__: list[str] = []
 
@@ -167,7 +161,7 @@ class _UlyssesPreference:
                 f"with a preference loss is not made exact yet; set router_aux_loss_coef=0.0"
             )
         if self.ref_model is not None:
-            self.ref_model = self._du_parallelize_reference(self.ref_model)
+            self.ref_model = self._du_parallelize_reference(self.ref_model)  # type: ignore[attr-defined]
         deferred, self._du_deferred = self._du_deferred, None
         for key, name, batch_size in deferred:  # precompute_ref_log_probs, now sharded
             data = getattr(self, key)
@@ -192,24 +186,6 @@ class _UlyssesPreference:
         if not isinstance(model, _SlicedLM):
             model = _SlicedLM(self, model, stats=False)
         return super().compute_ref_log_probs(model, inputs)  # type: ignore[misc]
-
-    def _du_parallelize_reference(self, ref: nn.Module) -> nn.Module:
-        """The reference model on the policy's mesh: Ulysses + FSDP2, frozen."""
-        hf: Any = _trainer_state.base_model(ref)
-        check_supported(hf)
-        _refuse_attention_dropout(ref, self.args)
-        ref.requires_grad_(False)
-        # one set of weights on every rank (FSDP2 keeps each rank's own shard values)
-        _trainer_state.start_from_rank0(ref, flatten_dp_sp(self._du_mesh).get_group(),
-                                        self.args.device)  # fmt: skip
-        o = self._du_options
-        ref = _parallelize_root(
-            ref, hf, self._du_mesh, activation_checkpointing=False, offload_activations=False,
-            offload_params=o["offload_params"], head_chunks=o["head_chunks"],
-            mixed_precision=o["mixed_precision"], attention_backend=o["attention_backend"],
-            allow_uneven_heads=o["allow_uneven_heads"], compute_dtype=_compute_dtype(self.args),
-        )  # fmt: skip
-        return ref.eval()
 
     def _du_reference_keys(self, ref_out: tuple) -> dict[str, Any]:
         raise NotImplementedError

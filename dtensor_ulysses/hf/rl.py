@@ -73,11 +73,9 @@ from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.hf import _trainer_state
 from dtensor_ulysses.hf._trainer_accel import dp_gather
 from dtensor_ulysses.hf.batch import shard_batch
-from dtensor_ulysses.hf.model import _parallelize_root
 from dtensor_ulysses.hf.routing import plain_attention
 from dtensor_ulysses.hf.trainer import (
     UnsupportedTrainerError,
-    _compute_dtype,
     _refusals_in_one_line,
     _UlyssesTrainer,
 )
@@ -177,7 +175,7 @@ class _UlyssesRL:
         # the stock trainer's own rule for gradient accumulation (the shared mixin set its own)
         self.__dict__.pop("loss_is_scaled_for_ga", None)
         if getattr(self, "ref_model", None) is not None:
-            self.ref_model = self._du_parallelize_ref(self.ref_model)
+            self.ref_model = self._du_parallelize_reference(self.ref_model)  # type: ignore[attr-defined]
         # reward models run whole on sp rank 0 of each group: on this rank's device (the shared
         # accelerator places no model itself; FSDP2 places the sharded ones)
         for func in self.reward_funcs:
@@ -187,18 +185,6 @@ class _UlyssesRL:
         from accelerate.utils import set_seed
 
         set_seed(self.args.seed + self._du_mesh.get_local_rank(DP_AXIS))
-
-    def _du_parallelize_ref(self, ref: nn.Module) -> nn.Module:
-        o = self._du_options
-        ref.requires_grad_(False)
-        hf: Any = _trainer_state.base_model(ref)
-        return _parallelize_root(
-            ref, hf, self._du_mesh,
-            activation_checkpointing=False, offload_activations=False,
-            offload_params=o["offload_params"], head_chunks=o["head_chunks"],
-            mixed_precision=o["mixed_precision"], attention_backend=o["attention_backend"],
-            allow_uneven_heads=o["allow_uneven_heads"], compute_dtype=_compute_dtype(self.args),
-        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     # the stock step's collectives over dp

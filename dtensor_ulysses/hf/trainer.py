@@ -613,6 +613,26 @@ class _UlyssesTrainer:
             compute_dtype=_compute_dtype(self.args),
         )  # fmt: skip
 
+    def _du_parallelize_reference(self, ref: nn.Module) -> nn.Module:
+        """A family's reference model on the policy's mesh: the same checks, rank 0's weights
+        on every rank, Ulysses + FSDP2 as the policy, frozen (no gradients, no optimizer
+        state, no activation checkpointing)."""
+        hf: Any = _trainer_state.base_model(ref)
+        check_supported(hf)
+        _refuse_attention_dropout(ref, self.args)
+        ref.requires_grad_(False)
+        _trainer_state.start_from_rank0(
+            ref, flatten_dp_sp(self._du_mesh).get_group(), self.args.device
+        )
+        o = self._du_options
+        ref = _parallelize_root(
+            ref, hf, self._du_mesh, activation_checkpointing=False, offload_activations=False,
+            offload_params=o["offload_params"], head_chunks=o["head_chunks"],
+            mixed_precision=o["mixed_precision"], attention_backend=o["attention_backend"],
+            allow_uneven_heads=o["allow_uneven_heads"], compute_dtype=_compute_dtype(self.args),
+        )  # fmt: skip
+        return ref.eval()
+
     def create_optimizer(self, *args: Any, **kwargs: Any):
         # a forward before training (evaluate) leaves the root unsharded; the optimizer must
         # hold the sharded parameters
