@@ -61,7 +61,7 @@ def _model(cfg: dict):
 def _worker(rank: int, world: int, cfg: dict, variant: str) -> dict:
     torch.set_num_threads(cfg["threads"])
     from dtensor_ulysses.debug import CommCounter
-    from dtensor_ulysses.hf.vision import assign_images, route_vision
+    from dtensor_ulysses.hf.models.vision import assign_images, route_vision
 
     model = _model(cfg)
     grids = [GRIDS[i % len(GRIDS)] for i in range(cfg["images"])]
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, cfg: dict, variant: str) -> dict:
 def _one_process(cfg: dict, P: int) -> dict:
     """Forward+backward of all images vs of the largest rank's share, in this one process (no
     other rank competing for the cores): the compute the split saves, without the scheduler."""
-    from dtensor_ulysses.hf.vision import assign_images
+    from dtensor_ulysses.hf.models.vision import assign_images
 
     torch.set_num_threads(cfg["threads"])
     model = _model(cfg)

@@ -164,7 +164,7 @@ def reference(model_dir: str, packed: bool) -> dict:
 
 
 def _mixers(model) -> list:
-    from dtensor_ulysses.hf.mixers import is_sequence_mixer
+    from dtensor_ulysses.hf.models.mixers import is_sequence_mixer
 
     return [m for m in model.modules() if is_sequence_mixer(m)]
 

@@ -33,7 +33,7 @@ def make_config(family: str):
         linear_value_head_dim=4, linear_conv_kernel_dim=4, layer_types=_LAYER_TYPES,
         tie_word_embeddings=False,
     )  # fmt: skip
-    # the router loss on (and weighty): with_ulysses must make it global (hf/moe.py)
+    # the router loss on (and weighty): with_ulysses must make it global (hf/models/moe.py)
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                shared_expert_intermediate_size=16, output_router_logits=True,
                router_aux_loss_coef=0.1)  # fmt: skip

@@ -199,7 +199,7 @@ def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int 
 
     from dtensor_ulysses import hf
     from dtensor_ulysses.attention import model_kernels
-    from dtensor_ulysses.hf.vision import vision_model_inputs
+    from dtensor_ulysses.hf.models.vision import vision_model_inputs
     from dtensor_ulysses.models import cross_entropy_sum
     from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
 

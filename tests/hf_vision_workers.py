@@ -183,7 +183,7 @@ def split_check(
     gradients summed over ranks; the vision tower's calls (images it saw) and the collectives."""
     from dtensor_ulysses.comm import all_gather_seq_bytes
     from dtensor_ulysses.debug import CommCounter
-    from dtensor_ulysses.hf.vision import assign_images, route_vision
+    from dtensor_ulysses.hf.models.vision import assign_images, route_vision
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
@@ -249,7 +249,7 @@ def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int 
     from torch.distributed.tensor import DTensor
 
     from dtensor_ulysses import hf
-    from dtensor_ulysses.hf.vision import vision_model_inputs
+    from dtensor_ulysses.hf.models.vision import vision_model_inputs
     from dtensor_ulysses.models import cross_entropy_sum
     from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
 

@@ -47,7 +47,12 @@ LAYERS: list[set[str]] = [
     {"attention", "data"},
     {"models"},
     {"parallel"},
+    # the Hugging Face door, by concern: its batch and data helpers (hf/*.py), the model side,
+    # the trainers on top (never the reverse), then its facade (hf/__init__.py)
     {"hf"},
+    {"hf.models"},
+    {"hf.trainers"},
+    {"hf.__init__"},
     {"train"},
     {"__init__"},
     {"memtrace", "demo", "launch"},
@@ -142,10 +147,23 @@ def module_file(module: str, root: Path = ROOT) -> Path | None:
     return None
 
 
+# subpackages whose folders are floors of their own: ``hf/models/...`` is unit ``hf.models``,
+# ``hf/batch.py`` unit ``hf``, ``hf/__init__.py`` (the facade above its floors) ``hf.__init__``
+FLOORED = ("hf",)
+
+
 def unit(path: Path, root: Path = ROOT) -> str:
-    """The layer unit of a library file: its subpackage, or its own name in the package root."""
+    """The layer unit of a library file: its subpackage (a floor of a floored one), or its own
+    name in the package root."""
     parts = path.relative_to(root / "dtensor_ulysses").parts
-    return parts[0] if len(parts) > 1 else Path(parts[0]).stem
+    if len(parts) == 1:
+        return Path(parts[0]).stem
+    if parts[0] in FLOORED:
+        if len(parts) > 2:
+            return f"{parts[0]}.{parts[1]}"
+        if parts[1] == "__init__.py":
+            return f"{parts[0]}.__init__"
+    return parts[0]
 
 
 def library_files(root: Path = ROOT) -> list[Path]:
@@ -207,6 +225,54 @@ def import_cycles(root: Path = ROOT) -> list[list[str]]:
         if f not in index:
             connect(f)
     return groups
+
+
+# the library modules that may import a module whose name is computed, and why: the facades'
+# lazy map (their names are the TYPE_CHECKING imports the scan reads), flash-attn's modules,
+# the checkpoint unpickler's allow-list (exact module and name, nothing of the library)
+DYNAMIC_IMPORTS = {"_public.py", "attention/_flash_seam.py", "_safe_pickle.py"}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
+def string_named_modules(root: Path = ROOT) -> list[str]:
+    """Library modules named by a string (a table of ``"dtensor_ulysses.x.y"`` names to load,
+    ``import_module`` of one), which the import scan cannot see as an arrow; and computed
+    imports outside :data:`DYNAMIC_IMPORTS`."""
+    bad = []
+    for path in library_files(root):
+        rel = path.relative_to(root / "dtensor_ulysses").as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and id(node) not in docs
+                and node.value.startswith("dtensor_ulysses.")
+                and all(part.isidentifier() for part in node.value.split("."))
+                and module_file(node.value, root) is not None
+            ):
+                bad.append(f"{_rel(path, root)}:{node.lineno} names the module {node.value!r}")
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None))
+                in ("import_module", "__import__")
+                and node.args
+                and not isinstance(node.args[0], ast.Constant)
+                and rel not in DYNAMIC_IMPORTS
+            ):
+                bad.append(f"{_rel(path, root)}:{node.lineno} imports a computed module name")
+    return bad
 
 
 def _owner(path: Path) -> Path:
@@ -360,6 +426,14 @@ def test_no_import_cycles():
     )
 
 
+def test_no_library_module_is_named_by_a_string():
+    bad = string_named_modules()
+    assert not bad, (
+        "import library modules by name (a static table or registration the import graph "
+        "sees), never by a string:\n" + "\n".join(bad)
+    )
+
+
 def test_private_modules_and_names_stay_in_their_folder():
     bad = private_crossings()
     assert not bad, "private modules and names stay in the folder that owns them:\n" + "\n".join(
@@ -427,7 +501,7 @@ def test_hf_without_transformers_is_one_line_naming_the_extra():
         "            raise ImportError(name)\n"
         "sys.meta_path.insert(0, F())\n"
         "import dtensor_ulysses.train.loop\n"
-        "import dtensor_ulysses.hf.model\n"
+        "import dtensor_ulysses.hf.models.pretrained\n"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     last = run.stderr.strip().splitlines()[-1]
@@ -466,10 +540,28 @@ def test_the_checkers_catch_what_they_forbid(tmp_path):
                 "from dtensor_ulysses.models._layers import X\n"  # private module, other folder
                 "from dtensor_ulysses.plan.splits import _helper\n"  # private name
             ),
+            "hf/__init__.py": "from dtensor_ulysses.hf.trainers import wrap\n",  # the facade
+            "hf/batch.py": "",
+            "hf/models/__init__.py": "",
+            "hf/models/routing.py": "from dtensor_ulysses.hf.trainers.wrap import X\n",  # up
+            "hf/trainers/__init__.py": "",
+            "hf/trainers/wrap.py": (
+                '"""A docstring naming dtensor_ulysses.hf.batch is fine."""\n'
+                "import importlib\nfrom dtensor_ulysses.hf.models import routing\n"
+                "FAMILIES = {'DPO': ('dtensor_ulysses.hf.trainers.dpo', 'Mixin')}\n"  # a string
+                "def load(name):\n    return importlib.import_module(name)\n"  # computed
+            ),
+            "hf/trainers/dpo.py": "from dtensor_ulysses.hf.batch import x\n",
         },
     )
     up = "\n".join(upward_imports(root))
     assert "plan/splits.py:1" in up and "models/_layers.py:1" in up
+    assert "hf/models/routing.py:1 (hf.models" in up  # the model side never imports trainers
+    assert "hf/__init__.py" not in up and "hf/trainers/" not in up  # facade on top; down is fine
+    named = "\n".join(string_named_modules(root))
+    assert "hf/trainers/wrap.py:4 names the module 'dtensor_ulysses.hf.trainers.dpo'" in named
+    assert "hf/trainers/wrap.py:6 imports a computed module name" in named
+    assert "hf.batch" not in named  # a docstring may name a module
     pair = {"dtensor_ulysses/models/llama.py", "dtensor_ulysses/models/weights.py"}
     assert any(pair <= set(c) for c in import_cycles(root)), import_cycles(root)
     crossings = "\n".join(private_crossings(root))

@@ -12,7 +12,7 @@ keeping its own slice's rows). Bytes per rank (the buffer it passes in, ``e`` by
 element): forward ``B*m*C*e``, backward ``P*B*m*C*e``.
 
 Multi-head latent attention gathers its compressed key-value latent with it
-(:mod:`dtensor_ulysses.hf.latent_attention`).
+(:mod:`dtensor_ulysses.hf.models.latent_attention`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Halo exchange: each rank of a group receives the previous rank's last ``k`` sequence positions.
 
-Communication only (what a short causal convolution does with the halo lives with the mixer,
-:mod:`dtensor_ulysses.hf.short_conv`). Legend: ``B`` batch, ``s`` this rank's sequence slice,
-``C`` channels, ``k`` halo width (a kernel of width ``W`` needs ``k = W - 1``).
+Communication only (what a short causal convolution does with the halo lives with the
+mixer, :mod:`dtensor_ulysses.hf.models.mixers.short_conv`). Legend: ``B`` batch, ``s`` this rank's
+sequence slice, ``C`` channels, ``k`` halo width (a kernel of width ``W`` needs ``k = W - 1``).
 
 Forward: rank ``i`` sends ``x[:, s-k:]`` to rank ``i + 1`` and receives rank ``i - 1``'s; rank 0
 receives nothing and gets zeros (the convolution's own zero padding at the row start). Backward:

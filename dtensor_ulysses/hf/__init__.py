@@ -17,14 +17,19 @@ For a ``transformers.Trainer`` or TRL ``SFTTrainer`` script (launched with torch
 
     Trainer = hf.with_ulysses(trl.SFTTrainer, sp=4)   # then construct and train as before
 
-Pieces: :mod:`~dtensor_ulysses.hf.routing` (``apply_ulysses``: every attention layer through the
-one engine, refusals, the first-step guard), :mod:`~dtensor_ulysses.hf.batch` (``shard_batch``),
-:mod:`~dtensor_ulysses.hf.model` (``HFCausalLM``, ``parallelize``, safetensors in and out, the
-trainer's ``build``), :mod:`~dtensor_ulysses.hf.data` (tokenized and chat corpora, evaluation),
-:mod:`~dtensor_ulysses.hf.trainer` (``with_ulysses``), :mod:`~dtensor_ulysses.hf.logps`
-(per-token label log-probabilities of a sharded batch over whole rows, for sequence-level
-losses), :mod:`~dtensor_ulysses.hf.preference` (TRL's DPO and KTO trainers under
-``with_ulysses``).
+The package, by concern (trainers above models, never the reverse):
+
+* :mod:`~dtensor_ulysses.hf.models`: the model side. ``routing`` (``apply_ulysses``: every
+  attention layer through the one engine, what each family supports and refuses, the first-step
+  guard), ``causal_lm`` (``HFCausalLM``), ``parallelize``, ``pretrained`` (safetensors and
+  tokenizers in and out), ``moe``, ``latent_attention``, ``mixers`` (Gated DeltaNet, Mamba-2,
+  KDA, short convolutions), ``vision`` and ``image_blocks`` (vision-language models).
+* :mod:`~dtensor_ulysses.hf.trainers`: ``with_ulysses`` (``wrap``), the shared base
+  (``base``), the refusals (``refusals``), one module per TRL trainer family (``preference``:
+  DPO, KTO; ``reward``; ``rl``: GRPO, RLOO), and ``logps`` (per-token label log-probabilities
+  of a sharded batch over whole rows, for sequence-level losses).
+* Here: :mod:`~dtensor_ulysses.hf.batch` (``shard_batch``) and :mod:`~dtensor_ulysses.hf.data`
+  (tokenized and chat corpora, evaluation), which both floors use.
 """
 
 from __future__ import annotations
@@ -46,31 +51,29 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         get_batch,
         load_corpus,
     )
-    from dtensor_ulysses.hf.logps import (
-        logp_head,
-        sequence_logps,
-        token_rows,
-    )
-    from dtensor_ulysses.hf.model import (
-        HFCausalLM,
+    from dtensor_ulysses.hf.models.causal_lm import HFCausalLM
+    from dtensor_ulysses.hf.models.moe import load_balancing_loss, router_loss_config
+    from dtensor_ulysses.hf.models.parallelize import parallelize
+    from dtensor_ulysses.hf.models.pretrained import (
         check_model_dir,
         check_tokenizer,
         load_pretrained,
         load_tokenizer,
         load_weights,
-        parallelize,
         save_pretrained,
     )
-    from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
-    from dtensor_ulysses.hf.routing import (
+    from dtensor_ulysses.hf.models.routing import (
         UnroutedAttentionError,
         UnsupportedModelError,
         apply_ulysses,
     )
-    from dtensor_ulysses.hf.trainer import (
-        UnsupportedTrainerError,
-        with_ulysses,
+    from dtensor_ulysses.hf.trainers.logps import (
+        logp_head,
+        sequence_logps,
+        token_rows,
     )
+    from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError
+    from dtensor_ulysses.hf.trainers.wrap import with_ulysses
 
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -1,11 +1,12 @@
 """A vision-language training step of the built-in model, as the memory tracer runs it.
 
-The step ``du.hf`` runs for a vision-language model (:mod:`dtensor_ulysses.hf.vision`), written
-on the built-in decoder so that the tracer can take it to any preset and world size:
+The step ``du.hf`` runs for a vision-language model (:mod:`dtensor_ulysses.hf.models.vision`),
+written on the built-in decoder so that the tracer can take it to any preset and world size:
 
 1. **The vision split.** The step's ``n`` images are assigned to the ranks of the sp group by
-   :func:`dtensor_ulysses.hf.vision.assign_images` (whole images, balanced by patch count: the
-   rule ``du.hf`` uses); this rank encodes only its own images through :class:`VisionTower`.
+   :func:`dtensor_ulysses.hf.models.vision.assign_images` (whole images, balanced by patch
+   count: the rule ``du.hf`` uses); this rank encodes only its own images through
+   :class:`VisionTower`.
 2. **The gather.** The features of every image are all-gathered over the sp group with
    :func:`dtensor_ulysses.comm.all_gather_seq` (autograd: backward reduce-scatters the
    gradients back to the rank that encoded each image), then projected to the decoder's width.
@@ -47,7 +48,7 @@ from torch import nn
 from dtensor_ulysses.attention import local_attention
 from dtensor_ulysses.comm import all_gather_seq
 from dtensor_ulysses.data import Batch
-from dtensor_ulysses.hf.vision import assign_images
+from dtensor_ulysses.hf.models.vision import assign_images
 from dtensor_ulysses.models import FeedForward, RMSNorm
 from dtensor_ulysses.parallel import global_valid_tokens
 

@@ -45,7 +45,7 @@ def validate_hf(cfg: TrainConfig) -> ModelShape | None:
     with one message; returns the config's shape for the preflight (None if not Llama-style)."""
     assert cfg.sp is not None
     try:
-        from dtensor_ulysses.hf.model import check_weights
+        from dtensor_ulysses.hf.models.pretrained import check_weights
     except ImportError as e:
         raise UsageError(f"--hf-model: {e}") from None
     if cfg.tiled_mlp:
@@ -71,7 +71,7 @@ def hf_shape(directory: str) -> ModelShape | None:
     when the config lacks a Llama-style field."""
     from transformers import AutoConfig
 
-    from dtensor_ulysses.hf.model import config_head_dim
+    from dtensor_ulysses.hf.models.causal_lm import config_head_dim
 
     c = AutoConfig.from_pretrained(directory).get_text_config()
     try:
@@ -118,7 +118,7 @@ def _load_and_check(cfg: TrainConfig) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dtensor_ulysses.hf import check_model_dir, check_tokenizer, load_tokenizer
-    from dtensor_ulysses.hf.routing import check_supported
+    from dtensor_ulysses.hf.models.routing import check_supported
 
     assert cfg.hf_model is not None and cfg.sp is not None
     path = check_model_dir(cfg.hf_model)

@@ -164,7 +164,7 @@ def _describe_hf(cfg: TrainConfig, model: torch.nn.Module) -> tuple[str, int, fl
     n_matmul = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not embedding)
     if head is None or head.weight is embedding:  # tied: the head multiplies by the embedding
         n_matmul += embedding.numel()
-    from dtensor_ulysses.hf.model import config_head_dim
+    from dtensor_ulysses.hf.models.causal_lm import config_head_dim
 
     text = hf.config.get_text_config()
     n_heads = int(text.num_attention_heads)

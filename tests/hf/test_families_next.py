@@ -35,7 +35,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from dtensor_ulysses.hf.latent_attention import LatentShape, latent_bytes  # noqa: E402
+from dtensor_ulysses.hf.models.latent_attention import LatentShape, latent_bytes  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
 from tests import hf_family_workers as FW  # noqa: E402
 from tests import hf_next_workers as W  # noqa: E402

@@ -13,7 +13,7 @@ guard with a mixer left unrouted; the refusals; then ``with_ulysses(transformers
 (2,2) and (1,4): two steps' losses equal the stock Trainer's (fp32).
 
 Kimi Linear: a model of KDA layers only, and one with KDA beside multi-head latent attention
-(hf/latent_attention.py), in the same tests.
+(hf/models/latent_attention.py), in the same tests.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from dtensor_ulysses.comm.halo import halo_bytes  # noqa: E402
-from dtensor_ulysses.hf.kda import kda_bytes  # noqa: E402
-from dtensor_ulysses.hf.mamba import mamba_bytes  # noqa: E402
+from dtensor_ulysses.hf.models.mixers.kda import kda_bytes  # noqa: E402
+from dtensor_ulysses.hf.models.mixers.mamba import mamba_bytes  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
 from tests import hf_hybrid_workers as W  # noqa: E402
 from tests import hf_trainer_workers as T  # noqa: E402

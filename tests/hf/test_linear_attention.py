@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from dtensor_ulysses.hf.linear_attention import gdn_bytes  # noqa: E402
+from dtensor_ulysses.hf.models.mixers.linear_attention import gdn_bytes  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
 from tests import hf_linear_workers as W  # noqa: E402
 from tests import hf_trainer_workers as T  # noqa: E402

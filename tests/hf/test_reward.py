@@ -158,11 +158,11 @@ def test_reward_collectives(world2, world4):
 
 
 def test_last_token_is_the_models_score_position(assets):
-    """:func:`~dtensor_ulysses.hf.reward.last_token` picks the position the stock
+    """:func:`~dtensor_ulysses.hf.trainers.reward.last_token` picks the position the stock
     sequence-classification model reads (right and left padding, a row of one token)."""
     import transformers as tf
 
-    from dtensor_ulysses.hf.reward import last_token
+    from dtensor_ulysses.hf.trainers.reward import last_token
 
     torch.manual_seed(0)
     model = tf.AutoModelForSequenceClassification.from_pretrained(

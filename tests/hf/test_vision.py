@@ -30,7 +30,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dtensor_ulysses.hf.vision import assign_images  # noqa: E402
+from dtensor_ulysses.hf.models.vision import assign_images  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
 from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_vision_workers as V  # noqa: E402
@@ -277,7 +277,7 @@ def test_sft_trainer_with_processor_and_vl_rows_equals_stock(world2, world4, ass
 def test_refusals_name_the_input_and_the_family():
     from types import SimpleNamespace
 
-    from dtensor_ulysses.hf.vision import refuse_video, vision_family, vision_model_inputs
+    from dtensor_ulysses.hf.models.vision import refuse_video, vision_family, vision_model_inputs
 
     videos = {"input_ids": torch.zeros(1, 4), "pixel_values_videos": torch.zeros(4, 12)}
     gemma = SimpleNamespace(config=SimpleNamespace(model_type="gemma3"))

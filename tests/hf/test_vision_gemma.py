@@ -152,7 +152,7 @@ def test_refusals_name_the_input_and_the_reason(world2):
 def test_other_multimodal_families_are_refused_by_name():
     import transformers as tf
 
-    from dtensor_ulysses.hf.routing import check_supported
+    from dtensor_ulysses.hf.models.routing import check_supported
 
     text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip

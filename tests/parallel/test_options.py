@@ -111,7 +111,7 @@ def test_every_front_door_reads_the_same_fields():
     the kernel names are the type's fields and names, not lists of their own."""
     pytest.importorskip("transformers")
     from dtensor_ulysses.attention import KERNELS
-    from dtensor_ulysses.hf.trainer import OPTIONS
+    from dtensor_ulysses.hf.trainers.wrap import OPTIONS
     from dtensor_ulysses.memtrace.trace import FEATURES
     from dtensor_ulysses.train import TrainConfig
 

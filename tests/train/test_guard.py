@@ -471,7 +471,7 @@ def test_save_hf_files_follow_the_umask(tmp_path, umask):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dtensor_ulysses.hf.model import save_pretrained
+    from dtensor_ulysses.hf.models.pretrained import save_pretrained
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)  # fmt: skip

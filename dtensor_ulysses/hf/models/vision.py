@@ -38,7 +38,7 @@ implementation; only the text config's attention goes through the engine.
 Families: Qwen2.5-VL and Qwen3-VL (images, and videos split the same way: each video whole on
 one rank, with all its frames), Gemma 3 (fixed-size SigLIP images) and Gemma 4 (images of any
 size; per-layer input embeddings sliced with the embeddings). Gemma's bidirectional image
-blocks come from its token types (:mod:`~dtensor_ulysses.hf.image_blocks`). Refused in one
+blocks come from its token types (:mod:`~dtensor_ulysses.hf.models.image_blocks`). Refused in one
 line: Gemma's video inputs, Gemma 4's audio inputs, and vision towers this module has no
 adapter for (:func:`vision_family`).
 """

@@ -4,12 +4,12 @@ and the ones it refuses, in one table.
 Routed (each on this rank's slice, equal to the stock layer on the whole sequence):
 
 * Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid): head-sharded between two
-  all-to-alls, :mod:`~dtensor_ulysses.hf.linear_attention`.
+  all-to-alls, :mod:`~dtensor_ulysses.hf.models.mixers.linear_attention`.
 * Mamba-2 (Nemotron-H, Granite 4.0-H, Falcon-H1): head-sharded between two all-to-alls,
-  :mod:`~dtensor_ulysses.hf.mamba`.
-* LFM2 short convolutions: a halo exchange, :mod:`~dtensor_ulysses.hf.short_conv`.
+  :mod:`~dtensor_ulysses.hf.models.mixers.mamba`.
+* LFM2 short convolutions: a halo exchange, :mod:`~dtensor_ulysses.hf.models.mixers.short_conv`.
 * Kimi Delta Attention (Kimi Linear's KDA layers): head-sharded between two all-to-alls,
-  :mod:`~dtensor_ulysses.hf.kda`.
+  :mod:`~dtensor_ulysses.hf.models.mixers.kda`.
 
 Refused, naming the layer (:data:`REFUSED_MIXERS`): mixers this package has not reproduced yet.
 A mixer left out of both lists is refused by the routing too (a layer without attention or a
@@ -23,11 +23,14 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from dtensor_ulysses.hf._mixer_route import SequenceMixerError
-from dtensor_ulysses.hf.kda import is_kda, route_kda
-from dtensor_ulysses.hf.linear_attention import is_gated_deltanet, route_gated_deltanet
-from dtensor_ulysses.hf.mamba import is_mamba2, route_mamba2
-from dtensor_ulysses.hf.short_conv import is_short_conv, route_short_conv
+from dtensor_ulysses.hf.models.mixers._route import SequenceMixerError
+from dtensor_ulysses.hf.models.mixers.kda import is_kda, route_kda
+from dtensor_ulysses.hf.models.mixers.linear_attention import (
+    is_gated_deltanet,
+    route_gated_deltanet,
+)
+from dtensor_ulysses.hf.models.mixers.mamba import is_mamba2, route_mamba2
+from dtensor_ulysses.hf.models.mixers.short_conv import is_short_conv, route_short_conv
 
 __all__ = [
     "MIXER_LAYER_TYPES",

@@ -29,20 +29,20 @@ softcap is a property of the local kernel and never compared with the local slic
 
 Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) and Mamba-2 mixers (Nemotron-H,
 Granite 4.0-H, Falcon-H1) go through the same exchange (their heads split over sp, as q heads
-are); LFM2's short convolutions through a halo exchange: :mod:`~dtensor_ulysses.hf.mixers` holds
-the table of routed and refused mixers.
+are); LFM2's short convolutions through a halo exchange:
+:mod:`~dtensor_ulysses.hf.models.mixers` holds the table of routed and refused mixers.
 
 Vision-language models (Qwen2.5-VL, Qwen3-VL): only the text config's attention is routed (the
 vision tower keeps its own, on whole images); the pre-hook sits on the language model, after
-the slicing hook of :mod:`~dtensor_ulysses.hf.vision` (which also splits the vision work over
+the slicing hook of :mod:`~dtensor_ulysses.hf.models.vision` (which also splits the vision work over
 sp): the model is called on the full rows, and the decoder sees this rank's slice of the
 merged embeddings with M-RoPE's rows of position ids (left as they are).
 
 Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Kimi) runs through the engine with
 v's own head dim; each such layer either exchanges its expanded heads or gathers its kv latent,
-whichever moves fewer bytes (:mod:`~dtensor_ulysses.hf.latent_attention`). A layer that attends
-with an earlier layer's keys and values (Gemma 4's KV sharing) reuses that layer's exchanged
-k, v: only q and o move.
+whichever moves fewer bytes (:mod:`~dtensor_ulysses.hf.models.latent_attention`). A layer
+that attends with an earlier layer's keys and values (Gemma 4's KV sharing) reuses that layer's
+exchanged k, v: only q and o move.
 
 Refused, loudly, naming the layer and the feature (results would be wrong, not just slow):
 other layers without attention or a routed mixer (and the mixers refused by name), sparse
@@ -78,20 +78,20 @@ from dtensor_ulysses.attention.ulysses import (
     gather_doc_starts,
     sp_group,
 )
-from dtensor_ulysses.hf.image_blocks import image_blocks
-from dtensor_ulysses.hf.image_blocks import install as install_image_blocks
-from dtensor_ulysses.hf.latent_attention import (
+from dtensor_ulysses.hf.models.image_blocks import image_blocks
+from dtensor_ulysses.hf.models.image_blocks import install as install_image_blocks
+from dtensor_ulysses.hf.models.latent_attention import (
     is_latent_attention,
     route_latent_attention,
     take_exchanged_kv,
 )
-from dtensor_ulysses.hf.mixers import (
+from dtensor_ulysses.hf.models.mixers import (
     MIXER_LAYER_TYPES,
     is_sequence_mixer,
     refused_mixer,
     route_mixers,
 )
-from dtensor_ulysses.hf.vision import (
+from dtensor_ulysses.hf.models.vision import (
     is_vision_language,
     language_model,
     route_vision,
@@ -306,7 +306,7 @@ def layer_features(
     the config's (Mistral and Mixtral read ``config.sliding_window`` at call time for every
     layer); ``attention_chunk_size`` on ``"chunked_attention"`` layers (Llama 4);
     ``attn_logit_softcapping``; a ``sinks`` parameter; ``blocks``, the model's bidirectional
-    image blocks on this layer (:func:`~dtensor_ulysses.hf.image_blocks.block_layers`). The
+    image blocks on this layer (:func:`~dtensor_ulysses.hf.models.image_blocks.block_layers`). The
     attention call's own arguments are checked against these on every call
     (:func:`_ulysses_attention`).
 
@@ -401,7 +401,7 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | None]]:
     """``(name, module, features)`` of every attention module (features ``None``: a sequence
-    mixer, routed by hf/mixers.py)."""
+    mixer, routed by hf/models/mixers/)."""
     hf = unwrap(model)
     cfg = hf.config.get_text_config()
     what = f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
@@ -431,7 +431,7 @@ def _supported(model: nn.Module) -> list[tuple[str, nn.Module, LayerFeatures | N
         mixers = [(n, m) for n, m in layer.named_modules() if is_sequence_mixer(m)]
         refused = [(n, m, refused_mixer(m)) for n, m in layer.named_modules() if refused_mixer(m)]
         problems += [f"{prefix}.{i}.{n} ({type(m).__name__}): {why}" for n, m, why in refused]
-        if lt in MIXER_LAYER_TYPES and mixers:  # routed by hf/mixers.py
+        if lt in MIXER_LAYER_TYPES and mixers:  # routed by hf/models/mixers/
             found += [(f"{prefix}.{i}.{n}", m, None) for n, m in mixers]
         elif refused or lt in _TOKENWISE_LAYER_TYPES:
             pass
@@ -534,7 +534,7 @@ def apply_ulysses(
     state = _State(engine, group, backend, head_chunks, {id(m): n for n, m, _ in found},
                    feats)  # fmt: skip
     state.original = old.original if old is not None else hf.config._attn_implementation
-    route_mixers(  # Gated DeltaNet, Mamba-2, short convolutions: hf/mixers.py
+    route_mixers(  # Gated DeltaNet, Mamba-2, short convolutions: hf/models/mixers/
         [(n, m) for n, m, f in found if f is None], group, state.record,
         allow_uneven_heads=allow_uneven_heads,
     )  # fmt: skip
@@ -786,7 +786,7 @@ def _ulysses_attention(
             "documents as position ids restarting at 0, or as ulysses_layout)"
         )
     # k, v already this rank's full-length heads: the latent gathered and expanded by the
-    # layer (hf/latent_attention.py), or an earlier layer's exchanged k, v (KV sharing)
+    # layer (hf/models/latent_attention.py), or an earlier layer's exchanged k, v (KV sharing)
     exchanged = _exchanged_kv(state, module, key, value)
     key0, value0 = key, value  # as the model passed them (the key of the KV-sharing cache)
     if exchanged is None and query.shape[2] != key.shape[2]:

@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtensor_ulysses.hf.logps import token_rows
-from dtensor_ulysses.hf.trainer import (
+from dtensor_ulysses.hf.trainers.logps import token_rows
+from dtensor_ulysses.hf.trainers.refusals import (
     UnsupportedTrainerError,
     _refusals_in_one_line,
 )

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtensor_ulysses.comm.halo import halo_exchange
-from dtensor_ulysses.hf._mixer_route import (
+from dtensor_ulysses.hf.models.mixers._route import (
     MixerRoute,
     SequenceMixerError,
     check_call,

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_ulysses.attention.ulysses import to_heads, to_seq
-from dtensor_ulysses.hf._mixer_route import (
+from dtensor_ulysses.hf.models.mixers._route import (
     MixerRoute,
     SequenceMixerError,
     check_call,

@@ -1,11 +1,5 @@
-"""transformers models under Ulysses + FSDP2: the model-call adapter, parallelize, safetensors.
+"""transformers checkpoints in and out of FSDP2 shards: safetensors, tokenizers.
 
-* :class:`HFCausalLM` gives a transformers causal LM the call the trainer makes,
-  ``model(input_ids, position_ids, layout=, labels=) -> float32 loss sum`` over this rank's
-  slice, with the transformers parameter names unchanged (it adopts the model's children).
-* :func:`parallelize`: Ulysses -> activation checkpointing -> ``fully_shard(blocks)`` ->
-  ``fully_shard(root)`` over ``dp x sp``, gradients summed: the order and settings of
-  :func:`dtensor_ulysses.parallelize`.
 * :func:`load_pretrained` builds the model on ``meta``, parallelizes it, materializes only the
   shards and fills them from the safetensors files one tensor at a time
   (:func:`~dtensor_ulysses.models.weights.copy_full_`): no rank ever holds the whole model.
@@ -31,233 +25,25 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from dtensor_ulysses._file_modes import apply_umask
-from dtensor_ulysses.hf._expert_weights import CheckpointNames, checkpoint_format
-from dtensor_ulysses.hf.moe import load_balancing_loss, router_loss_config
-from dtensor_ulysses.hf.routing import apply_ulysses, decoder_layers, unwrap
-from dtensor_ulysses.models.loss import cross_entropy_sum, tiled_cross_entropy_sum
+from dtensor_ulysses.hf.models._expert_weights import CheckpointNames, checkpoint_format
+from dtensor_ulysses.hf.models.causal_lm import HFCausalLM
+from dtensor_ulysses.hf.models.parallelize import parallelize
+from dtensor_ulysses.hf.models.routing import unwrap
 from dtensor_ulysses.models.weights import bare_name, copy_full_
-from dtensor_ulysses.parallel.apply import (
-    checkpoint_blocks,
-    default_mixed_precision,
-    shard_blocks,
-)
-from dtensor_ulysses.parallel.global_loss import global_valid_tokens
-from dtensor_ulysses.parallel.mesh import MESH_AXES, ParallelDims, flatten_dp_sp
-from dtensor_ulysses.plan.recipe import ParallelOptions
 
 __all__ = [
-    "HFCausalLM",
+    "check_model_dir",
     "check_tokenizer",
-    "config_head_dim",
     "check_weights",
     "load_pretrained",
     "load_tokenizer",
     "load_weights",
-    "parallelize",
     "save_pretrained",
 ]
-
-# config attributes that change the logits beyond ``h @ lm_head.weight.T``
-_HEAD_EXTRAS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier")
-
-
-def config_head_dim(cfg: Any) -> int:
-    """The largest attention head dim of a text config: its ``head_dim``, or per layer where
-    transformers keeps per-layer values (Gemma 4's global layers: ``per_layer_config[i]``,
-    whose global ``head_dim`` raises on access), else ``hidden_size / heads``."""
-    dims = []
-    with contextlib.suppress(RuntimeError):  # a per-layer attribute: read per layer below
-        dims.append(int(getattr(cfg, "head_dim", 0) or 0))
-    per_layer = getattr(cfg, "per_layer_config", None)
-    if per_layer is not None:
-        for i in range(int(cfg.num_hidden_layers)):
-            dims.append(int(getattr(per_layer[i], "head_dim", 0) or 0))
-    return max(dims, default=0) or int(cfg.hidden_size) // int(cfg.num_attention_heads)
-
-
-def _plain_head(model: Any) -> nn.Linear:
-    """The output head, if the logits are exactly ``h @ lm_head.weight.T`` (what the tiled loss
-    computes); else a ``ValueError`` naming what it does more."""
-    cfg = model.config.get_text_config()
-    head = model.get_output_embeddings()
-    extras = [a for a in _HEAD_EXTRAS if getattr(cfg, a, None) not in (None, 1, 1.0)]
-    if type(head) is not nn.Linear:
-        extras.append(f"a {type(head).__name__}, not a plain Linear")
-    elif head.bias is not None:
-        extras.append("a bias")
-    if extras:
-        raise ValueError(
-            f"the tiled loss computes h @ lm_head.weight.T, but the output head of "
-            f"{type(model).__name__} does more ({', '.join(extras)}); train without the tiled loss"
-        )
-    return head
-
-
-class HFCausalLM(nn.Module):
-    """A transformers causal LM with the trainer's call; parameter names are transformers'.
-
-    ``forward(input_ids, position_ids=None, *, layout=None, labels=None)``: this rank's slice in,
-    and with ``labels`` (already shifted, ``-100`` for no loss) the float32 cross-entropy *sum*
-    over the valid labels of the slice; without, the logits ``[B, s, V]``.
-
-    A Mixture-of-Experts model whose stock forward adds a router loss (``output_router_logits``
-    in its config) adds, in training, ``N * coef * share``: ``N`` the valid labels of the whole
-    batch, ``share`` this rank's part of the load-balancing loss over every token of the batch
-    (:func:`~dtensor_ulysses.hf.moe.load_balancing_loss`, over the ``dp x sp`` ranks that
-    :func:`parallelize` recorded). Divided by ``N`` as the trainer divides the sum, the step's
-    loss is the stock model's, cross entropy plus ``coef`` times the router loss, and so are its
-    gradients. In evaluation (``model.eval()``) the sum stays the cross entropy's.
-
-    Args:
-        model: a transformers causal LM (``AutoModelForCausalLM``).
-        loss_chunk_tokens: compute the loss from the final hidden states in chunks of this many
-            tokens (:func:`~dtensor_ulysses.models.tiled_cross_entropy_sum`, no ``[B, s, V]``
-            logits); needs a plain output head.
-    """
-
-    hf_model: PreTrainedModel
-
-    def __init__(self, model: PreTrainedModel, *, loss_chunk_tokens: int | None = None) -> None:
-        super().__init__()
-        if not isinstance(model, PreTrainedModel):
-            raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
-        self.__dict__["hf_model"] = model  # not a submodule: its children become ours
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        if any(True for _ in model.named_parameters(recurse=False)):
-            raise ValueError(f"{type(model).__name__} has parameters outside its submodules")
-        self.loss_chunk_tokens = loss_chunk_tokens
-        if loss_chunk_tokens is not None:
-            _plain_head(model)
-
-    @property
-    def config(self) -> Any:
-        return self.hf_model.config
-
-    def train(self, mode: bool = True) -> HFCausalLM:
-        super().train(mode)
-        self.hf_model.training = mode
-        return self
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        *,
-        layout: Any = None,
-        labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
-        if layout is not None:
-            kwargs["ulysses_layout"] = layout
-        rc = router_loss_config(self.hf_model) if labels is not None and self.training else None
-        if rc is not None and rc.enabled:
-            kwargs["output_router_logits"] = True
-        else:
-            rc = None
-        if labels is not None and self.loss_chunk_tokens is not None:
-            out = self.hf_model.base_model(**kwargs)
-            weight = self.hf_model.get_output_embeddings().weight
-            loss = tiled_cross_entropy_sum(
-                out.last_hidden_state, weight, labels, self.loss_chunk_tokens
-            )
-        else:
-            out = self.hf_model(**kwargs)
-            if labels is None:
-                return out.logits
-            loss = cross_entropy_sum(out.logits, labels)
-        if rc is not None:
-            assert labels is not None
-            group = self.__dict__.get("_du_loss_group")
-            n_valid = global_valid_tokens(labels, group)
-            rl = load_balancing_loss(out.router_logits, rc.num_experts, rc.top_k, group)
-            loss = loss + (n_valid * rc.coef) * rl.share.to(loss.dtype)
-        return loss
-
-
-def parallelize(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    activation_checkpointing: bool = False,
-    offload_activations: bool = False,
-    offload_params: bool = False,
-    head_chunks: int = 1,
-    mixed_precision: MixedPrecisionPolicy | None | str = "auto",
-    attention_backend: str = "auto",
-    allow_uneven_heads: bool = False,
-    compute_dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """Ulysses -> activation checkpointing -> ``fully_shard(layers)`` -> ``fully_shard(root)``.
-
-    The order and FSDP2 settings of :func:`dtensor_ulysses.parallelize` (gradients summed over
-    ``dp x sp``, for the token-weighted loss), on a transformers model or an
-    :class:`HFCausalLM` (then the root). Options as there; ``compute_dtype`` is the dtype
-    attention computes in, for the kernel choice (default: the mixed-precision policy's, else
-    the parameters'; ``with_ulysses`` passes autocast's). The one parallelize of transformers
-    models: ``--hf-model`` and ``with_ulysses`` both call it.
-    """
-    if mesh.mesh_dim_names != MESH_AXES:
-        raise ValueError(f"parallelize needs the {MESH_AXES} mesh, got {mesh.mesh_dim_names}")
-    if isinstance(model, FSDPModule):
-        raise ValueError("the model is already parallelized; build a new one (on meta)")
-    ParallelOptions(
-        activation_checkpointing=activation_checkpointing,
-        offload_activations=offload_activations, offload_params=offload_params,
-        head_chunks=head_chunks, attention_backend=attention_backend,
-        allow_uneven_heads=allow_uneven_heads, mixed_precision=mixed_precision,
-    ).check(hf_model=True)  # fmt: skip
-    hf = unwrap(model)
-    if isinstance(model, HFCausalLM):  # the ranks that share a batch (a router loss's group)
-        model.__dict__["_du_loss_group"] = flatten_dp_sp(mesh).get_group()
-    return _parallelize_root(
-        model, hf, mesh, activation_checkpointing=activation_checkpointing,
-        offload_activations=offload_activations, offload_params=offload_params,
-        head_chunks=head_chunks, mixed_precision=mixed_precision,
-        attention_backend=attention_backend, allow_uneven_heads=allow_uneven_heads,
-        compute_dtype=compute_dtype,
-    )  # fmt: skip
-
-
-def _parallelize_root(
-    root: nn.Module,
-    hf: PreTrainedModel,
-    mesh: DeviceMesh,
-    *,
-    activation_checkpointing: bool,
-    offload_activations: bool,
-    offload_params: bool,
-    head_chunks: int,
-    mixed_precision: MixedPrecisionPolicy | None | str,
-    attention_backend: str,
-    allow_uneven_heads: bool,
-    compute_dtype: torch.dtype | None,
-) -> nn.Module:
-    """:func:`parallelize`'s steps on ``hf`` inside ``root`` (the module FSDP2 shards last: the
-    model itself, an :class:`HFCausalLM`, or a trainer's wrapper such as a PEFT model)."""
-    if mixed_precision == "auto":
-        mixed_precision = default_mixed_precision(mesh.device_type)
-    if compute_dtype is None:
-        compute_dtype = getattr(mixed_precision, "param_dtype", None)
-    # 1. Ulysses (always, also at sp=1: the engine is where packed documents are handled)
-    apply_ulysses(
-        hf, ParallelDims.from_mesh(mesh).sp_group(mesh), head_chunks=head_chunks,
-        backend=attention_backend, allow_uneven_heads=allow_uneven_heads,
-        compute_dtype=compute_dtype,
-    )  # fmt: skip
-    _, layers = decoder_layers(hf)
-    # 2. activation checkpointing, per decoder layer (names unchanged)
-    if activation_checkpointing:
-        checkpoint_blocks(layers, offload=offload_activations)
-    # 3. FSDP2 over dp x sp: layers, then the root (embeddings, final norm, output head),
-    #    gradients summed (the built-in model's step, shared)
-    shard_blocks(root, layers, mesh, mixed_precision=mixed_precision, offload_params=offload_params)
-    return root
 
 
 # ----------------------------------------------------------------------------------------------

@@ -49,14 +49,14 @@ import torch
 from torch import nn
 
 from dtensor_ulysses.comm import all_reduce_sum
-from dtensor_ulysses.hf import _trainer_state
-from dtensor_ulysses.hf._trainer_accel import dp_gather
 from dtensor_ulysses.hf.batch import shard_batch
-from dtensor_ulysses.hf.trainer import (
+from dtensor_ulysses.hf.trainers import _state
+from dtensor_ulysses.hf.trainers._accel import dp_gather
+from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
+from dtensor_ulysses.hf.trainers.refusals import (
     UnsupportedTrainerError,
     _refusals_in_one_line,
     _refuse_batch_keys,
-    _UlyssesTrainer,
 )
 
 __all__ = ["last_token"]
@@ -175,11 +175,11 @@ class _UlyssesReward:
             )
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module):  # a loaded model (a name: checked once TRL loads it)
-            _score_head(_trainer_state.base_model(model))
+            _score_head(_state.base_model(model))
         super().__init__(*args, **kwargs)
 
     def _du_parallelize(self, model: nn.Module) -> nn.Module:
-        hf: Any = _trainer_state.base_model(model)
+        hf: Any = _state.base_model(model)
         head = _score_head(hf)
         if not hasattr(self, "_du_pick"):
             self._du_pick = _Pick()
@@ -191,7 +191,7 @@ class _UlyssesReward:
         mode = "train" if self.model.training else "eval"
         _refuse_batch_keys(inputs, _READ, _DROPPED, "the reward step")
         ids_BS, mask_BS = inputs["input_ids"], inputs.get("attention_mask")
-        hf: Any = _trainer_state.base_model(model)
+        hf: Any = _state.base_model(model)
         pad_id = hf.config.get_text_config().pad_token_id
         index_B = last_token(ids_BS, pad_id)
         mesh = self._du_mesh

@@ -13,15 +13,16 @@ the mask is ``(causal or same block) and window``.
 
 Under Ulysses each rank's kernel sees the full sequence of its heads, so the blocks are a
 property of the step: :func:`install` puts a forward pre-hook on the multimodal base model
-(``Gemma3Model``), which is called on the full rows (:mod:`~dtensor_ulysses.hf.vision`), reads
-their token types and adds the blocks to the step's
+(``Gemma3Model``), which is called on the full rows
+(:mod:`~dtensor_ulysses.hf.models.vision`), reads their token types and adds the blocks to the
+step's
 :class:`~dtensor_ulysses.plan.SeqLayout` (``blocks``: per row, each block's ``(start, end)``):
 one device-to-host copy of ``[B, S]`` small ints per step, no collective (every rank of an sp
 group holds the same rows). It also takes the ``attention_mask`` away from the model (which
 would build its masks from it before the decoder): padding is already in the layout's
 documents (:func:`~dtensor_ulysses.hf.shard_batch`); a padding mask without a layout is
 refused. Each attention layer whose features say so
-(:attr:`~dtensor_ulysses.hf.routing.LayerFeatures.blocks`) runs the kernel feature of
+(:attr:`~dtensor_ulysses.hf.models.routing.LayerFeatures.blocks`) runs the kernel feature of
 bidirectional blocks (``attention.local_attention(block_ids=)``: the blockwise kernel, or
 FlexAttention on CUDA; no ``S x S`` mask); the other layers get the layout without them.
 """

@@ -10,7 +10,7 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
   ``seed + dp rank``, as the stock rank ``dp rank`` is), and every rank generates: the model is
   FSDP2-sharded over ``dp x sp``, so each decoding step all-gathers every layer and all ranks
   must take part. Generation runs the model's own attention on the full prompts
-  (:func:`~dtensor_ulysses.hf.routing.plain_attention`) with ``synced_gpus`` on, so that a dp
+  (:func:`~dtensor_ulysses.hf.models.routing.plain_attention`) with ``synced_gpus`` on, so that a dp
   group whose completions end early keeps stepping (no hang on unequal lengths). sp rank 0's
   completions are then broadcast over the sp group (one small object broadcast), so the group
   trains on one set of rollouts even where two ranks' samplers could diverge. Cost: each rank
@@ -29,9 +29,9 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
   documents, global positions ``0..S-1`` as the stock forward uses); the policy, old policy and
   reference models run this rank's slice, and TRL's own fused head returns the per-token
   log-probabilities (and entropies) of the slice in chunks, never ``[B, s, V]`` logits (TRL's
-  head, not :func:`~dtensor_ulysses.hf.logps.token_rows`' plain one: GRPO's log-probabilities
-  are those of the logits divided by the sampling temperature, with the model's logit scale and
-  softcap). The
+  head, not :func:`~dtensor_ulysses.hf.trainers.logps.token_rows`' plain one: GRPO's
+  log-probabilities are those of the logits divided by the sampling temperature, with the model's
+  logit scale and softcap). The
   ``[B, S]`` rows of every slice are summed over sp
   (:func:`~dtensor_ulysses.comm.all_reduce_sum`: forward all-reduce, the gradient of this rank's
   slice passes through) so that each rank holds the completion's
@@ -70,15 +70,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_ulysses.comm import all_reduce_sum
-from dtensor_ulysses.hf import _trainer_state
-from dtensor_ulysses.hf._trainer_accel import dp_gather
 from dtensor_ulysses.hf.batch import shard_batch
-from dtensor_ulysses.hf.routing import plain_attention
-from dtensor_ulysses.hf.trainer import (
-    UnsupportedTrainerError,
-    _refusals_in_one_line,
-    _UlyssesTrainer,
-)
+from dtensor_ulysses.hf.models.routing import plain_attention
+from dtensor_ulysses.hf.trainers import _state
+from dtensor_ulysses.hf.trainers._accel import dp_gather
+from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
+from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError, _refusals_in_one_line
 from dtensor_ulysses.plan.splits import DP_AXIS
 
 __all__: list[str] = []
@@ -148,7 +145,7 @@ def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
 
 
 class _UlyssesRL:
-    """Mixin placed before the shared :class:`~dtensor_ulysses.hf.trainer._UlyssesTrainer` for
+    """Mixin placed before the shared :class:`~dtensor_ulysses.hf.trainers.base._UlyssesTrainer` for
     TRL's ``GRPOTrainer`` and ``RLOOTrainer`` (see the module docstring)."""
 
     _du_family_loss = True  # every loss_type runs as stock (on the sp-summed rows)
@@ -224,7 +221,7 @@ class _UlyssesRL:
     # rollouts
     # ------------------------------------------------------------------------------------------
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-        hf: Any = _trainer_state.base_model(self.model)
+        hf: Any = _state.base_model(self.model)
         hf._is_fsdp_managed_module = True  # generate(synced_gpus=True): every rank steps
         # the root unit's weights (embeddings, head) gathered for the whole generation: a PEFT
         # model's generate calls the inner model, not the root's hooks

@@ -35,9 +35,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses.comm import all_reduce_sum
-from dtensor_ulysses.hf import _trainer_state
 from dtensor_ulysses.hf.batch import ShardedBatch, shard_batch
-from dtensor_ulysses.hf.model import _plain_head
+from dtensor_ulysses.hf.models.causal_lm import plain_head
+from dtensor_ulysses.hf.trainers import _state
 from dtensor_ulysses.models import TOKEN_STATS, tiled_token_logps
 from dtensor_ulysses.parallel.mesh import ParallelDims
 from dtensor_ulysses.plan.splits import default_loss_chunk
@@ -71,8 +71,8 @@ def logp_head(model: nn.Module, labels_Bs: torch.Tensor, *, chunk_tokens: int | 
     Raises:
         ValueError: the head does more than ``h @ weight.T``.
     """
-    hf: Any = _trainer_state.base_model(model)
-    head: Any = _plain_head(hf)
+    hf: Any = _state.base_model(model)
+    head: Any = plain_head(hf)
     head.__class__ = _LogpHead
     try:
         head.labels = labels_Bs
