@@ -5,8 +5,8 @@ blocks) goes through :func:`flash_attn_module`. It imports ``flash_attn``, or th
 ``DTENSOR_ULYSSES_FLASH_ATTN_MODULE`` (read at the first lookup; spawned ranks inherit it), or
 the module installed by :func:`use_flash_attn_module`. A module may list the device types it
 runs on in ``DEVICE_TYPES`` (default ``("cuda",)``): the test suite's pure-PyTorch double
-(``tests/flash_double.py``) says ``("cpu", "cuda")``, so the project's flash path runs on CPU in
-CI.
+(``tests/attention/flash_double.py``) says ``("cpu", "cuda")``, so the project's flash path runs on
+CPU in CI.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The project's flash-attn path on CPU, through the pure-PyTorch double of flash-attn's API.
 
-The double (``tests/flash_double.py``) is checked against an independent float64 reference
+The double (``tests/attention/flash_double.py``) is checked against an independent float64 reference
 first; then the local kernel (dense, varlen), the engine, the ring, Ulysses x Ring and the trainer
 run their flash path through it (installed by the seam of ``dtensor_ulysses.attention``) and are
 compared with float64 references or with SDPA at bf16 tolerance.
@@ -13,8 +13,8 @@ import torch
 
 from dtensor_ulysses.attention import local as attention
 from dtensor_ulysses.launch import run_local_world
-from tests import flash_double as fd
-from tests import flash_workers
+from tests.attention import flash_double as fd
+from tests.attention import flash_workers
 from tests.ring_workers import reference as doc_reference
 
 BF16_TOL = 3e-2  # bf16 inputs and outputs (8 bits of mantissa), float32 math inside
@@ -23,7 +23,7 @@ BF16_TOL = 3e-2  # bf16 inputs and outputs (8 bits of mantissa), float32 math in
 @pytest.fixture
 def flash_double(monkeypatch):
     """Install the double for this process and for spawned ranks (they read the variable)."""
-    monkeypatch.setenv(attention.FLASH_MODULE_ENV, "tests.flash_double")
+    monkeypatch.setenv(attention.FLASH_MODULE_ENV, "tests.attention.flash_double")
     with attention.use_flash_attn_module(fd):
         yield fd
 

@@ -1,5 +1,5 @@
 """The local kernels and their choice: every backend's features against an independent float64
-reference (``tests.kernel_workers.reference``: a dense masked softmax written from the
+reference (``tests.attention.kernel_workers.reference``: a dense masked softmax written from the
 definitions), the backend choice and its refusals, compiled packed documents without an
 ``S x S`` tensor, and the engine's per-head sinks on a spawned world.
 
@@ -27,9 +27,9 @@ from dtensor_ulysses.attention import (
 )
 from dtensor_ulysses.attention import local as attention
 from dtensor_ulysses.launch import run_local_world
-from tests import flash_double as fd
-from tests import kernel_workers
-from tests.kernel_workers import reference
+from tests.attention import flash_double as fd
+from tests.attention import kernel_workers
+from tests.attention.kernel_workers import reference
 
 B, S, H = 2, 23, 8
 DOCS = [[1, 9, 13], [12, 11]]  # per row, the document lengths (a one-token document first)

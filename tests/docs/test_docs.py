@@ -2,7 +2,7 @@
 exist, and it loads in headless Chromium without errors.
 
 * ``mkdocs build --strict`` into ``build/docs-site`` (once per session).
-* Every ``<!-- test -->`` snippet runs (see ``tests/_docs_snippets.py``): one process for the
+* Every ``<!-- test -->`` snippet runs (see ``tests/docs/snippets.py``): one process for the
   single-process ones, one torchrun world per rank count for the multi-rank ones, bash blocks from
   the repository root.
 * Every ``--flag`` of a project command in a ```bash block appears in that command's ``--help``.
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import _docs_snippets as docs
+from tests.docs import snippets as docs
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build"

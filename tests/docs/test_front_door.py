@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import _docs_snippets as docs
+from tests.docs import snippets as docs
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -35,9 +35,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
-from tests import hf_family_workers as F  # noqa: E402
-from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
+from tests.hf import family_workers as F  # noqa: E402
+from tests.hf import trainer_workers as T  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-6)
 RTOL = 1e-4
@@ -129,7 +129,7 @@ def torchrun2(assets):
         spec_file.write_text(json.dumps(specs))
         out = assets["root"] / f"results12_{i}.pkl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", "-m", "tests.hf_family_workers", str(spec_file), str(out)]  # fmt: skip
+               "2", "-m", "tests.hf.family_workers", str(spec_file), str(out)]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         runs = pickle.loads(out.read_bytes()) if out.is_file() else [None] * len(families)

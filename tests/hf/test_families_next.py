@@ -37,10 +37,10 @@ pytest.importorskip("datasets")
 
 from dtensor_ulysses.hf.models.latent_attention import LatentShape, latent_bytes  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
-from tests import hf_family_workers as FW  # noqa: E402
-from tests import hf_next_workers as W  # noqa: E402
-from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_workers as HW  # noqa: E402
+from tests.hf import family_workers as FW  # noqa: E402
+from tests.hf import next_workers as W  # noqa: E402
+from tests.hf import trainer_workers as T  # noqa: E402
 
 RTOL = 1e-5  # float64 models; MoE routers and RMSNorms compute in float32 inside
 TRAINER_RTOL = 1e-4  # fp32

@@ -30,9 +30,9 @@ from dtensor_ulysses.comm.halo import halo_bytes  # noqa: E402
 from dtensor_ulysses.hf.models.mixers.kda import kda_bytes  # noqa: E402
 from dtensor_ulysses.hf.models.mixers.mamba import mamba_bytes  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
-from tests import hf_hybrid_workers as W  # noqa: E402
-from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_workers as HW  # noqa: E402
+from tests.hf import hybrid_workers as W  # noqa: E402
+from tests.hf import trainer_workers as T  # noqa: E402
 
 RTOL = 1e-5  # float64 models; the Mamba-2 scan computes in fp32 inside
 TRAINER_RTOL = 1e-4  # fp32

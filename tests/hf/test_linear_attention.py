@@ -26,9 +26,9 @@ pytest.importorskip("datasets")
 
 from dtensor_ulysses.hf.models.mixers.linear_attention import gdn_bytes  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
-from tests import hf_linear_workers as W  # noqa: E402
-from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_workers as HW  # noqa: E402
+from tests.hf import linear_workers as W  # noqa: E402
+from tests.hf import trainer_workers as T  # noqa: E402
 
 RTOL = 1e-5  # float64 models; the delta-rule kernel computes in fp32 inside
 TRAINER_RTOL = 1e-4  # fp32

@@ -23,9 +23,9 @@ pytest.importorskip("peft")
 pytest.importorskip("datasets")
 
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
-from tests import hf_preference_workers as P  # noqa: E402
-from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
+from tests.hf import preference_workers as P  # noqa: E402
+from tests.hf import trainer_workers as T  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5  # ATOL: rewards are exactly 0 at step 1 (policy == reference)
 GRAD_ATOL = 1e-5

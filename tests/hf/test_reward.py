@@ -26,9 +26,9 @@ pytest.importorskip("peft")
 pytest.importorskip("datasets")
 
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
-from tests import hf_reward_workers as R  # noqa: E402
-from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
+from tests.hf import reward_workers as R  # noqa: E402
+from tests.hf import trainer_workers as T  # noqa: E402
 
 RTOL = 1e-4
 KEYS = ("loss", "grad_norm", *R.METRICS)

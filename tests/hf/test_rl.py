@@ -25,9 +25,9 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
-from tests import hf_rl_workers as R  # noqa: E402
-from tests import hf_trainer_workers as T  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
+from tests.hf import rl_workers as R  # noqa: E402
+from tests.hf import trainer_workers as T  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 # GRPO with two loss types (one with the KL to a reference model and an entropy bonus), RLOO

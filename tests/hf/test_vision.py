@@ -1,7 +1,7 @@
 """Vision-language models under Ulysses (issue 40): the vision work split over sp, exact.
 
 Tiny Qwen2.5-VL and Qwen3-VL models from the families' own configs (fp32, CPU), rows with one
-and two images of different sizes (tests/hf_vision_workers.py), against the stock model on one
+and two images of different sizes (tests/hf/vision_workers.py), against the stock model on one
 process:
 
 * the vision split (``hf.vision.route_vision``'s ``get_image_features``): every image's features
@@ -32,9 +32,9 @@ pytest.importorskip("transformers")
 
 from dtensor_ulysses.hf.models.vision import assign_images  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
-from tests import hf_trainer_workers as T  # noqa: E402
-from tests import hf_vision_workers as V  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
+from tests.hf import trainer_workers as T  # noqa: E402
+from tests.hf import vision_workers as V  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-6)
 FAMILIES = V.FAMILIES

@@ -6,7 +6,7 @@ Tiny ``Gemma3ForConditionalGeneration`` (SigLIP tower, every layer with image bl
 ``Gemma4ForConditionalGeneration`` (images of different sizes, blocks on the sliding layers
 only, global layers of another head shape, per-layer inputs, KV sharing), fp32, CPU, eager
 attention as the reference; rows with one and two images (longer than the sliding window of 5,
-one spanning the sp=2 cut, one row right-padded; tests/hf_vision_gemma_workers.py):
+one spanning the sp=2 cut, one row right-padded; tests/hf/vision_gemma_workers.py):
 ``hf.parallelize`` (Ulysses + FSDP2) with ``shard_batch`` at (dp, sp) = (1, 2), (2, 2), (1, 4)
 gives the stock model's loss and every gradient (vision tower and projector included); each
 image is encoded on exactly one rank of its sp group; the blocks matter (without them the stock
@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
-from tests import hf_vision_gemma_workers as V  # noqa: E402
+from tests.hf import vision_gemma_workers as V  # noqa: E402
 
 RTOL = 1e-4  # fp32; atol: 1e-6 + 1e-5 of each tensor's largest gradient (sums in another order)
 
@@ -57,7 +57,7 @@ def _jobs(world: int, root) -> list:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from tests import hf_trainer_workers as T
+    from tests.hf import trainer_workers as T
 
     path = tmp_path_factory.mktemp("gemma_doors")
     V.save_tokenizer(path / "tok", " ".join(T.TEXTS) * 5)

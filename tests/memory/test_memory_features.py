@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dtensor_ulysses.launch import run_local_world
-from tests import feature_workers
 from tests.attention.test_long_context import _heads, _kv_sent
+from tests.memory import feature_workers
 
 E = 8  # float64
 

@@ -16,7 +16,7 @@ from dtensor_ulysses.memory import (
     offload_checkpoints,
 )
 from dtensor_ulysses.models import build_model
-from tests import offload_workers as w
+from tests.memory import offload_workers as w
 
 pytestmark = pytest.mark.timeout(180)
 

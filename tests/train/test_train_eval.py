@@ -2,8 +2,8 @@
 the eval loss after each step, and the training losses, equal a plain single-process model
 trained and evaluated on the same rows (:func:`tests.train.test_train.reference_run`), at
 ``(dp, ring, sp)`` in (1,1,2), (1,2,1), (1,2,2), (2,2,1). The ranks run with ``transformers``
-unimportable (:mod:`tests.eval_workers`): the built-in model's train and eval path needs neither
-it nor :mod:`dtensor_ulysses.hf`."""
+unimportable (:mod:`tests.train.eval_workers`): the built-in model's train and eval path needs
+neither it nor :mod:`dtensor_ulysses.hf`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from dtensor_ulysses.data import PackedCorpus
 from dtensor_ulysses.launch import run_local_world
-from tests import eval_workers
+from tests.train import eval_workers
 from tests.train.test_train import CFG, reference_run
 
 STEPS = 2

@@ -31,9 +31,9 @@ from dtensor_ulysses import train as du_train  # noqa: E402
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
 from dtensor_ulysses.train import checkpoint as ckpt  # noqa: E402
 from dtensor_ulysses.train.inputs import hf_shape  # noqa: E402
-from tests import hf_train_workers  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
 from tests.hf.test_hf import TEXT  # noqa: E402
+from tests.train import hf_train_workers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 S, G = 19, 4  # uneven over sp=4 ([5, 5, 5, 4])

@@ -5,8 +5,8 @@ tensor per expert (``experts.3.w1.weight``), while transformers' models hold the
 (``experts.gate_up_proj[E, 2I, D]``); ``from_pretrained`` converts on load and
 ``save_pretrained`` converts back, with the model's ``WeightConverter`` / ``WeightRenaming``
 list (``transformers.conversion_mapping``). :func:`load_weights` and :func:`save_pretrained`
-(hf/models/pretrained.py) read and write these formats with the same list, one fused tensor at a time: the
-per-expert pieces of one target are collected (only that target's), converted by the
+(hf/models/pretrained.py) read and write these formats with the same list, one fused tensor at a
+time: the per-expert pieces of one target are collected (only that target's), converted by the
 converter's own operations (e.g. ``MergeModulelist`` then ``Concatenate``), and copied into
 this rank's shard; saving splits each gathered full tensor back with the reversed converter.
 """

@@ -59,9 +59,6 @@ explicit ``generation_batch_size``).
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,84 +68,22 @@ from torch import nn
 
 from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.hf.batch import shard_batch
-from dtensor_ulysses.hf.models.routing import plain_attention
-from dtensor_ulysses.hf.trainers import _state
-from dtensor_ulysses.hf.trainers._accel import dp_gather
 from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError, _refusals_in_one_line
-from dtensor_ulysses.plan.splits import DP_AXIS
+from dtensor_ulysses.hf.trainers.rollouts import _dp_gather_same, _patched, _Rollouts
+from dtensor_ulysses.plan.splits import DP_AXIS, SP_AXIS
 
 __all__: list[str] = []
 
-_SP_AXIS = "sp"
 _RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
 
 
-# ----------------------------------------------------------------------------------------------
-# the stock trainer's collectives, over dp
-# ----------------------------------------------------------------------------------------------
-class _DpAccelerator:
-    """Mixin placed over the accelerator's class inside :meth:`_UlyssesRL._du_dp_view`."""
-
-    _du_mesh: Any
-
-    @property
-    def process_index(self) -> int:
-        return self._du_mesh.get_local_rank(DP_AXIS)
-
-    @property
-    def num_processes(self) -> int:
-        return self._du_mesh[DP_AXIS].size()
-
-    def gather(self, tensor: Any) -> Any:
-        return _dp_gather_same(tensor, self._du_mesh[DP_AXIS].get_group())
-
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0):
-        group = self._du_mesh[DP_AXIS].get_group()
-        out = tensor.clone()
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(out, group=group)
-        if reduction == "mean":
-            out = out / dist.get_world_size(group)
-        return out * scale if scale != 1.0 else out
-
-
-def _dp_gather_same(data: Any, group: dist.ProcessGroup) -> Any:
-    """accelerate's ``gather`` over ``group``: tensors concatenated along dim 0 (a scalar
-    becomes one row), nested lists / tuples / dicts of them likewise."""
-    if isinstance(data, dict):
-        return type(data)({k: _dp_gather_same(v, group) for k, v in data.items()})
-    if isinstance(data, (tuple, list)):
-        return type(data)(_dp_gather_same(v, group) for v in data)
-    if not isinstance(data, torch.Tensor):
-        return data
-    return dp_gather(data if data.dim() else data.reshape(1), group=group)
-
-
-def _dp_gather_object(obj: Any, group: dist.ProcessGroup) -> list:
-    """accelerate's ``gather_object`` over ``group``: the ranks' lists, concatenated."""
-    if dist.get_world_size(group) == 1:
-        return list(obj)
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, obj, group=group)
-    return [x for part in parts for x in part]
-
-
-@contextlib.contextmanager
-def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
-
-
-class _UlyssesRL:
+class _UlyssesRL(_Rollouts):
     """Mixin placed before the shared :class:`~dtensor_ulysses.hf.trainers.base._UlyssesTrainer` for
     TRL's ``GRPOTrainer`` and ``RLOOTrainer`` (see the module docstring)."""
 
     _du_family_loss = True  # every loss_type runs as stock (on the sp-summed rows)
+    _du_trl_classes = _RL_TRAINERS
     _du_sp: int
     _du_mesh: Any
     _du_dims: Any
@@ -178,78 +113,14 @@ class _UlyssesRL:
         for func in self.reward_funcs:
             if isinstance(func, nn.Module):
                 func.to(self.accelerator.device)
-        # the random stream of the stock rank with this dp index (generation, shuffles)
-        from accelerate.utils import set_seed
-
-        set_seed(self.args.seed + self._du_mesh.get_local_rank(DP_AXIS))
-
-    # ------------------------------------------------------------------------------------------
-    # the stock step's collectives over dp
-    # ------------------------------------------------------------------------------------------
-    def _du_trl_module(self) -> Any:
-        cls = next(c for c in type(self).__mro__ if c.__name__ in _RL_TRAINERS)
-        return sys.modules[cls.__module__]
-
-    @contextlib.contextmanager
-    def _du_dp_view(self) -> Iterator[None]:
-        acc = self.accelerator
-        base = type(acc)
-        group = self._du_mesh[DP_AXIS].get_group()
-        module = self._du_trl_module()
-        acc.__class__ = type(f"Dp{base.__name__}", (_DpAccelerator, base), {})
-        try:
-            with (
-                _patched(module, "gather", lambda t: _dp_gather_same(t, group)),
-                _patched(module, "gather_object", lambda o: _dp_gather_object(o, group)),
-            ):
-                yield
-        finally:
-            acc.__class__ = base
-
-    def _du_sp_group(self) -> dist.ProcessGroup:
-        return self._du_mesh[_SP_AXIS].get_group()
-
-    def _du_sp_root(self) -> int:
-        """The global rank of sp rank 0 of this rank's group."""
-        return dist.get_global_rank(self._du_sp_group(), 0)
-
-    def _generate_and_score_completions(self, inputs: Any) -> Any:
-        with self._du_dp_view():
-            return super()._generate_and_score_completions(inputs)  # type: ignore[misc]
-
-    # ------------------------------------------------------------------------------------------
-    # rollouts
-    # ------------------------------------------------------------------------------------------
-    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-        hf: Any = _state.base_model(self.model)
-        hf._is_fsdp_managed_module = True  # generate(synced_gpus=True): every rank steps
-        # the root unit's weights (embeddings, head) gathered for the whole generation: a PEFT
-        # model's generate calls the inner model, not the root's hooks
-        root: Any = self.model
-        try:
-            with plain_attention(hf):
-                if not getattr(self, "_du_root_ready", False):  # FSDP2 sets up from the root's
-                    with torch.no_grad():  # first forward: one token through it, every rank
-                        root(input_ids=torch.zeros((1, 1), dtype=torch.long,
-                                                   device=self.accelerator.device))  # fmt: skip
-                    self._du_root_ready = True
-                root.unshard()
-                out = super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            root.reshard()
-            del hf._is_fsdp_managed_module
-        if self._du_sp > 1:  # one set of rollouts per sp group: sp rank 0's (GRPO returns
-            box = [out]  # (completion_ids, logprobs), RLOO completion_ids)
-            dist.broadcast_object_list(box, src=self._du_sp_root(), group=self._du_sp_group())
-            out = box[0]
-        return out
+        self._du_seed_as_stock_rank()
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any,
                            completion_ids_list: Any) -> torch.Tensor:  # fmt: skip
         """The reward functions on sp rank 0 only; the rewards broadcast over sp, then gathered
         over dp as the stock trainer gathers them over its ranks."""
         device = self.accelerator.device
-        if self._du_mesh.get_local_rank(_SP_AXIS) == 0:
+        if self._du_mesh.get_local_rank(SP_AXIS) == 0:
             with _patched(self._du_trl_module(), "gather", lambda t: t):
                 local = super()._calculate_rewards(  # type: ignore[misc]
                     inputs, prompts, completions, completion_ids_list
@@ -275,7 +146,7 @@ class _UlyssesRL:
                 f"{used or ['compute_aux_loss']}"
             )
         mesh, group = self._du_mesh, self._du_sp_group()
-        me = mesh.get_local_rank(_SP_AXIS)
+        me = mesh.get_local_rank(SP_AXIS)
         B, S = input_ids.shape
         step = batch_size or B
         logps, entropies = [], []

@@ -389,7 +389,7 @@ def sft_run(rank: int, world: int, tok_dir: str, out_dir: str, sp: int | None,
     import trl
 
     from dtensor_ulysses.hf import with_ulysses
-    from tests.hf_vision_workers import vl_dataset
+    from tests.hf.vision_workers import vl_dataset
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29518")

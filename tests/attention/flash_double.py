@@ -4,7 +4,7 @@ Written from flash-attn 2.8's ``flash_attn/flash_attn_interface.py`` (argument n
 return values) and the ``TORCH_CHECK``\\ s of ``csrc/flash_attn/flash_api.cpp`` (what the CUDA
 entry point refuses); no code is taken from them. The project's flash path runs through it on CPU
 when a test installs it through the seam in :mod:`dtensor_ulysses.attention`
-(``DTENSOR_ULYSSES_FLASH_ATTN_MODULE=tests.flash_double``, or
+(``DTENSOR_ULYSSES_FLASH_ATTN_MODULE=tests.attention.flash_double``, or
 :func:`~dtensor_ulysses.attention.use_flash_attn_module`).
 
 What it holds the caller to, as the real kernel does:

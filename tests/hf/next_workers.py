@@ -284,9 +284,9 @@ def hf_model_moe(rank: int, world: int, dirs: dict, out_root: str) -> dict:
 
 
 def trainers(rank: int, world: int, specs: list) -> list:
-    """``with_ulysses(transformers.Trainer)`` runs (tests/hf_trainer_workers.py), last in a world
+    """``with_ulysses(transformers.Trainer)`` runs (tests/hf/trainer_workers.py), last in a world
     (a trainer may tear the process group down)."""
-    from tests import hf_trainer_workers as T
+    from tests.hf import trainer_workers as T
 
     return T.run_specs(rank, world, specs)
 

@@ -14,7 +14,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 import dtensor_ulysses as du
 from dtensor_ulysses.attention import local as attention
 from dtensor_ulysses.plan import SeqLayout, seq_split
-from tests import flash_double
+from tests.attention import flash_double
 from tests.ring_workers import get_mesh as ring_mesh
 from tests.ring_workers import reference as doc_reference
 from tests.ring_workers import ring_worker
@@ -24,7 +24,7 @@ __all__ = ["engine_worker", "ring_flash_worker", "train_bf16"]
 
 
 def _installed() -> None:
-    assert os.environ.get(attention.FLASH_MODULE_ENV) == "tests.flash_double"
+    assert os.environ.get(attention.FLASH_MODULE_ENV) == "tests.attention.flash_double"
     assert attention.flash_attn_module() is flash_double
 
 

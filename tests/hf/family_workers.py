@@ -213,7 +213,7 @@ def refusal(rank: int, world: int, model_dir: str, backend: str) -> str:
 def run_jobs(rank: int, world: int, jobs: list) -> list:
     """``("cases", [apply cases])``, ``("specs", [trainer specs])`` and ``("hf_model", (dirs,
     dp, sp))`` (the trainer's ``--hf-model`` build, plain rows) jobs in one world."""
-    from tests import hf_trainer_workers as T
+    from tests.hf import trainer_workers as T
 
     out = []
     for kind, payload in jobs:
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> None:
     import json
     import pickle
 
-    from tests import hf_trainer_workers as T
+    from tests.hf import trainer_workers as T
 
     specs = json.loads(Path(argv[0]).read_text())
     results = [T.run(spec) for spec in specs]

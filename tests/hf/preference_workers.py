@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tests.hf_trainer_workers import TEXTS
+from tests.hf.trainer_workers import TEXTS
 
 # every DPO loss type of TRL 1.16, weighted: the combined loss (with the sft term)
 ALL_DPO_LOSSES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",

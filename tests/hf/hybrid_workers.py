@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.hf_linear_workers import _mesh
+from tests.hf.linear_workers import _mesh
 
 FAMILIES = (
     "nemotron_h",
@@ -299,9 +299,9 @@ def features(rank: int, world: int, dirs: dict) -> dict:
 
 
 def trainers(rank: int, world: int, specs: list) -> list:
-    """``with_ulysses(transformers.Trainer)`` runs (tests/hf_trainer_workers.py), last in a world
+    """``with_ulysses(transformers.Trainer)`` runs (tests/hf/trainer_workers.py), last in a world
     (a trainer may tear the process group down)."""
-    from tests import hf_trainer_workers as T
+    from tests.hf import trainer_workers as T
 
     return T.run_specs(rank, world, specs)
 

@@ -15,7 +15,7 @@ _BLOCKED = "transformers"
 class _NoTransformers(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == _BLOCKED or name.startswith(_BLOCKED + "."):
-            raise ImportError(f"{name} is made unimportable by tests/eval_workers.py")
+            raise ImportError(f"{name} is made unimportable by tests/train/eval_workers.py")
         return None
 
 

@@ -18,9 +18,9 @@ Also here: the commands in any ```bash block (``python -m MODULE [SUB] --flags``
 -m MODULE``, ``python path/to/script.py --flags``), so a test can check that every flag the docs
 use is one the command accepts.
 
-Run as a script, this module is the snippet runner: ``python tests/_docs_snippets.py FILE.json``
+Run as a script, this module is the snippet runner: ``python tests/docs/snippets.py FILE.json``
 runs the listed snippets in one process; under torchrun, on every rank of the world.
-``python tests/_docs_snippets.py --help-of JSON`` prints the ``--help`` of each listed command.
+``python tests/docs/snippets.py --help-of JSON`` prints the ``--help`` of each listed command.
 """
 
 from __future__ import annotations
