@@ -62,10 +62,16 @@ __all__ = [
     "EXIT_DIR_ENV",
     "FORWARDED_SIGNALS",
     "SHUTDOWN_TIMEOUT_S",
+    "WORLD_START_ENV",
     "main",
     "run_local_world",
 ]
 
+# how run_local_world starts its processes: "spawn" (default: each imports everything afresh) or
+# "forkserver" (forked from one server process that imported what
+# multiprocessing.set_forkserver_preload names once: a world starts in a fraction of a second; the
+# test suite uses it). Either way each process gets the caller's environment as it is at the call.
+WORLD_START_ENV = "DTENSOR_ULYSSES_WORLD_START"
 EXIT_DIR_ENV = "DTENSOR_ULYSSES_EXIT_DIR"  # where each worker leaves its exit status (rank{r})
 FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
 SHUTDOWN_TIMEOUT_S = 600  # torchrun's wait for its workers after a signal (its default: 30)
@@ -88,7 +94,12 @@ torchrun's own options: python -m torch.distributed.run --help
 _TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
 
-def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, coll_s: float) -> None:
+def _entry(
+    rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, coll_s: float, env: dict
+) -> None:
+    if os.environ != env:  # forked from a server started earlier: the caller's environment now
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -129,6 +140,9 @@ def run_local_world(
         timeout_s: deadline for the whole run; past it every process is killed.
         collective_timeout_s: gloo's timeout for a single collective.
 
+    The processes are started as :data:`WORLD_START_ENV` says (``spawn`` unless it is
+    ``forkserver``); each runs with the caller's environment at the time of the call.
+
     Returns:
         The return values, indexed by rank.
 
@@ -138,13 +152,16 @@ def run_local_world(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; use world_size >= 1")
+    method = os.environ.get(WORLD_START_ENV) or "spawn"
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"{WORLD_START_ENV}={method!r}; use 'spawn' or 'forkserver'")
     with tempfile.TemporaryDirectory(prefix="du-world-") as tmp:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, tmp, args, collective_timeout_s),
+            args=(fn, world_size, tmp, args, collective_timeout_s, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=method,
         )
         deadline = time.monotonic() + timeout_s
         try:
