@@ -82,15 +82,17 @@ def _grads(model: Any) -> dict[str, list[float]]:
     }  # DDP (the stock loop) adds "module."
 
 
-def _evaluate(acc: Any, model: Any, loader: Any) -> dict[str, float]:
-    """The held-out loss (each batch's, per row), and the gathered logits and labels as
-    metrics read them (their sums, and the top-1 accuracy)."""
+def _evaluate(acc: Any, model: Any, loader: Any, cut: bool = False) -> dict[str, float]:
+    """The held-out loss (each batch's, per row; ``cut``: gathered with ``gather`` and cut to
+    the dataset's length, as older transformers examples do), and the gathered logits and
+    labels as metrics read them (their sums, and the top-1 accuracy)."""
     model.eval()
     losses, logit_sum, logit_abs, label_sum, correct, count = [], 0.0, 0.0, 0, 0, 0
     with torch.no_grad():
         for batch in loader:
             out = model(**batch)
-            losses.append(acc.gather_for_metrics(out.loss.reshape(1).repeat(len(batch["labels"]))))
+            per_row = out.loss.reshape(1).repeat(len(batch["labels"]))
+            losses.append(acc.gather(per_row) if cut else acc.gather_for_metrics(per_row))
             logits, labels, mask = acc.gather_for_metrics(
                 (out.logits, batch["labels"], batch["attention_mask"])
             )
@@ -103,7 +105,7 @@ def _evaluate(acc: Any, model: Any, loader: Any) -> dict[str, float]:
             correct += int((logits.argmax(-1)[:, :-1] == labels[:, 1:])[valid].sum())
             count += int(valid.sum())
     model.train()
-    per_row = torch.cat(losses)
+    per_row = torch.cat(losses)[: len(loader.dataset)]
     return {"loss": per_row.mean().item(), "rows": len(per_row), "logit_sum": logit_sum,
             "logit_abs": logit_abs, "label_sum": label_sum,
             "accuracy": correct / count}  # fmt: skip
@@ -138,8 +140,10 @@ def run(spec: dict) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    # the stock scheduler steps once per process per optimizer step: long enough for dp = 2
-    scheduler = get_linear_schedule_with_warmup(optimizer, 1, 4 * STEPS)
+    # accelerate's scheduler steps once per process per optimizer step: lengths scaled by
+    # num_processes, as transformers' no_trainer examples scale them
+    n_proc = acc.num_processes
+    scheduler = get_linear_schedule_with_warmup(optimizer, n_proc, 4 * STEPS * n_proc)
     per_device = spec["per_device"]
     tokens = spec.get("tokens", False)
     train = torch.utils.data.DataLoader(
@@ -161,6 +165,7 @@ def run(spec: dict) -> dict:
             if tokens:  # accelerate's recipe: the loss over a token count gathered by hand
                 local = (batch["labels"][:, 1:] != -100).sum()
                 n = acc.gather(local.reshape(1)).sum() * GA
+                out.setdefault("count", []).append(int(n))
                 outputs = model(**batch, use_cache=False, num_items_in_batch=n)
                 loss = outputs.loss * GA * acc.num_processes
             else:
@@ -180,7 +185,7 @@ def run(spec: dict) -> dict:
             step += 1
             out["lr"].append(scheduler.get_last_lr()[0])
             if step in spec.get("eval_at", ()):
-                out["eval"].append(_evaluate(acc, model, evals))
+                out["eval"].append(_evaluate(acc, model, evals, cut=tokens))
             if step == spec.get("save_at") and spec.get("ckpt"):
                 acc.save_state(spec["ckpt"])
             if step == spec.get("steps", STEPS):

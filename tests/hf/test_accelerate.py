@@ -157,6 +157,8 @@ def _equal(got: dict, ref: dict, *, first_step: int = 0) -> None:
         _close(got[key], ref[key][first_step:], key)
     if "aux" in ref:
         _close(got["aux"], ref["aux"][micro:], "router loss")
+    if "count" in ref:  # accelerator.gather over the dp ranks: the stock loop's token count
+        assert got["count"] == ref["count"][micro:]
     grads = ref["grads"][first_step:]
     assert len(got["grads"]) == len(grads) == A.STEPS - first_step
     for step, (g, r) in enumerate(zip(got["grads"], grads)):
@@ -251,7 +253,7 @@ def test_prepare_and_forward_refusals(world2):
     "kw, env, needles",
     [
         ({}, {"WORLD_SIZE": "2"}, ["needs the Ulysses degree", "cp_size=N"]),
-        ({"sp": 2}, {}, ["needs a distributed launch of 2", "torchrun --nproc-per-node 2"]),
+        ({"sp": 2}, {}, ["needs a distributed launch: torchrun --nproc-per-node 2", "one process"]),
         ({"sp": 2}, {"ACCELERATE_MIXED_PRECISION": "no"},
          ["accelerate launch started one", "--multi_gpu"]),
         ({"sp": 3}, {"WORLD_SIZE": "4"}, ["sp=3 does not divide the 4 processes"]),

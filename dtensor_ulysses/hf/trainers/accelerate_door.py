@@ -42,7 +42,7 @@ norm and evaluation metric, and the same updates.
   to the sharded ones (as accelerate's FSDP2 does). Data loaders are sharded over the ``dp``
   ranks only: every rank of an sp group reads the same rows (accelerate's sampler, epochs and
   ``skip_first_batches`` unchanged). Learning-rate schedulers step ``dp`` times per optimizer
-  step (the stock accelerator steps them once per process).
+  step (the stock accelerator steps them once per process, and the stock loop has ``dp``).
 * **The model's forward** (hooks on the prepared model) takes the dp group's full rows, as the
   loader gives them, and runs this rank's slice (:func:`~dtensor_ulysses.hf.shard_batch`: labels
   shifted over the full row, padding and packed documents as the engine's layout). Its
@@ -62,11 +62,15 @@ norm and evaluation metric, and the same updates.
   synchronizing micro-batches, as under accelerate's FSDP2), ``clip_grad_norm_`` (the norm of
   the sharded gradients, a plain tensor), ``gather_for_metrics`` (over the dp ranks only, the
   last batch's duplicates dropped as stock), ``get_state_dict`` (the full state on the main
-  process), ``save_state`` / ``load_state`` (the files of a single-process run: full weights and
-  the full optimizer state keyed by parameter name; each rank loads its shard), and
+  process), ``save_state`` / ``load_state`` (the full weights, as a single-process run writes
+  them, and the full optimizer state keyed by parameter name; each rank loads its shard), and
   ``unwrap_model(model).save_pretrained(dir)`` called on every rank (full weights gathered).
-  ``gather`` and ``reduce`` run over all ``P`` processes, where each dp group's value appears
-  ``sp`` times: means are unchanged.
+* **The data-parallel view**: ``num_processes`` is ``dp``, and ``gather`` / ``reduce`` run over
+  the dp ranks, so what a loop computes from them (schedule lengths scaled by
+  ``num_processes``, token counts gathered by hand for ``num_items_in_batch``, gathered
+  evaluation losses cut to the dataset's length, throughput) is the stock loop's at ``dp``.
+  ``process_index``, ``is_main_process`` and the files per process stay the ``P`` processes'
+  (``state.num_processes`` is ``P``).
 
 Refused in one line, before step 1: DeepSpeed or Megatron-LM as the accelerate backend, FSDP1,
 an FSDP2 ``mixed_precision_policy`` (precision is accelerate's ``mixed_precision``, as
@@ -328,6 +332,7 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
         mesh = dims.build_mesh(
             "cpu" if cpu else "cuda", timeout_s=timeout.total_seconds() if timeout else None
         )
+        self._du_mesh, self._du_dims, self._du_options = mesh, dims, options
         with _without(_SETTINGS_ENV):
             super().__init__(cpu=cpu, **kwargs)
         kind = str(self.distributed_type)
@@ -338,13 +343,12 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
                 f"process (an Accelerator built before this one); build only the "
                 f"UlyssesAccelerator, which takes cp_size as the Ulysses degree"
             )
-        if self.num_processes != world or kind.endswith(("FSDP", "DEEPSPEED", "MEGATRON_LM")):
+        if self.state.num_processes != world or kind.endswith(("FSDP", "DEEPSPEED", "MEGATRON")):
             raise ValueError(
-                f"accelerate runs {kind} on {self.num_processes} of the {world} processes (an "
-                f"accelerator state created before this one?); build the UlyssesAccelerator "
+                f"accelerate runs {kind} on {self.state.num_processes} of the {world} processes "
+                f"(an accelerator state created before this one?); build the UlyssesAccelerator "
                 f"first in the script"
             )
-        self._du_mesh, self._du_dims, self._du_options = mesh, dims, options
         self._du_compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             str(self.mixed_precision)
         )
@@ -512,6 +516,37 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
         whole (accelerate's own context parallelism is off under the door)."""
         yield
 
+    # ------------------------------------------------------------------------------------------
+    # the data-parallel view: what the loop sees of the processes is the stock loop's dp
+    # ------------------------------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        """``dp``: the processes of the stock loop this one equals (the launch has
+        ``dp x sp``: ``state.num_processes``)."""
+        return self._du_dims.dp
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.state.num_processes - 1
+
+    def gather(self, tensor: Any) -> Any:
+        """accelerate's ``gather`` over the dp ranks (one value per dp group, as the stock
+        loop's processes give them); tensors of unequal length in dim 1 are padded with -100."""
+        return _dp_gather_nested(tensor, self._du_dims.dp_group(self._du_mesh).get_group())
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """accelerate's ``reduce`` (``"sum"``, ``"mean"``, ``"none"``) over the dp ranks."""
+        group = self._du_dims.dp_group(self._du_mesh).get_group()
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            if reduction == "none":
+                return t
+            out = t.clone()
+            dist.all_reduce(out, group=group)
+            return out / dist.get_world_size(group) if reduction == "mean" else out
+
+        return recursively_apply(one, tensor, error_on_other_type=True)
+
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """accelerate's ``gather_for_metrics`` over the dp ranks only (the sp ranks of a dp
         group hold the same rows): the last batch's duplicated rows dropped as stock."""
@@ -522,7 +557,7 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
         except TypeError:
             tensors = False
         if tensors:
-            data = _dp_gather_nested(input_data, group)
+            data = self.gather(input_data)
         else:
             parts: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(parts, input_data, group=group)

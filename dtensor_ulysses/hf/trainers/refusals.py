@@ -123,9 +123,9 @@ def _single_process_launch(who: str, sp: int) -> str:
             f"--nproc-per-node {sp} ..."
         )
     return (
-        f"{who} needs a distributed launch of {sp} processes or a multiple, but this is one "
-        f"process: torchrun --nproc-per-node {sp} ... (or accelerate launch --multi_gpu "
-        f"--num_processes {sp} ...)"
+        f"{who} needs a distributed launch: torchrun --nproc-per-node {sp} ... (or accelerate "
+        f"launch --multi_gpu --num_processes {sp} ...), {sp} processes or a multiple; this is "
+        f"one process"
     )
 
 
