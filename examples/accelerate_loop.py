@@ -3,10 +3,13 @@
 On CPU with a tiny model built on the spot (``--model DIR`` for a local checkpoint)::
 
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop.py --sp 2
-    accelerate launch --config_file cp2.yaml examples/accelerate_loop.py  # its cp_size: sp
+    accelerate launch --config_file cp2.yaml examples/accelerate_loop.py  # sp: its cp_size
     torchrun --standalone --nproc-per-node 4 examples/accelerate_loop.py --sp 2  # dp = 2
     python examples/accelerate_loop.py --stock   # the stock loop, one process: the losses and
                                                  # gradient norms the dp = 1 runs above print
+
+``cp2.yaml``: an accelerate config with FSDP2 and ``parallelism_config_cp_size: 2`` on 2
+processes (docs/how-to/accelerate.md shows one).
 """
 
 from __future__ import annotations

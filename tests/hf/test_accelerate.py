@@ -268,6 +268,8 @@ def test_prepare_and_forward_refusals(world2):
         ({}, {"WORLD_SIZE": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
               "PARALLELISM_CONFIG_SP_SIZE": "2"}, ["sp_size=2", "DeepSpeed sequence"]),
         ({"sp": 2, "fsdp": dict(fsdp_version=1)}, {"WORLD_SIZE": "2"}, ["fsdp_version=1"]),
+        ({"sp": 2}, {"WORLD_SIZE": "2", "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"},
+         ["dynamo_backend=INDUCTOR", "dynamo_backend='no'"]),
         ({"sp": 2, "fsdp": dict(fsdp_version=2, mixed_precision_policy="bf16")},
          {"WORLD_SIZE": "2"}, ["mixed_precision_policy", "mixed_precision='bf16'"]),
     ],
@@ -279,7 +281,8 @@ def test_construction_refusals(monkeypatch, kw, env, needles):
     from dtensor_ulysses.hf import UlyssesAccelerator
 
     for name in ("WORLD_SIZE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_DEEPSPEED",
-                 "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_FSDP"):  # fmt: skip
+                 "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_FSDP",
+                 "ACCELERATE_DYNAMO_BACKEND"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -73,6 +73,7 @@ norm and evaluation metric, and the same updates.
   (``state.num_processes`` is ``P``).
 
 Refused in one line, before step 1: DeepSpeed or Megatron-LM as the accelerate backend, FSDP1,
+accelerate's ``dynamo_backend`` (``torch.compile`` of the whole model) and fp8,
 an FSDP2 ``mixed_precision_policy`` (precision is accelerate's ``mixed_precision``, as
 autocast), tensor parallelism, accelerate's DeepSpeed sequence parallelism (``sp_size``),
 ``dp_replicate_size > 1``, ``sp=`` and ``cp_size`` that disagree, accelerate's own context
@@ -854,8 +855,8 @@ def _load_full(model: nn.Module, full: dict[str, torch.Tensor], where: str) -> N
 
 
 def _refuse_backends(kwargs: dict) -> None:
-    """DeepSpeed, Megatron-LM and accelerate's tensor-parallel plugin, from the arguments or
-    the environment an accelerate config sets."""
+    """DeepSpeed, Megatron-LM, accelerate's tensor-parallel plugin, its ``torch.compile`` of the
+    model and fp8, from the arguments or the environment an accelerate config sets."""
     on = lambda name: os.environ.get(name, "false").lower() == "true"  # noqa: E731
     if (
         kwargs.get("deepspeed_plugin")
@@ -871,6 +872,17 @@ def _refuse_backends(kwargs: dict) -> None:
         raise ValueError("Megatron-LM is the accelerate backend; the door shards with FSDP2")
     if kwargs.get("torch_tp_plugin") is not None:
         raise ValueError("torch_tp_plugin: tensor parallelism cannot run with the Ulysses door")
+    plugin = kwargs.get("dynamo_plugin")
+    dynamo = str(kwargs.get("dynamo_backend") or getattr(plugin, "backend", None)
+                 or os.environ.get("ACCELERATE_DYNAMO_BACKEND") or "no")  # fmt: skip
+    if dynamo.lower().removeprefix("dynamobackend.") != "no":
+        raise ValueError(
+            f"dynamo_backend={dynamo}: accelerate's torch.compile of the whole model is not "
+            f"supported under the door (its forward slices the batch); set dynamo_backend='no'"
+        )
+    precision = str(kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    if precision.lower() == "fp8":
+        raise ValueError("mixed_precision='fp8' is not supported under the door; use 'bf16'")
 
 
 def _fields(options: ParallelOptions) -> dict[str, Any]:
