@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -106,9 +107,13 @@ def world2(assets):
     out = root / "world2"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with socket.socket() as free:  # not accelerate's default 29500: another job may hold it
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
     run = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(root / "cp2.yaml"), str(Path(A.__file__)), str(root / "specs2.json"), str(out)],
+         str(root / "cp2.yaml"), "--main_process_port", port, str(Path(A.__file__)),
+         str(root / "specs2.json"), str(out)],
         capture_output=True, text=True, env=env, cwd=root, timeout=400,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
