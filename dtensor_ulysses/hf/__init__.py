@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         UnsupportedModelError,
         apply_ulysses,
     )
+    from dtensor_ulysses.hf.trainers.accelerate_door import UlyssesAccelerator
     from dtensor_ulysses.hf.trainers.logps import (
         logp_head,
         sequence_logps,

@@ -2,8 +2,9 @@
 
 * The README marks exactly the two set-up commands ``.ci/readme_command.py`` reads (``main`` and
   ``test``; ``.ci/run`` runs the test one verbatim), gives the advice on PyTorch's CPU build before
-  the first command it applies to, shows the three ways in (the trainer, ``with_ulysses`` with
-  ``pip install -e ".[hf]"``, the library) and links only to files that exist.
+  the first command it applies to, shows the four ways in (the trainer, ``with_ulysses`` with
+  ``pip install -e ".[hf]"``, ``UlyssesAccelerator``, the library) and links only to files that
+  exist.
 * ``docs/getting-started/install.md``'s extras table lists every extra of ``pyproject.toml``.
 * ``docs/reference/tests.md`` names, for every check, test files that exist.
 * ``docs/reference/index.md``'s table of public names names only ``du.*`` names that exist.
@@ -49,9 +50,10 @@ def test_cpu_build_advice_comes_before_the_commands():
     assert advice < README.find("<!-- setup:main -->") < README.find("<!-- setup:test -->")
 
 
-def test_readme_shows_the_three_ways_in():
+def test_readme_shows_the_four_ways_in():
     assert "-m dtensor_ulysses.train" in README  # the trainer
     assert "with_ulysses(" in README and 'pip install -e ".[hf]"' in README
+    assert "UlyssesAccelerator(" in README  # a custom accelerate loop
     assert "du.ulysses_attention(" in README  # the library
     assert len(README.splitlines()) <= 200, "the README is a front door: details go to docs/"
 

@@ -49,6 +49,7 @@ class _UlyssesAccelerator:
 
         def by_dp_rank(*a: Any, **kw: Any):
             kw["num_processes"], kw["process_index"] = dp, dp_rank
+            kw["torch_device_mesh"] = None  # the degrees above are the dp ones already
             return original(*a, **kw)
 
         accelerator_module.prepare_data_loader = by_dp_rank

@@ -32,6 +32,7 @@ __all__ = [
     "is_peft",
     "load_model_files",
     "load_optimizer",
+    "load_optimizer_state",
     "optimizer_state",
     "raw_optimizer",
     "start_from_rank0",
@@ -67,7 +68,12 @@ def optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
 
 def load_optimizer(model: nn.Module, optimizer: Any, path: Path) -> None:
     """Load :func:`optimizer_state`'s file on every rank; each keeps its shard."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    load_optimizer_state(model, optimizer, torch.load(path, map_location="cpu", weights_only=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    """Load a full optimizer state (:func:`optimizer_state`'s) on every rank; each keeps its
+    shard."""
     set_optimizer_state_dict(
         model, raw_optimizer(optimizer), state, options=StateDictOptions(full_state_dict=True)
     )

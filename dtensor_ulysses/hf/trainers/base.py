@@ -114,6 +114,7 @@ from dtensor_ulysses.hf.trainers.refusals import (
     _refuse_args,
     _refuse_attention_dropout,
     _refuse_batch_keys,
+    _single_process_launch,
 )
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
 from dtensor_ulysses.parallel import flatten_dp_sp
@@ -304,10 +305,7 @@ class _UlyssesTrainer:
                 f"with FSDP2 itself; launch with a plain multi-process config (torchrun)"
             )
         if not dist.is_initialized():
-            raise ValueError(
-                f"with_ulysses(sp={self._du_sp}) needs a distributed launch: torchrun "
-                f"--nproc-per-node P with P a multiple of {self._du_sp}"
-            )
+            raise ValueError(_single_process_launch(f"with_ulysses(sp={self._du_sp})", self._du_sp))
         world = dist.get_world_size()
         if self.args.world_size != world:
             raise ValueError(

@@ -106,6 +106,29 @@ def _leave_refused(e: BaseException) -> None:
     exit_process(leave_together(2, rank))
 
 
+def _single_process_launch(who: str, sp: int) -> str:
+    """The one-line refusal of a degree ``sp > 1`` in a process that is not part of a
+    multi-process launch, naming the fix; ``who`` names the door (``"with_ulysses(sp=2)"``).
+
+    ``accelerate launch`` runs the script once (its single-process launcher) on a machine
+    without GPUs, or with ``--cpu``, or from a config whose ``distributed_type`` is ``NO`` or
+    ``MULTI_CPU``, whatever ``--num_processes`` says; ``--multi_gpu`` starts the processes with
+    torchrun, on CPU too."""
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:  # set by accelerate launch
+        return (
+            f"{who} needs {sp} processes or a multiple, but accelerate launch started one (its "
+            f"single-process launcher: on a machine without GPUs --num_processes alone starts "
+            f"one); add --multi_gpu (it starts the processes with torchrun, on CPU too): "
+            f"accelerate launch --multi_gpu --num_processes {sp} ..., or torchrun "
+            f"--nproc-per-node {sp} ..."
+        )
+    return (
+        f"{who} needs a distributed launch: torchrun --nproc-per-node {sp} ... (or accelerate "
+        f"launch --multi_gpu --num_processes {sp} ...), {sp} processes or a multiple; this is "
+        f"one process"
+    )
+
+
 def _refuse_batch_keys(inputs: dict, read: set[str], dropped: set[str], who: str) -> None:
     """Refuse the batch's tensors that a step neither reads (``read``) nor replaces
     (``dropped``): with_ulysses could not cut them into sequence slices. ``who`` names the step
@@ -115,7 +138,7 @@ def _refuse_batch_keys(inputs: dict, read: set[str], dropped: set[str], who: str
     )
     if extra:
         raise UnsupportedTrainerError(
-            f"batch keys {extra} cannot be cut into sequence slices by with_ulysses ({who} "
+            f"batch keys {extra} cannot be cut into sequence slices under Ulysses ({who} "
             f"reads {sorted(read)}); remove them from the collator's output"
         )
 
