@@ -215,11 +215,39 @@ def roundtrip_worker(rank: int, world_size: int, max_examples: int) -> int:
     return len(ran)
 
 
+def _bound_dims_agree(mesh: DeviceMesh) -> None:
+    """``ParallelDims.from_mesh``: the degrees, this rank's coordinates and groups, the one
+    slicer's arguments, all read from the mesh itself (an ``AssertionError`` names a
+    difference)."""
+    from dtensor_ulysses.parallel import ParallelDims
+
+    dims = ParallelDims.from_mesh(mesh)
+    dp_rank, sp_rank = mesh.get_coordinate()
+    got = (dims.dp, dims.sp, dims.dp_rank, dims.sp_rank, dims.flat_mesh.size())
+    want = (mesh.size(0), mesh.size(1), dp_rank, sp_rank, mesh.size())
+    assert got == want, f"{got} != {want}"
+    assert dims.coords() == dict(dp=dims.dp, dp_rank=dp_rank, sp=dims.sp, sp_rank=sp_rank,
+                                 ring=1, ring_rank=0), dims.coords()  # fmt: skip
+    assert dims.sp_mesh.get_group() is mesh.get_group(1)
+    assert dims.dp_mesh.get_group() is mesh.get_group(0)
+    assert ParallelDims.of(dims) is dims and ParallelDims.of(mesh) == dims
+
+
 def error_worker(rank: int, world_size: int) -> list[dict]:
     """Each bad input: the exception type and message, so the parent can assert both."""
+    from dtensor_ulysses.attention import AttnFeatures, choose_kernel
+    from dtensor_ulysses.models import build_model
+    from dtensor_ulysses.parallel import ParallelDims
+    from dtensor_ulysses.plan import ParallelOptions
+
     mesh = get_mesh(1, world_size)
     mesh22 = get_mesh(2, world_size // 2)
     tp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    window = choose_kernel(AttnFeatures(window=True), device_type="cpu", dtype=torch.float32,
+                           head_dim=16)  # fmt: skip
+
+    def tiny():
+        return build_model("tiny", device="meta")
 
     def dt(shape, m=mesh, placements=None):
         t = torch.randn(*shape)
@@ -268,6 +296,14 @@ def error_worker(rank: int, world_size: int) -> list[dict]:
         "module_bad_mesh": lambda: du.UlyssesAttention(du.local_attention, "sp"),
         "flash_on_cpu": lambda: du.ulysses_attention(q, q, q, backend="flash_attn"),
         "unknown_backend": lambda: du.ulysses_attention(q, q, q, backend="xformers"),
+        "dims_bound": lambda: _bound_dims_agree(mesh22),
+        "dims_unbound": lambda: ParallelDims(2, 1, 2).sp_mesh,
+        "dims_other_mesh": lambda: ParallelDims(dp=1, sp=4, mesh=mesh22),
+        "parallelize_object_and_keywords": lambda: du.parallelize(
+            tiny(), mesh22, ParallelOptions(), head_chunks=2
+        ),
+        "parallelize_unknown_option": lambda: du.parallelize(tiny(), mesh22, tiled_loss=True),
+        "parallelize_kernel_of_another_kind": lambda: du.parallelize(tiny(), mesh22, kernel=window),
     }
     out = []
     for name, fn in cases.items():

@@ -36,7 +36,14 @@ EXPECTED = {
     "module_heads": ("ValueError", r"sp=4 exceeds the 2 q heads"),
     "module_bad_mesh": ("TypeError", r"mesh must be a DeviceMesh with an 'sp' axis or a ProcessGroup"),
     "flash_on_cpu": ("AttentionBackendError", r"backend='flash_attn' cannot run flash-attn: .*; use backend='auto' or one of \['sdpa', 'blockwise'\]"),
-    "unknown_backend": ("ValueError", r"unknown attention backend 'xformers'; choose one of"),
+    "unknown_backend": ("ValueError", r"backend='xformers' is not an attention kernel; choose one of"),
+    # the parallel recipe: the degrees bound to their mesh, the options as one object
+    "dims_bound": (None, r"^$"),
+    "dims_unbound": ("ValueError", r"ParallelDims\(dp=2 x sp=2\) has no mesh yet: bind"),
+    "dims_other_mesh": ("ValueError", r"the mesh has axes \('dp', 'sp'\) of sizes \(2, 2\), not the dp=1 x sp=4"),
+    "parallelize_object_and_keywords": ("ValueError", r"du.parallelize: pass the options as a ParallelOptions or as keywords, not both .*dataclasses.replace\(options, head_chunks=...\)"),
+    "parallelize_unknown_option": ("ValueError", r"unknown du.parallelize option\(s\) \['tiled_loss'\]; the options are \['activation_checkpointing'"),
+    "parallelize_kernel_of_another_kind": ("ValueError", r"kernel='blockwise' was chosen for 'window' layers, but the model has 'causal' layers"),
 }  # fmt: skip
 
 
@@ -53,11 +60,14 @@ def test_bad_input_messages():
 
 def test_local_attention_backend_errors():
     q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(ValueError, match="unknown attention backend 'bogus'"):
+    with pytest.raises(ValueError, match="backend='bogus' is not an attention kernel"):
         du.local_attention(q, q, q, backend="bogus")
     with pytest.raises(RuntimeError, match="backend='flash_attn' cannot run"):
         du.local_attention(q, q, q, backend="flash_attn")
-    with pytest.raises(ValueError, match="cannot force backend 'cudnn'"), du.force_backend("cudnn"):
+    with (
+        pytest.raises(ValueError, match=r"force_backend\('cudnn'\) is not an attention kernel"),
+        du.force_backend("cudnn"),
+    ):
         pass
 
 
