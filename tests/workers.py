@@ -235,19 +235,11 @@ def _bound_dims_agree(mesh: DeviceMesh) -> None:
 
 def error_worker(rank: int, world_size: int) -> list[dict]:
     """Each bad input: the exception type and message, so the parent can assert both."""
-    from dtensor_ulysses.attention import AttnFeatures, choose_kernel
-    from dtensor_ulysses.models import build_model
     from dtensor_ulysses.parallel import ParallelDims
-    from dtensor_ulysses.plan import ParallelOptions
 
     mesh = get_mesh(1, world_size)
     mesh22 = get_mesh(2, world_size // 2)
     tp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    window = choose_kernel(AttnFeatures(window=True), device_type="cpu", dtype=torch.float32,
-                           head_dim=16)  # fmt: skip
-
-    def tiny():
-        return build_model("tiny", device="meta")
 
     def dt(shape, m=mesh, placements=None):
         t = torch.randn(*shape)
@@ -299,11 +291,6 @@ def error_worker(rank: int, world_size: int) -> list[dict]:
         "dims_bound": lambda: _bound_dims_agree(mesh22),
         "dims_unbound": lambda: ParallelDims(2, 1, 2).sp_mesh,
         "dims_other_mesh": lambda: ParallelDims(dp=1, sp=4, mesh=mesh22),
-        "parallelize_object_and_keywords": lambda: du.parallelize(
-            tiny(), mesh22, ParallelOptions(), head_chunks=2
-        ),
-        "parallelize_unknown_option": lambda: du.parallelize(tiny(), mesh22, tiled_loss=True),
-        "parallelize_kernel_of_another_kind": lambda: du.parallelize(tiny(), mesh22, kernel=window),
     }
     out = []
     for name, fn in cases.items():

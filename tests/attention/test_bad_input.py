@@ -41,9 +41,6 @@ EXPECTED = {
     "dims_bound": (None, r"^$"),
     "dims_unbound": ("ValueError", r"ParallelDims\(dp=2 x sp=2\) has no mesh yet: bind"),
     "dims_other_mesh": ("ValueError", r"the mesh has axes \('dp', 'sp'\) of sizes \(2, 2\), not the dp=1 x sp=4"),
-    "parallelize_object_and_keywords": ("ValueError", r"du.parallelize: pass the options as a ParallelOptions or as keywords, not both .*dataclasses.replace\(options, head_chunks=...\)"),
-    "parallelize_unknown_option": ("ValueError", r"unknown du.parallelize option\(s\) \['tiled_loss'\]; the options are \['activation_checkpointing'"),
-    "parallelize_kernel_of_another_kind": ("ValueError", r"kernel='blockwise' was chosen for 'window' layers, but the model has 'causal' layers"),
 }  # fmt: skip
 
 

@@ -162,6 +162,37 @@ def test_a_door_takes_the_object_or_its_keywords_never_both():
     assert ParallelOptions(compile=False).compile is None
 
 
+def test_du_parallelize_takes_the_object_or_its_keywords_and_a_kernel_of_its_layer_kind():
+    """The built-in model's door refuses both spellings at once and a keyword it does not
+    apply before it touches the mesh (a stand-in here); a kernel chosen beforehand must be of
+    the model's layer kind (what validate chooses for the trainer)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import dtensor_ulysses as du
+    from dtensor_ulysses.attention import AttnFeatures, choose_kernel
+    from dtensor_ulysses.models import build_model
+    from dtensor_ulysses.parallel.apply import _layer_choice
+
+    model = build_model("tiny", device="meta")
+    mesh = SimpleNamespace(mesh_dim_names=("dp", "sp"))  # refused before it is used
+    both = r"^du.parallelize: pass the options as a ParallelOptions or as keywords, not both"
+    with pytest.raises(ValueError, match=both + r".*replace\(options, head_chunks=\.\.\.\)$"):
+        du.parallelize(model, mesh, ParallelOptions(), head_chunks=2)
+    with pytest.raises(ValueError, match=r"^unknown du.parallelize option\(s\) \['tiled_loss'\]"):
+        du.parallelize(model, mesh, tiled_loss=True)
+    cpu = dict(device_type="cpu", dtype=torch.float32, head_dim=16)
+    causal, window = AttnFeatures(), AttnFeatures(window=True)
+    chosen = choose_kernel(causal, **cpu)
+    assert _layer_choice(chosen, causal, ring=False, **cpu) is chosen  # stored as it is
+    with pytest.raises(ValueError, match=r"kernel='sdpa' was chosen for 'causal' layers, but the "
+                                         r"model has 'window' layers"):  # fmt: skip
+        _layer_choice(chosen, window, ring=False, **cpu)
+    with pytest.raises(ValueError, match=r"but the model has 'causal' layers in a ring"):
+        _layer_choice(chosen, causal, ring=True, **cpu)
+
+
 def test_every_front_door_reads_the_same_fields():
     """The trainer's flags are ParallelOptions fields (TrainConfig.options() builds the type
     from them); each door's keywords, the preflight's and the tracer's memory features and the
