@@ -160,7 +160,7 @@ def preflight_rows(args: argparse.Namespace, flags: list[str]) -> dict:
     ``dtensor_ulysses.train`` runs it on CUDA); ``{"rows": [...]}``, a row's ``error`` its
     refusal."""
     from dtensor_ulysses import train as du_train
-    from dtensor_ulysses.plan import GPU_SPECS, MEMORY_FEATURES, check_fits, get_shape
+    from dtensor_ulysses.plan import GPU_SPECS, check_fits, get_shape
 
     if args.host_memory is None or "max" in args.seq_lens:
         raise SystemExit("--preflight-only needs --host-memory GIB and --seq-lens as numbers")
@@ -171,9 +171,8 @@ def preflight_rows(args: argparse.Namespace, flags: list[str]) -> dict:
             argv = ["--dp", "1", "--sp", "1", "--model", model, "--seq-len", length,
                     "--batch-size", "1", *flags, *_head_chunks(model, args.features)]  # fmt: skip
             cfg = du_train.parse_args(argv)
-            features = {name: getattr(cfg, name) for name in MEMORY_FEATURES}
             res = check_fits(
-                get_shape(model), device_type="cuda", features=features, seq_len=cfg.seq_len,
+                get_shape(model), cfg.options(), device_type="cuda", seq_len=cfg.seq_len,
                 batch_size=cfg.batch_size, dp=1, sp=1, device_cap=device_cap, host_cap=host_cap,
                 capacity_source=f"{args.gpu} total memory", host_capacity_source="--host-memory",
                 headroom=cfg.memory_headroom,

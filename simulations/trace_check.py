@@ -135,7 +135,7 @@ def _rank_step(rank: int, world: int, cfg_d: dict[str, Any], seq_len: int) -> di
     import torch
 
     from dtensor_ulysses import train
-    from dtensor_ulysses.memtrace import rank0_batch, trace_config
+    from dtensor_ulysses.memtrace import rank0_batch, trace_config, trace_options
     from dtensor_ulysses.memtrace.steps import StepSpec, reference_model, step_runner
     from dtensor_ulysses.parallel import init_mesh
 
@@ -143,7 +143,7 @@ def _rank_step(rank: int, world: int, cfg_d: dict[str, Any], seq_len: int) -> di
     torch.set_num_threads(1)
     c = CheckConfig(**cfg_d)
     spec = StepSpec(c.step, **c.step_options)
-    cfg = trace_config("tiny", seq_len, 1, c.sp, c.ac, dict(c.features))
+    cfg = trace_config("tiny", seq_len, 1, c.sp, trace_options(c.ac, dict(c.features)))
     mesh = init_mesh(1, c.sp, device_type="cpu")
     cpu = torch.device("cpu")
     net, optimizer, scheduler = train.build(cfg, mesh, cpu)

@@ -91,7 +91,7 @@ def _cfg(model_dir: str, dp: int, sp: int, **kw):
         head_chunks=1, attention_backend="sdpa", allow_uneven_heads=False,
     )  # fmt: skip
     base.update(kw)
-    return SimpleNamespace(**base)
+    return du_train.TrainConfig(**base)
 
 
 def _full(t):

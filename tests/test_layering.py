@@ -13,6 +13,11 @@
 * ``simulations/`` imports torch only in its measurement modules (listed here); everywhere else it
   may use only library modules that are themselves torch-free, so ``import simulations`` and the
   simulator CLI never need torch.
+* **The recipe travels as one object**: the parallel option set (five or more of
+  :data:`OPTION_NAMES` in one function signature, call, literal or class body) is spelled out in
+  at most :data:`MAX_OPTION_PLACES` places of the library; the mesh's axis names (``"dp"``,
+  ``"sp"``, ``"ring"``) are string literals on at most :data:`MAX_AXIS_LINES` lines outside
+  ``plan/splits.py``, which names them once.
 
 Each checker is also run on a small synthetic tree that breaks its rule, so none can pass by
 seeing nothing.
@@ -21,6 +26,7 @@ seeing nothing.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -322,6 +328,97 @@ def import_time_closure(paths: list[Path], root: Path = ROOT) -> list[tuple[Path
     return out
 
 
+# The parallel recipe's options, written here independently of the library (a test holds them
+# equal to ParallelOptions' fields), and the most places that may spell five or more of them.
+OPTION_NAMES = frozenset({
+    "activation_checkpointing", "offload_activations", "offload_params", "offload_optimizer",
+    "head_chunks", "overlap_comm", "compile", "attention_backend", "allow_uneven_heads",
+    "tiled_loss", "loss_chunk_tokens", "tiled_mlp", "mlp_chunk_tokens", "mixed_precision",
+})  # fmt: skip
+SPELLED_OUT = 5  # this many option names in one place spell the set out
+MAX_OPTION_PLACES = 5
+AXIS_NAMES = frozenset({"dp", "sp", "ring"})
+AXES_HOME = "dtensor_ulysses/plan/splits.py"
+MAX_AXIS_LINES = 2
+
+_LITERALS = (ast.Tuple, ast.List, ast.Set)
+
+
+def _literal_strings(node: ast.AST) -> list[str]:
+    """The string constants of a tuple / list / set literal, nested literals included (a table
+    of pairs spells its names too)."""
+    out = []
+    for elt in getattr(node, "elts", []):
+        if isinstance(elt, ast.Constant) and isinstance(elt.value, str):
+            out.append(elt.value)
+        elif isinstance(elt, _LITERALS):
+            out += _literal_strings(elt)
+    return out
+
+
+def _spelled_names(node: ast.AST, parent: ast.AST | None) -> tuple[str, list[str]] | None:
+    """``(kind, names)`` a node spells, for the kinds that can spell the option set."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        a = node.args
+        return "signature", [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    if isinstance(node, ast.Call):
+        return "call", [k.arg for k in node.keywords if k.arg]
+    if isinstance(node, ast.Dict):
+        keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+        return "dict literal", [k for k in keys if isinstance(k, str)]
+    if isinstance(node, _LITERALS) and not isinstance(parent, _LITERALS):  # outermost only
+        return f"{type(node).__name__.lower()} literal", _literal_strings(node)
+    if isinstance(node, ast.ClassDef):
+        names = []
+        for stmt in node.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                names.append(stmt.target.id)
+            elif isinstance(stmt, ast.Assign):
+                names += [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+        return "class body", names
+    return None
+
+
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def option_set_places(root: Path = ROOT) -> list[str]:
+    """``file:line kind (n names)`` for every place of the library that spells out the option
+    set: five or more of :data:`OPTION_NAMES` in one function signature, call, dict / set /
+    tuple / list literal (nested ones with it) or class body."""
+    found = []
+    for path in library_files(root):
+        tree = _parsed(path)
+        parents = {id(c): n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+        for node in ast.walk(tree):
+            spelled = _spelled_names(node, parents.get(id(node)))
+            if spelled is None:
+                continue
+            kind, names = spelled
+            hit = OPTION_NAMES & set(names)
+            if len(hit) >= SPELLED_OUT:
+                found.append(f"{_rel(path, root)}:{node.lineno} {kind} ({len(hit)} options)")
+    return found
+
+
+def axis_name_lines(root: Path = ROOT) -> list[str]:
+    """``file:line`` of every line of the library outside :data:`AXES_HOME` holding a string
+    literal that is a mesh axis name (docstrings left out)."""
+    lines: set[tuple[str, int]] = set()
+    for path in library_files(root):
+        rel = _rel(path, root)
+        if rel == AXES_HOME:
+            continue
+        tree = _parsed(path)
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in AXIS_NAMES and id(node) not in docs:
+                lines.add((rel, node.lineno))
+    return [f"{f}:{n}" for f, n in sorted(lines)]
+
+
 def _top(module: str) -> str:
     return module.split(".")[0]
 
@@ -492,6 +589,32 @@ def test_facades_derive_all_from_their_one_list_and_the_docs_show_every_module()
     assert not missing, f"modules with public names missing from the API pages: {missing}"
 
 
+def test_the_option_names_are_the_recipes_fields():
+    from dtensor_ulysses.plan import ParallelOptions
+
+    assert set(ParallelOptions.fields()) == OPTION_NAMES
+
+
+def test_the_option_set_is_spelled_out_in_at_most_five_places():
+    """The recipe travels as one object (``ParallelOptions``): its fields are named where the
+    type is declared, not typed out again at every door that passes it on."""
+    places = option_set_places()
+    assert any("plan/recipe.py" in p and "class body" in p for p in places), places
+    assert len(places) <= MAX_OPTION_PLACES, (
+        f"the parallel option set is spelled out in {len(places)} places (at most "
+        f"{MAX_OPTION_PLACES}); pass the ParallelOptions object instead:\n" + "\n".join(places)
+    )
+
+
+def test_mesh_axis_names_are_written_once():
+    lines = axis_name_lines()
+    assert len(lines) <= MAX_AXIS_LINES, (
+        f"mesh axis names written as literals on {len(lines)} lines outside {AXES_HOME} (at "
+        f"most {MAX_AXIS_LINES}); use DP_AXIS / SP_AXIS / RING_AXIS from plan/splits.py or ask "
+        f"the run's ParallelDims:\n" + "\n".join(lines)
+    )
+
+
 def test_hf_without_transformers_is_one_line_naming_the_extra():
     code = (
         "import importlib.abc, sys\n"
@@ -572,3 +695,40 @@ def test_the_checkers_catch_what_they_forbid(tmp_path):
     assert "torch.distributed" in {m for _, _, m in closure}, "the closure follows _layers"
     lazy = import_time_closure([root / "dtensor_ulysses/models/weights.py"], root)
     assert "dtensor_ulysses.models.llama" not in {m for _, _, m in lazy}  # a function's import
+
+
+def test_the_recipe_checkers_catch_what_they_forbid(tmp_path):
+    """A synthetic package spelling the option set in each kind of place, and axis names as
+    literals: each is named; four names, a docstring and the axes' home are not."""
+    five = ("activation_checkpointing", "offload_params", "head_chunks", "tiled_loss",
+            "attention_backend")  # fmt: skip
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "plan/__init__.py": "",
+            "plan/splits.py": 'DP_AXIS, RING_AXIS, SP_AXIS = "dp", "ring", "sp"\n',  # the home
+            "doors.py": (
+                f"def door(model, {', '.join(n + '=False' for n in five)}):\n"  # 1 signature
+                f"    return parallelize(model, {', '.join(n + '=' + n for n in five)})\n"  # 2
+                f"KW = {{{', '.join(repr(n) + ': 1' for n in five)}}}\n"  # 3 dict literal
+                f"TABLE = ({', '.join('(' + repr(n) + ', True)' for n in five)})\n"  # 4 nested
+                f"class Flags:\n"
+                + "".join(f"    {n}: bool = False\n" for n in five)  # 5
+                + f"FOUR = {set(five[:4])!r}\n"  # four names: not the set
+            ),
+            "mesh.py": (
+                '"""The ("dp", "sp") mesh; a docstring may name "sp"."""\n'
+                "def groups(mesh):\n"
+                '    return mesh["sp"], mesh["dp"]\n'  # one line, two names
+                '    ring = mesh.get_local_rank("ring")\n'
+            ),
+        },
+    )
+    places = "\n".join(option_set_places(root))
+    for line, kind in ((1, "signature"), (2, "call"), (3, "dict literal"),
+                       (4, "tuple literal"), (5, "class body")):  # fmt: skip
+        assert f"dtensor_ulysses/doors.py:{line} {kind} (5 options)" in places, places
+    assert "doors.py:11" not in places and len(option_set_places(root)) == 5, places
+    lines = axis_name_lines(root)
+    assert lines == ["dtensor_ulysses/mesh.py:3", "dtensor_ulysses/mesh.py:4"], lines

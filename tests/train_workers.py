@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dtensor_ulysses import train as du_train
+from dtensor_ulysses.attention import model_kernels
 from dtensor_ulysses.data import PackedCorpus, get_batch
 from dtensor_ulysses.parallel import flatten_dp_sp, init_mesh
 
@@ -18,6 +19,8 @@ def one_step_grads(rank: int, world_size: int, layouts: list[tuple[int, int]], c
         cfg = du_train.validate(du_train.TrainConfig(dp=dp, sp=sp, **cfg_kw), world_size)
         mesh = init_mesh(dp, sp, device_type="cpu")
         model, _, _ = du_train.build(cfg, mesh, torch.device("cpu"))
+        # validate's kernel choice is the one every layer stores
+        stored = [c is cfg.kernel_choice for c in model_kernels(model)]
         dp_rank, sp_rank = mesh.get_coordinate()
         corpus = PackedCorpus.from_paths(cfg.data, seq_len=cfg.seq_len)
         batch = get_batch(
@@ -32,7 +35,8 @@ def one_step_grads(rank: int, world_size: int, layouts: list[tuple[int, int]], c
         for name, p in model.named_parameters():
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             grads[name] = g.clone()
-        out.append({"layout": (dp, sp), "loss": total.item() / n_valid, "grads": grads})
+        out.append({"layout": (dp, sp), "loss": total.item() / n_valid, "grads": grads,
+                    "stored": stored})  # fmt: skip
     return out
 
 

@@ -215,8 +215,28 @@ def roundtrip_worker(rank: int, world_size: int, max_examples: int) -> int:
     return len(ran)
 
 
+def _bound_dims_agree(mesh: DeviceMesh) -> None:
+    """``ParallelDims.from_mesh``: the degrees, this rank's coordinates and groups, the one
+    slicer's arguments, all read from the mesh itself (an ``AssertionError`` names a
+    difference)."""
+    from dtensor_ulysses.parallel import ParallelDims
+
+    dims = ParallelDims.from_mesh(mesh)
+    dp_rank, sp_rank = mesh.get_coordinate()
+    got = (dims.dp, dims.sp, dims.dp_rank, dims.sp_rank, dims.flat_mesh.size())
+    want = (mesh.size(0), mesh.size(1), dp_rank, sp_rank, mesh.size())
+    assert got == want, f"{got} != {want}"
+    assert dims.coords() == dict(dp=dims.dp, dp_rank=dp_rank, sp=dims.sp, sp_rank=sp_rank,
+                                 ring=1, ring_rank=0), dims.coords()  # fmt: skip
+    assert dims.sp_mesh.get_group() is mesh.get_group(1)
+    assert dims.dp_mesh.get_group() is mesh.get_group(0)
+    assert ParallelDims.of(dims) is dims and ParallelDims.of(mesh) == dims
+
+
 def error_worker(rank: int, world_size: int) -> list[dict]:
     """Each bad input: the exception type and message, so the parent can assert both."""
+    from dtensor_ulysses.parallel import ParallelDims
+
     mesh = get_mesh(1, world_size)
     mesh22 = get_mesh(2, world_size // 2)
     tp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
@@ -268,6 +288,9 @@ def error_worker(rank: int, world_size: int) -> list[dict]:
         "module_bad_mesh": lambda: du.UlyssesAttention(du.local_attention, "sp"),
         "flash_on_cpu": lambda: du.ulysses_attention(q, q, q, backend="flash_attn"),
         "unknown_backend": lambda: du.ulysses_attention(q, q, q, backend="xformers"),
+        "dims_bound": lambda: _bound_dims_agree(mesh22),
+        "dims_unbound": lambda: ParallelDims(2, 1, 2).sp_mesh,
+        "dims_other_mesh": lambda: ParallelDims(dp=1, sp=4, mesh=mesh22),
     }
     out = []
     for name, fn in cases.items():

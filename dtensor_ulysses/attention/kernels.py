@@ -51,6 +51,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from dtensor_ulysses.attention._flash_seam import flash_problem
+from dtensor_ulysses.plan.recipe import check_kernel_name
 
 __all__ = [
     "AUTO_ORDER",
@@ -63,6 +64,7 @@ __all__ = [
     "Kernel",
     "KernelChoice",
     "KernelSpec",
+    "check_backend",
     "choose_kernel",
     "describe_kernels",
     "force_backend",
@@ -110,6 +112,12 @@ class AttnFeatures:
         """The features used, by name, in :data:`FEATURE_NAMES` order (``causal`` is run by
         every backend and not listed)."""
         return tuple(f for f in FEATURE_NAMES if getattr(self, f))
+
+    @property
+    def label(self) -> str:
+        """The layer kind, for the start line and :attr:`KernelChoice.label` (e.g.
+        ``"window, sinks"``; ``"causal"`` without features; documents are not a kind)."""
+        return ", ".join(f for f in self.used() if f != "docs") or "causal"
 
     @classmethod
     def of(
@@ -258,11 +266,20 @@ BACKENDS: tuple[str, ...] = ("auto", *KERNELS)
 AUTO_ORDER: tuple[str, ...] = ("flash_attn", "sdpa", "flex", "blockwise")
 
 
+def check_backend(backend: Any) -> None:
+    """``backend`` is ``"auto"`` or a kernel of this torch (:data:`BACKENDS`).
+
+    Raises:
+        ValueError: an unknown name (the one message, :func:`~dtensor_ulysses.plan.recipe.
+            check_kernel_name`).
+    """
+    check_kernel_name(backend, f"backend={backend!r}", BACKENDS)
+
+
 @contextlib.contextmanager
 def force_backend(name: str) -> Iterator[None]:
     """Make ``backend="auto"`` resolve to ``name`` inside the block (for tests and benchmarks)."""
-    if name not in KERNELS:
-        raise ValueError(f"cannot force backend {name!r}; choose one of {tuple(KERNELS)}")
+    check_kernel_name(name, f"force_backend({name!r})", tuple(KERNELS))
     _forced.append(name)
     try:
         yield
@@ -315,16 +332,14 @@ def select_backend(
         AttentionBackendError: (a ``ValueError``) a backend that cannot run a feature here:
             the message names the feature, the reason and the fix.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    check_backend(backend)
     source = f"backend={backend!r}"
     if backend == "auto" and _forced:
         backend, source = _forced[-1], f"force_backend({_forced[-1]!r})"
     elif backend == "auto" and os.environ.get(ENV_VAR, "auto") != "auto":
         backend = os.environ[ENV_VAR]
         source = f"{ENV_VAR}={backend!r}"
-        if backend not in KERNELS:
-            raise AttentionBackendError(f"{source} is not one of {tuple(KERNELS)}")
+        check_kernel_name(backend, source, tuple(KERNELS), error=AttentionBackendError)
     kw = dict(device_type=device_type, dtype=dtype, head_dim=head_dim, compiled=compiled)
     if backend != "auto":
         problem = KERNELS[backend].problem(features, device_index=device_index, **kw)  # type: ignore[arg-type]
@@ -472,9 +487,8 @@ def choose_kernel(
         AttentionBackendError: (a ``ValueError``) a requested kernel that cannot run the layer
             here; the message names the feature, the reason and the fix.
     """
-    if requested not in BACKENDS:
-        raise ValueError(f"unknown attention backend {requested!r}; choose one of {BACKENDS}")
-    label = ", ".join(f for f in features.used() if f != "docs") or "causal"
+    check_backend(requested)
+    label = features.label
     if ring:
         source = f"backend={requested!r}"
         r_plain, r_packed, r_refusal = _ring_choice(features, requested, source, device_type,

@@ -24,7 +24,9 @@ test suite's pure-PyTorch double runs the flash path on CPU).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,10 +52,12 @@ from dtensor_ulysses.attention.doc_tensors import (
 from dtensor_ulysses.attention.kernels import (
     BACKENDS,
     ENV_VAR,
+    FEATURE_NAMES,
     KERNELS,
     AttentionBackendError,
     AttnFeatures,
     KernelChoice,
+    check_backend,
     force_backend,
     select_backend,
 )
@@ -246,19 +250,14 @@ def local_attention(
         check_doc_starts(doc_starts, B, S)
     compiled = torch.compiler.is_compiling()
     docs = doc_starts is not None or doc_tensors is not None
-    if isinstance(backend, KernelChoice):  # chosen once where the recipe was applied
-        backend = backend.name(docs)
     features = AttnFeatures.of(causal=causal, window=window, chunk=chunk, softcap=softcap,
                                sinks=sinks, docs=docs, blocks=block_ids)  # fmt: skip
-    chosen = select_backend(features, device_type=q_BSNH.device.type, dtype=q_BSNH.dtype,
-                            head_dim=H, backend=backend, compiled=compiled,
-                            device_index=q_BSNH.device.index)  # fmt: skip
-    if v_BSKH.shape[3] != H and chosen != "sdpa":  # SDPA alone takes v's own head dim
-        return _padded_heads(q_BSNH, k_BSKH, v_BSKH, causal=causal,
-                             softmax_scale=H**-0.5 if softmax_scale is None else softmax_scale,
-                             backend=chosen, doc_starts=doc_starts, doc_tensors=doc_tensors,
-                             window=window, chunk=chunk, softcap=softcap, sinks=sinks,
-                             block_ids=block_ids, block_spans=block_spans)  # fmt: skip
+    if isinstance(backend, KernelChoice):  # chosen once where the recipe was applied: read
+        chosen = _stored(backend, features, compiled)
+    else:  # a direct call with a name: the one rule, for this call's features
+        chosen = select_backend(features, device_type=q_BSNH.device.type, dtype=q_BSNH.dtype,
+                                head_dim=H, backend=backend, compiled=compiled,
+                                device_index=q_BSNH.device.index)  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q_BSNH, k_BSKH, v_BSKH, sinks)
     )
@@ -268,77 +267,149 @@ def local_attention(
             f"{torch.__version__}); train with backend='auto' or 'blockwise', or run it under "
             f"torch.no_grad()"
         )
-    scale = H**-0.5 if softmax_scale is None else float(softmax_scale)
     # the documents as host ints, where known without a sync (never inside a compiled graph)
     host_starts: list[list[int]] | None = None
     if doc_starts is not None:
         host_starts = [list(row) for row in doc_starts]
     elif doc_tensors is not None and not compiled:
         host_starts = [list(row) for row in doc_tensors.doc_starts]
-    if chosen in ("flex", "blockwise"):
-        doc_ids_BS = None
-        if doc_tensors is not None:
-            doc_ids_BS = doc_tensors.doc_ids
-        elif doc_starts is not None:
-            doc_ids_BS = build_doc_tensors(doc_starts, S, q_BSNH.device).doc_ids
-        kw: dict[str, Any] = dict(scale=scale, causal=causal, window=win, chunk=chunk or 0,
-                  softcap=float(softcap or 0.0), sinks_N=sinks, doc_ids_BS=doc_ids_BS,
-                  block_ids_BS=block_ids)  # fmt: skip
-        if chosen == "flex":
-            return flex_attention(q_BSNH, k_BSKH, v_BSKH, **kw)
-        spans = None if compiled else block_spans
-        return blockwise_attention(
-            q_BSNH, k_BSKH, v_BSKH, doc_starts=host_starts, block_spans=spans, **kw
-        )
-    if chosen in ("flash_attn", "torch_varlen"):
-        if chunk is not None:  # chunks are documents too: cut every document at multiples of C
-            rows = host_starts or [[0]] * B
-            doc_starts = [sorted(set(row) | set(range(0, S, chunk))) for row in rows]
-            doc_tensors = None
-        if doc_tensors is None and doc_starts is not None:
-            doc_tensors = build_doc_tensors(doc_starts, S, q_BSNH.device)
-        if chosen == "torch_varlen":
-            return _torch_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, scale, win)
-        extra: dict[str, Any] = {}
-        if win != (-1, -1):
-            extra["window_size"] = win
-        if softcap:
-            extra["softcap"] = float(softcap)
-        if doc_tensors is not None:
-            return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, doc_tensors, causal, softmax_scale,
-                                 **extra)  # fmt: skip
-        return _flash_attn_func()(q_BSNH, k_BSKH, v_BSKH, dropout_p=0.0,
-                                  softmax_scale=softmax_scale, causal=causal, **extra)  # fmt: skip
-    # sdpa: plain attention; packed documents one call per document (eager only)
-    if host_starts is not None:
-        out = []
-        for b, row_starts in enumerate(host_starts):
-            for lo, hi in _segments(list(row_starts), S):
-                out.append(
-                    _sdpa(q_BSNH[b : b + 1, lo:hi], k_BSKH[b : b + 1, lo:hi],
-                          v_BSKH[b : b + 1, lo:hi], causal, softmax_scale)
-                )  # fmt: skip
-        return torch.cat(out, dim=1).view(B, S, N, -1)
-    return _sdpa(q_BSNH, k_BSKH, v_BSKH, causal, softmax_scale)
+    call = _Call(
+        causal=causal, softmax_scale=softmax_scale,
+        scale=H**-0.5 if softmax_scale is None else float(softmax_scale), window=win,
+        chunk=chunk, softcap=softcap, sinks=sinks, doc_starts=doc_starts,
+        doc_tensors=doc_tensors, host_starts=host_starts, block_ids=block_ids,
+        block_spans=None if compiled else block_spans, compiled=compiled,
+    )  # fmt: skip
+    run = _RUNNERS[chosen]
+    Hv = v_BSKH.shape[3]
+    if Hv == H or chosen == "sdpa":  # SDPA alone takes v's own head dim
+        return run(q_BSNH, k_BSKH, v_BSKH, call)
+    # multi-head latent attention on a kernel that wants one head dim: the shorter side padded
+    # with zeros to max(H, Hv) (zero columns of q and k add nothing to a score, zero columns of
+    # v give zero output columns, dropped), with the scale of the unpadded H; exact
+    call = dataclasses.replace(call, softmax_scale=call.scale)
+    if Hv < H:
+        return run(q_BSNH, k_BSKH, F.pad(v_BSKH, (0, H - Hv)), call)[..., :Hv]
+    return run(F.pad(q_BSNH, (0, Hv - H)), F.pad(k_BSKH, (0, Hv - H)), v_BSKH, call)
 
 
 # the engine may hand over a layout's doc_tensors= (built once per step, not per layer)
 local_attention.takes_doc_tensors = True  # type: ignore[attr-defined]
 
 
-def _padded_heads(q_BSNH, k_BSKH, v_BSKH, *, softmax_scale: float, **kw) -> torch.Tensor:
-    """Attention whose value head dim ``Hv`` differs from q's and k's ``H`` (multi-head latent
-    attention), on a kernel that wants one head dim: the shorter side padded with zeros to
-    ``max(H, Hv)`` (zero columns of q and k add nothing to a score, zero columns of v give zero
-    output columns, dropped), with the scale of the unpadded ``H``. Exact, values and
-    gradients."""
-    H, Hv = q_BSNH.shape[3], v_BSKH.shape[3]
-    if Hv < H:
-        o = local_attention(q_BSNH, k_BSKH, F.pad(v_BSKH, (0, H - Hv)),
-                            softmax_scale=softmax_scale, **kw)  # fmt: skip
-        return o[..., :Hv]
-    return local_attention(F.pad(q_BSNH, (0, Hv - H)), F.pad(k_BSKH, (0, Hv - H)), v_BSKH,
-                           softmax_scale=softmax_scale, **kw)  # fmt: skip
+def _stored(choice: KernelChoice, features: AttnFeatures, compiled: bool) -> str:
+    """The kernel a stored :class:`~dtensor_ulysses.attention.KernelChoice` names for this
+    call (with or without documents), never chosen again. A call that brings a feature the
+    stored kernel does not run (the layer declared less when its kernel was chosen) is an
+    error, not another kernel."""
+    name = choice.name(features.docs)
+    runs = KERNELS[name].compiled_features if compiled else KERNELS[name].features
+    extra = [f for f in features.used() if f not in runs]
+    if extra:
+        where = " inside torch.compile" if compiled else ""
+        raise AttentionBackendError(
+            f"the layer's stored kernel {name!r} (chosen for {choice.label!r} layers) does not "
+            f"run {FEATURE_NAMES[extra[0]]}{where}, which this call brings; declare the feature "
+            f"where the layer's kernel is chosen"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's resolved arguments, as every kernel runner takes them."""
+
+    causal: bool
+    softmax_scale: float | None  # as given (flash-attn and SDPA default it themselves)
+    scale: float  # resolved
+    window: tuple[int, int]  # (-1, -1): none
+    chunk: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+    doc_starts: Sequence[Sequence[int]] | None
+    doc_tensors: DocTensors | None
+    host_starts: list[list[int]] | None  # the documents as host ints, when known without a sync
+    block_ids: torch.Tensor | None
+    block_spans: Sequence[Sequence[tuple[int, int]]] | None  # eager only
+    compiled: bool
+
+    def masks(self, q_BSNH: torch.Tensor) -> dict[str, Any]:
+        """The mask arguments of the flex and blockwise kernels."""
+        doc_ids_BS = None
+        if self.doc_tensors is not None:
+            doc_ids_BS = self.doc_tensors.doc_ids
+        elif self.doc_starts is not None:
+            doc_ids_BS = build_doc_tensors(self.doc_starts, q_BSNH.shape[1], q_BSNH.device).doc_ids
+        return dict(scale=self.scale, causal=self.causal, window=self.window,
+                    chunk=self.chunk or 0, softcap=float(self.softcap or 0.0),
+                    sinks_N=self.sinks, doc_ids_BS=doc_ids_BS,
+                    block_ids_BS=self.block_ids)  # fmt: skip
+
+
+def _run_flex(q_BSNH, k_BSKH, v_BSKH, c: _Call) -> torch.Tensor:
+    return flex_attention(q_BSNH, k_BSKH, v_BSKH, **c.masks(q_BSNH))
+
+
+def _run_blockwise(q_BSNH, k_BSKH, v_BSKH, c: _Call) -> torch.Tensor:
+    return blockwise_attention(q_BSNH, k_BSKH, v_BSKH, doc_starts=c.host_starts,
+                               block_spans=c.block_spans, **c.masks(q_BSNH))  # fmt: skip
+
+
+def _varlen_docs(q_BSNH: torch.Tensor, c: _Call) -> DocTensors | None:
+    """The documents of a varlen kernel as device tensors; chunks are documents too (every
+    document cut at multiples of ``C``)."""
+    B, S = q_BSNH.shape[:2]
+    doc_starts, doc_tensors = c.doc_starts, c.doc_tensors
+    if c.chunk is not None:
+        rows = c.host_starts or [[0]] * B
+        doc_starts = [sorted(set(row) | set(range(0, S, c.chunk))) for row in rows]
+        doc_tensors = None
+    if doc_tensors is None and doc_starts is not None:
+        doc_tensors = build_doc_tensors(doc_starts, S, q_BSNH.device)
+    return doc_tensors
+
+
+def _run_flash(q_BSNH, k_BSKH, v_BSKH, c: _Call) -> torch.Tensor:
+    docs = _varlen_docs(q_BSNH, c)
+    extra: dict[str, Any] = {}
+    if c.window != (-1, -1):
+        extra["window_size"] = c.window
+    if c.softcap:
+        extra["softcap"] = float(c.softcap)
+    if docs is not None:
+        return _flash_varlen(q_BSNH, k_BSKH, v_BSKH, docs, c.causal, c.softmax_scale, **extra)
+    return _flash_attn_func()(q_BSNH, k_BSKH, v_BSKH, dropout_p=0.0,
+                              softmax_scale=c.softmax_scale, causal=c.causal, **extra)  # fmt: skip
+
+
+def _run_torch_varlen(q_BSNH, k_BSKH, v_BSKH, c: _Call) -> torch.Tensor:
+    return _torch_varlen(q_BSNH, k_BSKH, v_BSKH, _varlen_docs(q_BSNH, c), c.causal, c.scale,
+                         c.window)  # fmt: skip
+
+
+def _run_sdpa(q_BSNH, k_BSKH, v_BSKH, c: _Call) -> torch.Tensor:
+    """Plain attention; packed documents one call per document (eager only)."""
+    if c.host_starts is None:
+        return _sdpa(q_BSNH, k_BSKH, v_BSKH, c.causal, c.softmax_scale)
+    B, S, N, _ = q_BSNH.shape
+    out = []
+    for b, row_starts in enumerate(c.host_starts):
+        for lo, hi in _segments(list(row_starts), S):
+            out.append(
+                _sdpa(q_BSNH[b : b + 1, lo:hi], k_BSKH[b : b + 1, lo:hi],
+                      v_BSKH[b : b + 1, lo:hi], c.causal, c.softmax_scale)
+            )  # fmt: skip
+    return torch.cat(out, dim=1).view(B, S, N, -1)
+
+
+# every kernel's runner, by the name the choice stores (a test holds it equal to KERNELS)
+_RUNNERS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, _Call], torch.Tensor]] = {
+    "flash_attn": _run_flash,
+    "sdpa": _run_sdpa,
+    "flex": _run_flex,
+    "torch_varlen": _run_torch_varlen,
+    "blockwise": _run_blockwise,
+}
 
 
 class LocalAttention(nn.Module):
@@ -369,8 +440,7 @@ class LocalAttention(nn.Module):
         softcap: float | None = None,
     ) -> None:
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        check_backend(backend)
         self.backend = backend
         self.causal = causal
         self.window = None if window is None else _check_window(window)

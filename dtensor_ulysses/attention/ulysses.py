@@ -59,7 +59,7 @@ from dtensor_ulysses.plan import (
     head_split,
     seq_split,
 )
-from dtensor_ulysses.plan.splits import SEQ_DIM
+from dtensor_ulysses.plan.splits import SEQ_DIM, check_head_chunks
 
 __all__ = [
     "SP_AXIS",
@@ -525,28 +525,3 @@ class UlyssesAttention(nn.Module):
             sinks_n=None if sinks_N is None else sinks_N[me * n : (me + 1) * n],
         )
         return o_BsPCmH.view(B, s, N, H)
-
-
-def check_head_chunks(
-    n_heads: int, sp: int, head_chunks: int, *, name: str = "head_chunks="
-) -> None:
-    """Head-chunked Ulysses needs even heads per rank and ``head_chunks`` dividing them.
-
-    ``name`` is how the caller spells the parameter in messages (the trainer: ``"--head-chunks "``).
-
-    Raises:
-        ValueError: the numbers and the valid choices.
-    """
-    if n_heads % sp:
-        raise ValueError(
-            f"{name}{head_chunks} needs sp={sp} to divide the {n_heads} q heads (ranks "
-            f"must hold equal heads); choose sp in {{{', '.join(map(str, divisors(n_heads)))}}}"
-        )
-    per_rank = n_heads // sp
-    if per_rank % head_chunks:
-        raise ValueError(
-            f"{name}{head_chunks} does not divide the {per_rank} q heads each of the "
-            f"sp={sp} ranks holds; choose head_chunks in "
-            f"{{{', '.join(map(str, divisors(per_rank)))}}} (UPipe's choice: {per_rank}, one "
-            f"head per rank per stage)"
-        )

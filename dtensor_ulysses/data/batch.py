@@ -107,6 +107,12 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
+def _check_degrees(**degrees: object) -> None:
+    """Each degree (``dp=``, ``sp=``, ``ring=``, named as the caller's arguments) is an int >= 1."""
+    for name, value in degrees.items():
+        _check_int(name, value, 1)
+
+
 def sample_index(step: int, i: int, global_batch_size: int, n_windows: int, seed: int) -> int:
     """Window read by sample ``i`` of the global batch at ``step``.
 
@@ -194,7 +200,7 @@ def dp_rows(global_batch_size: int, dp: int, dp_rank: int) -> range:
         ValueError: ``G`` not divisible by ``dp``; a rank out of range.
     """
     _check_int("global_batch_size", global_batch_size, 1)
-    _check_int("dp", dp, 1)
+    _check_degrees(dp=dp)
     _check_rank("dp_rank", dp_rank, dp)
     if global_batch_size % dp:
         raise ValueError(
@@ -256,8 +262,7 @@ def slice_batch(
             ring, ``S`` not a multiple of ``2 * ring`` or ``S / ring`` not divisible by ``sp``
             (``uneven=False``); rows not divisible by ``dp``.
     """
-    _check_int("sp", sp, 1)
-    _check_int("ring", ring, 1)
+    _check_degrees(sp=sp, ring=ring)
     _check_rank("sp_rank", sp_rank, sp)
     _check_rank("ring_rank", ring_rank, ring)
     ids_BS, labels_BS, pos_BS = full.input_ids, full.labels, full.position_ids
@@ -373,8 +378,7 @@ def get_batch(
             f"{type(corpus).__name__}"
         )
     _check_int("step", step, 0)
-    _check_int("sp", sp, 1)
-    _check_int("ring", ring, 1)
+    _check_degrees(sp=sp, ring=ring)
     _check_rank("sp_rank", sp_rank, sp)
     _check_rank("ring_rank", ring_rank, ring)
     samples = dp_rows(global_batch_size, dp, dp_rank)

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtensor_ulysses.attention.local import starts_from_positions
 from dtensor_ulysses.data.batch import IGNORE_INDEX, full_batch, slice_batch
 from dtensor_ulysses.parallel.global_loss import global_valid_tokens
-from dtensor_ulysses.parallel.mesh import ParallelDims, flatten_dp_sp
+from dtensor_ulysses.parallel.mesh import ParallelDims
 from dtensor_ulysses.plan.splits import SeqLayout
 
 __all__ = ["ShardedBatch", "shard_batch"]
@@ -89,7 +89,9 @@ def _runs(mask_BS: torch.Tensor) -> list[list[int]]:
     return out
 
 
-def shard_batch(batch: Any, mesh: DeviceMesh, *, count_valid: bool = True) -> ShardedBatch:
+def shard_batch(
+    batch: Any, mesh: DeviceMesh | ParallelDims, *, count_valid: bool = True
+) -> ShardedBatch:
     """This rank's slice of a ``[B, S]`` batch; call on every rank (one all-reduce).
 
     Args:
@@ -98,7 +100,9 @@ def shard_batch(batch: Any, mesh: DeviceMesh, *, count_valid: bool = True) -> Sh
             ``attention_mask`` (1 real, 0 padding; left or right padding) and ``position_ids``
             (global; restarting at 0 per packed document). Every sp rank of a dp group passes
             the same batch.
-        mesh: the ``("dp", "sp")`` mesh (or ``("dp", "ring", "sp")``).
+        mesh: the ``("dp", "sp")`` mesh (or ``("dp", "ring", "sp")``), or its
+            :class:`~dtensor_ulysses.parallel.ParallelDims` bound to it (what a trainer
+            holds: nothing is rebuilt per step).
         count_valid: count the batch's valid labels over ``dp x sp`` (the all-reduce; raises
             when there are none); ``False``: no collective, ``n_valid`` is 0 (the caller
             counts, e.g. over a gradient-accumulation window).
@@ -133,6 +137,7 @@ def shard_batch(batch: Any, mesh: DeviceMesh, *, count_valid: bool = True) -> Sh
     if mask is not None:
         shifted[~mask] = IGNORE_INDEX  # no loss where the input is padding
     docs = None if all(len(r) == 1 for r in starts) else tuple(tuple(r) for r in starts)
-    out = slice_batch(full_batch(ids, shifted, pos, docs), **ParallelDims.from_mesh(mesh).cut(mesh))
-    n_valid = global_valid_tokens(out.labels, flatten_dp_sp(mesh).get_group()) if count_valid else 0
+    dims = ParallelDims.of(mesh)
+    out = slice_batch(full_batch(ids, shifted, pos, docs), **dims.cut())
+    n_valid = global_valid_tokens(out.labels, dims.flat_mesh.get_group()) if count_valid else 0
     return ShardedBatch(out.input_ids, out.labels, out.position_ids, out.layout, n_valid)

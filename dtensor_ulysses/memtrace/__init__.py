@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the public names, written once (__all__ and the lazy map re
         fake_world,
         rank0_batch,
         trace_config,
+        trace_options,
     )
     from dtensor_ulysses.memtrace.kernel import AttentionTrace, trace_attention
     from dtensor_ulysses.memtrace.steps import StepSpec

@@ -3,9 +3,10 @@
 * :func:`fake_world`: ``torch.distributed``'s fake process group, a ``FakeTensorMode`` and
   recording modes that feed a ``_Timeline`` (``_timeline.py``) with every storage an op creates
   (host when :func:`dtensor_ulysses.memory.allocating_host`).
-* The step's setup: a preset with fewer blocks, the ``TrainConfig`` and one rank's batch (the
-  traced device's mixed-precision policy and offload schedule are chosen by
-  :func:`dtensor_ulysses.memtrace.trace_train_step` and passed to the trainer's ``build``).
+* The step's setup: a preset with fewer blocks, the recipe (``ParallelOptions``), the
+  ``TrainConfig`` that carries it and one rank's batch (the traced device's mixed-precision
+  policy and offload schedule are chosen by :func:`dtensor_ulysses.memtrace.trace_train_step`;
+  the policy travels in the recipe to the trainer's ``build``).
 * The step's bookkeeping: the phase and block marks (:func:`_phase_hooks`) and the sharded
   parameters and optimizer states alive from the warm-up step on (:func:`_classify_states`).
 
@@ -16,7 +17,6 @@ Private torch APIs (fake process group, ``FakeTensorMode``, ``TorchDispatchMode`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import tempfile
 from collections.abc import Callable, Iterator
@@ -33,9 +33,10 @@ from dtensor_ulysses.memtrace._results import TraceUnavailable
 from dtensor_ulysses.memtrace._timeline import _Timeline
 from dtensor_ulysses.parallel import ParallelDims
 from dtensor_ulysses.plan import PRESETS, get_shape
+from dtensor_ulysses.plan.recipe import TRAINER, ParallelOptions
 from dtensor_ulysses.train import TrainConfig
 
-__all__ = ["fake_world", "hybrid_model_dir", "rank0_batch", "trace_config"]
+__all__ = ["fake_world", "hybrid_model_dir", "rank0_batch", "trace_config", "trace_options"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,25 +134,34 @@ def hybrid_model_dir(name: str) -> Iterator[str | None]:
         yield tmp
 
 
-def trace_config(model: str, seq_len: int, dp: int, sp: int, ac: bool, features: dict[str, Any]):
-    """The :class:`~dtensor_ulysses.train.TrainConfig` of a traced step (micro-batch 1 per dp
-    rank, SDPA, uneven heads allowed) with ``features`` (its memory-feature fields).
+def trace_options(ac: bool, features: dict[str, Any]) -> ParallelOptions:
+    """The :class:`~dtensor_ulysses.plan.ParallelOptions` of a traced step given as keywords:
+    checkpointing ``ac``, SDPA, uneven heads allowed, and ``features`` (its fields; ``None``
+    leaves the default).
 
     Raises:
         NotImplementedError: a feature the trainer does not have.
     """
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    names = ParallelOptions.fields(TRAINER)
     missing = [k for k, v in features.items() if v not in (None, False, 1) and k not in names]
     if missing:
         raise NotImplementedError(
-            f"the trainer has no {', '.join(missing)} yet (TrainConfig lacks the field); "
+            f"the trainer has no {', '.join(missing)} yet (ParallelOptions lacks the field); "
             f"trace without it"
         )
     kw = {k: v for k, v in features.items() if k in names and v is not None}
+    base = dict(activation_checkpointing=ac, attention_backend="sdpa", allow_uneven_heads=True)
+    return ParallelOptions(**{**base, **kw})
+
+
+def trace_config(model: str, seq_len: int, dp: int, sp: int, options: ParallelOptions):
+    """The :class:`~dtensor_ulysses.train.TrainConfig` of a traced step (micro-batch 1 per dp
+    rank) with the recipe ``options`` (:func:`trace_options` builds one from keywords), kept
+    as the configuration's one ``parallel_options`` (its flags follow it)."""
+    flags = {name: getattr(options, name) for name in ParallelOptions.fields(TRAINER)}
     return TrainConfig(
         dp=dp, sp=sp, parallel_dims=ParallelDims(dp=dp, sp=sp), model=model, seq_len=seq_len,
-        batch_size=dp, steps=1, activation_checkpointing=ac, attention_backend="sdpa",
-        allow_uneven_heads=True, **kw,
+        batch_size=dp, steps=1, parallel_options=options, **flags,
     )  # fmt: skip
 
 

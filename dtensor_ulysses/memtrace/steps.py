@@ -351,11 +351,13 @@ def step_runner(
 ) -> Callable[[Batch], Any]:
     """``run(batch)``: one step of ``spec``'s kind on this rank's slice ``batch`` (the trainer's
     :func:`~dtensor_ulysses.train.train_step` for SFT; GRPO's advantages are ones: their values
-    do not change the bytes). ``mesh``: the ``("dp", "sp")`` mesh."""
-    from dtensor_ulysses.parallel import flatten_dp_sp
+    do not change the bytes). ``mesh``: the ``("dp", "sp")`` mesh, or its
+    :class:`~dtensor_ulysses.parallel.ParallelDims` bound to it."""
+    from dtensor_ulysses.parallel import ParallelDims
     from dtensor_ulysses.train import train_step
 
-    group = flatten_dp_sp(mesh).get_group()
+    dims = ParallelDims.of(mesh)
+    group = dims.flat_mesh.get_group()
     if spec.kind == "vl":
         raise ValueError("the vision-language step is run by trace_train_step (it needs a tower)")
     if spec.kind == "sft":
@@ -365,7 +367,7 @@ def step_runner(
     if spec.kind == "dpo":
         if reference is None:
             raise ValueError("a DPO step needs a reference model")
-        sp_group, dp = mesh["sp"].get_group(), mesh["dp"].size()
+        sp_group, dp = dims.sp_mesh.get_group(), dims.dp
         return lambda b: dpo_step(policy, reference, b, optimizer, scheduler, sp_group=sp_group,
                                   dp=dp, beta=spec.loss_beta, grad_clip=grad_clip)  # fmt: skip
 

@@ -99,11 +99,12 @@ from dtensor_ulysses.memtrace._setup import (
     hybrid_model_dir,
     rank0_batch,
     trace_config,
+    trace_options,
 )
 from dtensor_ulysses.memtrace.steps import StepSpec, reference_model, step_runner
 from dtensor_ulysses.memtrace.vision_step import VisionSpec, VisionTower, vl_step
-from dtensor_ulysses.parallel import default_mixed_precision, flatten_dp_sp
-from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS
+from dtensor_ulysses.parallel import ParallelDims, default_mixed_precision
+from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS, ParallelOptions
 from dtensor_ulysses.train import build
 
 __all__ = [
@@ -260,6 +261,7 @@ def trace_train_step(
     breakdown: int = 0,
     device: str = "cuda",
     step: StepSpec | str = "sft",
+    options: ParallelOptions | None = None,
     **features: Any,
 ) -> StepTrace:
     """Trace one steady-state training step of rank 0 (see the module docstring).
@@ -269,7 +271,7 @@ def trace_train_step(
         seq_len: tokens per sequence ``S`` (micro-batch 1 per dp rank).
         dp: data-parallel degree (``dp * sp`` fake ranks).
         sp: sequence-parallel degree.
-        ac: activation checkpointing (every block).
+        ac: activation checkpointing (every block), with the keyword features.
         layers: trace a model with this many blocks instead of the preset's.
         warmup_seq_len: the warm-up step's length (default: the smallest that every feature
             accepts, ``sp * 64``).
@@ -286,24 +288,42 @@ def trace_train_step(
             prompt+completion rows of ``seq_len`` tokens, a reference when ``beta > 0``) or
             ``"vl"`` (:func:`~dtensor_ulysses.memtrace.vision_step.vl_step`: one row whose
             first ``images x image_patches`` tokens are image tokens, a vision tower).
-        **features: :class:`~dtensor_ulysses.train.TrainConfig` fields (``tiled_loss``,
-            ``tiled_mlp``, ``head_chunks``, ``offload_*``, chunk sizes).
+        options: the recipe traced, as one :class:`~dtensor_ulysses.plan.ParallelOptions`
+            (its ``mixed_precision`` is replaced by the traced device's policy); ``None``: built
+            from ``ac`` and ``features`` (:func:`~dtensor_ulysses.memtrace.trace_options`:
+            SDPA, uneven heads allowed).
+        **features: :class:`~dtensor_ulysses.plan.ParallelOptions` fields as keywords
+            (``tiled_loss``, ``tiled_mlp``, ``head_chunks``, ``offload_*``, chunk sizes),
+            instead of ``options``.
 
     Raises:
         NotImplementedError: a requested feature is not in the trainer.
         TraceUnavailable: this torch lacks the private APIs.
         ValueError: ``device`` is neither ``"cuda"`` nor ``"cpu"``; a DPO or GRPO step of a
-            preset the built-in model does not build (a hybrid).
+            preset the built-in model does not build (a hybrid); both ``options`` and keyword
+            features.
     """
     if device not in TRACE_DEVICES:
         raise ValueError(f"device={device!r}: trace one of {', '.join(TRACE_DEVICES)}")
     spec = step if isinstance(step, StepSpec) else StepSpec(step)
     policy = default_mixed_precision(device)  # the trainer's policy on that device
+    if options is None:
+        options = trace_options(ac, features)
+        used = {k: v for k, v in features.items() if v not in (None, False)}
+    elif features:
+        raise ValueError(
+            f"trace_train_step: pass the options as a ParallelOptions or as keywords, not both "
+            f"(got the object and {sorted(features)})"
+        )
+    else:
+        off = ParallelOptions()
+        used = {k: getattr(options, k) for k in FEATURES if getattr(options, k) != getattr(off, k)}
+    options = dataclasses.replace(options, mixed_precision=policy)  # the traced device's
     schedule = cuda_schedule_on_cpu() if device == "cuda" else contextlib.nullcontext()
-    offload_params = bool(features.get("offload_params"))
+    offload_params = options.offload_params
     warm = warmup_seq_len or sp * 64
     with _temporary_preset(model, layers) as name, hybrid_model_dir(name) as hf_dir:
-        cfg = trace_config(name, seq_len, dp, sp, ac, features)
+        cfg = trace_config(name, seq_len, dp, sp, options)
         if hf_dir is not None:  # a hybrid: the real transformers model, Gated DeltaNet routed
             if spec.kind != "sft":
                 raise ValueError(
@@ -312,33 +332,32 @@ def trace_train_step(
                 )
             cfg = dataclasses.replace(cfg, hf_model=hf_dir)
         n_layers = (layers if layers is not None else None) or _n_layers(model)
-        dims = cfg.dims()  # the degrees, built once with the configuration
-        with fake_world(dims.world_size) as (fake_mode, make_recorder):
+        with fake_world(cfg.dims().world_size) as (fake_mode, make_recorder):
             rec = make_recorder()
             tl = rec.timeline
             tl.where_min_bytes = 2**20 if breakdown else None
-            mesh = dims.build_mesh("cpu")
-            flatten_dp_sp(mesh)  # made on real tensors, before the fake mode (steps reuse it)
+            # the degrees built once with the configuration, bound to their mesh
+            dims = ParallelDims.from_mesh(cfg.dims().build_mesh("cpu"))
+            mesh = dims.world_mesh
+            _ = dims.flat_mesh  # made on real tensors, before the fake mode (steps reuse it)
             with fake_mode, rec, schedule:
                 cpu = torch.device("cpu")
-                net, optimizer, scheduler = build(
-                    cfg, mesh, cpu, init=False, mixed_precision=policy
-                )
+                net, optimizer, scheduler = build(cfg, mesh, cpu, init=False)
                 hooks = _phase_hooks(net, optimizer, rec, offload_params)
                 reference = None
                 if spec.has_reference:  # sharded like the policy; no gradients, no optimizer
                     frozen = torch.bfloat16 if device == "cuda" else None  # no master copy
-                    ref_net = build(cfg, mesh, cpu, init=False, mixed_precision=policy)[0]
+                    ref_net = build(cfg, mesh, cpu, init=False)[0]
                     reference = reference_model(ref_net, frozen)
                     hooks += _phase_hooks(reference, None, rec, offload_params, "reference")
                 tower = None
                 if spec.vision is not None:  # the vision-language step
-                    tower, run, more = _vision_runner(spec.vision, cfg, mesh, net, optimizer,
+                    tower, run, more = _vision_runner(spec.vision, cfg, dims, net, optimizer,
                                                       scheduler, rec, policy)  # fmt: skip
                     hooks += more
                     warm = max(warm, -(-spec.vision.image_tokens // sp) * sp)
                 else:
-                    run = step_runner(spec, net, reference, optimizer, scheduler, mesh,
+                    run = step_runner(spec, net, reference, optimizer, scheduler, dims,
                                       grad_clip=cfg.grad_clip)  # fmt: skip
                 run(rank0_batch(warm, sp, spec.rows))
                 _classify_states(net, optimizer, tl, offload_params)
@@ -355,24 +374,23 @@ def trace_train_step(
             segments, host_peak = tl.peaks("step")
             both = tl.total_peak
             top = tl.live_at_peak("step", breakdown) if breakdown else []
-    used = {k: v for k, v in features.items() if v not in (None, False)}
     return StepTrace.from_segments(
         n_layers, seq_len, dp, sp, segments, host_peak, traced_layers=(n_layers,), features=used,
         breakdown=top, device=device, peak_bytes=both, step=spec.describe(),
     )  # fmt: skip
 
 
-def _vision_runner(vision: VisionSpec, cfg, mesh, net, optimizer, scheduler, rec, policy):
+def _vision_runner(vision: VisionSpec, cfg, dims, net, optimizer, scheduler, rec, policy):
     """The vision-language step's tower (FSDP2 over ``dp x sp`` like the decoder, its own
     AdamW), its ``vision`` mark and ``run(batch)``: ``((tower, tower_optimizer), run, hooks)``."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     tower = VisionTower(vision, net.shape.dim)
-    kw: dict[str, Any] = {"mesh": flatten_dp_sp(mesh)}
+    kw: dict[str, Any] = {"mesh": dims.flat_mesh}
     if policy is not None:
         kw["mp_policy"] = policy
     if cfg.offload_params:  # as the decoder: FSDP2's CPU offload, AdamW on the host
-        kw["offload_policy"] = fsdp_offload_policy(mesh)
+        kw["offload_policy"] = fsdp_offload_policy(dims.world_mesh)
     for block in tower.layers:
         fully_shard(block, **kw)
     fully_shard(tower, **kw)
@@ -406,8 +424,8 @@ def _vision_runner(vision: VisionSpec, cfg, mesh, net, optimizer, scheduler, rec
     hooks += [tower_opt.register_step_pre_hook(step_pre),
               tower_opt.register_step_post_hook(step_post)]  # fmt: skip
     pixels = [torch.zeros(r, 3 * 14 * 14) for r in vision.patches]  # the batch's images
-    sp_group, group = mesh["sp"].get_group(), flatten_dp_sp(mesh).get_group()
-    sp_rank = mesh["sp"].get_local_rank()
+    sp_group, group = dims.sp_mesh.get_group(), dims.flat_mesh.get_group()
+    sp_rank = dims.sp_rank
 
     def run(batch):
         return vl_step(net, tower, batch, pixels, (optimizer, tower_opt), scheduler,

@@ -19,7 +19,7 @@ the demo builds a mesh this way::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypedDict
 
@@ -65,68 +65,128 @@ class RankCoords(RankCut):
 class ParallelDims:
     """The parallel degrees of a run in one object (torchtitan's ``ParallelDims``): ``dp``
     data-parallel groups x ``ring`` ring-attention ranks x ``sp`` Ulysses ranks, the world size
-    they make, the mesh's axis names, and the checks between them.
+    they make, the mesh's axis names, the checks between them, and (once the mesh exists) this
+    rank's groups and coordinates on it.
 
-    Build it once (:meth:`resolve` from the command line or ``with_ulysses``' arguments, or
-    :meth:`from_mesh`), then :meth:`build_mesh`; :meth:`cut` gives a rank's coordinates for the
-    one slicer (:func:`dtensor_ulysses.data.slice_batch`).
+    Build it once (:meth:`resolve` from the command line or ``with_ulysses``' arguments, before
+    any process group exists), then :meth:`build_mesh`; :meth:`from_mesh` gives the degrees
+    *bound* to their mesh, which answer the groups (:attr:`sp_mesh`, :attr:`dp_mesh`,
+    :attr:`flat_mesh`), this rank's coordinates (:attr:`sp_rank`, :attr:`dp_rank`) and the
+    one slicer's arguments (:meth:`cut`, :meth:`coords`). A trainer holds one bound
+    ``ParallelDims`` and asks it; nothing else spells an axis name.
 
     Raises:
-        ValueError: a degree that is not a positive int.
+        ValueError: a degree that is not a positive int; a mesh whose shape is not the degrees'.
     """
 
     dp: int = 1
     ring: int = 1
     sp: int = 1
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """The device mesh of these degrees (:meth:`from_mesh`), or ``None`` before it exists."""
 
     def __post_init__(self) -> None:
         for name in (DP, RING, SP):
             _check_degree(name, getattr(self, name))
+        if self.mesh is not None:
+            names, shape = self.mesh.mesh_dim_names or (), tuple(self.mesh.shape)
+            if (names, shape) != (self.axis_names, self.shape):
+                raise ValueError(
+                    f"the mesh has axes {names} of sizes {shape}, not the {self.describe()} "
+                    f"of these degrees ({self.axis_names} of sizes {self.shape})"
+                )
 
     @classmethod
     def resolve(
-        cls, world_size: int, dp: int | None = 1, sp: int | None = None, ring: int = 1
+        cls,
+        world_size: int,
+        dp: int | None = 1,
+        sp: int | None = None,
+        ring: int = 1,
+        *,
+        spelling: str = "keyword",
+        world: str | None = None,
     ) -> ParallelDims:
         """The degrees for ``world_size`` ranks: ``sp=None`` takes the ranks left,
         ``world_size // (dp * ring)``; ``dp=None`` (``with_ulysses(sp=...)``) likewise
-        ``world_size // (ring * sp)``.
+        ``world_size // (ring * sp)``. The one place the world arithmetic is written.
+
+        Args:
+            world_size: the ranks launched.
+            dp: the data-parallel degree (``None``: the ranks left).
+            sp: the Ulysses degree (``None``: the ranks left).
+            ring: the ring-attention degree.
+            spelling: how messages name the degrees: ``"keyword"`` (``dp=2``) or ``"flag"``
+                (the trainer's ``--dp 2``).
+            world: how messages name the world, e.g. ``"torchrun started 4 processes"``
+                (default ``"the world size is N"``).
 
         Raises:
-            ValueError: a degree that does not divide the world, or ``dp * ring * sp`` is not it.
+            ValueError: a degree that is not positive or does not divide the world, or
+                ``dp * ring * sp`` is not the world size.
         """
-        _check_degree(RING, ring)
+        flag = spelling == "flag"
+
+        def say(name: str, value: int) -> str:
+            return f"--{name} {value}" if flag else f"{name}={value}"
+
+        for name, value in ((DP, dp), (SP, sp), (RING, ring)):
+            if value is not None:
+                _check_degree(name, value, say(name, value) if flag else None)
         if dp is None:
             if sp is None:
                 raise ValueError("give dp or sp (or both); the other takes the ranks left")
-            _check_degree(SP, sp)
             if world_size % (sp * ring):
                 raise ValueError(
-                    f"sp={sp} does not divide the {world_size} ranks; launch a multiple of "
+                    f"{say(SP, sp)} does not divide the {world_size} ranks; launch a multiple of "
                     f"{sp} ranks or choose sp among the divisors of {world_size}"
                 )
             dp = world_size // (sp * ring)
-        _check_degree(DP, dp)
         if sp is None:
             if world_size % (dp * ring):
-                what = f"dp x ring = {dp} x {ring} = {dp * ring}" if ring > 1 else f"dp={dp}"
+                if flag:
+                    what = say(DP, dp) + (f" x {say(RING, ring)}" if ring > 1 else "")
+                    where = f"the world size {world_size}"
+                elif ring > 1:
+                    what = f"dp x ring = {dp} x {ring} = {dp * ring}"
+                    where = f"world_size={world_size}"
+                else:
+                    what, where = say(DP, dp), f"world_size={world_size}"
                 raise ValueError(
-                    f"{what} does not divide world_size={world_size}; choose "
+                    f"{what} does not divide {where}; choose "
                     f"dp{' * ring' if ring > 1 else ''} in {divisors(world_size)}"
                 )
             sp = world_size // (dp * ring)
         dims = cls(dp, ring, sp)
+        if flag and dims.world_size != world_size:
+            ring_said = f" x {say(RING, ring)}" if ring > 1 else ""
+            raise ValueError(
+                f"{say(DP, dp)}{ring_said} x {say(SP, sp)} = {dims.world_size} but "
+                f"{world or f'the world size is {world_size}'}; make "
+                f"dp{' * ring' if ring > 1 else ''} * sp equal --nproc-per-node x --nnodes"
+            )
         dims.check_world(world_size)
         return dims
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ParallelDims:
-        """The degrees of a ``("dp", "sp")`` or ``("dp", "ring", "sp")`` mesh."""
+        """The degrees of a ``("dp", "sp")`` or ``("dp", "ring", "sp")`` mesh, bound to it."""
         names = mesh.mesh_dim_names or ()
         if names not in (MESH_AXES, RING_MESH_AXES):
             raise ValueError(
                 f"expected a mesh with axes {MESH_AXES} or {RING_MESH_AXES}, got {names}"
             )
-        return cls(*(mesh[n].size() if n in names else 1 for n in (DP, RING, SP)))
+        dp, ring, sp = (mesh[n].size() if n in names else 1 for n in (DP, RING, SP))
+        return cls(dp=dp, ring=ring, sp=sp, mesh=mesh)
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh | ParallelDims) -> ParallelDims:
+        """``mesh`` itself when it is bound degrees, else :meth:`from_mesh` (for functions that
+        take either: a caller holding the degrees passes them, nothing is rebuilt)."""
+        if isinstance(mesh, ParallelDims):
+            mesh._bound()
+            return mesh
+        return cls.from_mesh(mesh)
 
     def check_world(self, world_size: int) -> None:
         """``dp * ring * sp`` must be the world size."""
@@ -157,32 +217,63 @@ class ParallelDims:
     def build_mesh(
         self, device_type: str | None = None, *, timeout_s: float | None = None
     ) -> DeviceMesh:
-        """:func:`init_mesh` with these degrees."""
+        """:func:`init_mesh` with these degrees (bind them to it with :meth:`from_mesh`)."""
         return init_mesh(
             self.dp, self.sp, ring=self.ring, device_type=device_type, timeout_s=timeout_s
         )
 
-    def cut(self, mesh: DeviceMesh) -> RankCut:
+    # ------------------------------------------------------------------------------------------
+    # bound to the mesh: the groups and this rank's coordinates
+    # ------------------------------------------------------------------------------------------
+    def _bound(self) -> DeviceMesh:
+        if self.mesh is None:
+            raise ValueError(
+                f"ParallelDims({self.describe()}) has no mesh yet: bind the degrees to their "
+                f"mesh with ParallelDims.from_mesh(dims.build_mesh())"
+            )
+        return self.mesh
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        """The mesh these degrees are bound to (every axis)."""
+        return self._bound()
+
+    @property
+    def sp_mesh(self) -> DeviceMesh:
+        """The ``sp`` submesh (Ulysses' all-to-all group: ``.get_group()``)."""
+        return self._bound()[SP]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The ``dp`` submesh (the ranks that see different rows)."""
+        return self._bound()[DP]
+
+    @property
+    def flat_mesh(self) -> DeviceMesh:
+        """All ``dp x [ring x] sp`` ranks as one axis (:func:`flatten_dp_sp`: FSDP2's mesh, the
+        loss's token count and sums)."""
+        return flatten_dp_sp(self._bound())
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's coordinate on ``sp``."""
+        return self._bound().get_local_rank(SP)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's coordinate on ``dp``."""
+        return self._bound().get_local_rank(DP)
+
+    def cut(self) -> RankCut:
         """This rank's degrees and coordinates as the slicer's keyword arguments
         (``sp, sp_rank, ring, ring_rank``; dp rows are chosen by the caller)."""
-        return {
-            "sp": self.sp,
-            "sp_rank": mesh.get_local_rank(SP),
-            "ring": self.ring,
-            "ring_rank": mesh.get_local_rank(RING) if self.ring > 1 else 0,
-        }
+        mesh = self._bound()
+        ring_rank = mesh.get_local_rank(RING) if self.ring > 1 else 0
+        return RankCut(sp=self.sp, sp_rank=self.sp_rank, ring=self.ring, ring_rank=ring_rank)
 
-    def coords(self, mesh: DeviceMesh) -> RankCoords:
+    def coords(self) -> RankCoords:
         """:meth:`cut` with the dp degree and coordinate (``get_batch``'s keyword arguments)."""
-        return RankCoords(dp=self.dp, dp_rank=mesh.get_local_rank(DP), **self.cut(mesh))
-
-    def sp_group(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The ``sp`` submesh (Ulysses' all-to-all group)."""
-        return mesh[SP]
-
-    def dp_group(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The ``dp`` submesh."""
-        return mesh[DP]
+        return RankCoords(dp=self.dp, dp_rank=self.dp_rank, **self.cut())
 
     def describe(self) -> str:
         """``dp=2 x ring=2 x sp=2`` (no ring term without one)."""
@@ -198,11 +289,14 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_degree(name: str, value: int) -> None:
+def _check_degree(name: str, value: int, said: str | None = None) -> None:
+    """A degree is a positive int (``said``: how the caller wrote it, e.g. ``--dp 0``)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < 1:
-        raise ValueError(f"{name}={value} is not a positive degree; use {name} >= 1")
+        said = said or f"{name}={value}"
+        use = f"--{name}" if said.startswith("--") else name
+        raise ValueError(f"{said} is not a positive degree; use {use} >= 1")
 
 
 def init_mesh(

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtensor_ulysses.plan.presets import ModelShape
+from dtensor_ulysses.plan.recipe import ParallelOptions
 from dtensor_ulysses.plan.splits import default_loss_chunk, local_tokens
 
 __all__ = ["RUNTIME_BYTES", "MemoryEstimate", "estimate_memory", "format_bytes"]
@@ -50,37 +51,28 @@ class MemoryEstimate:
 
 def estimate_memory(
     shape: ModelShape,
+    options: ParallelOptions | None = None,
     *,
     seq_len: int,
     batch_size: int,
     dp: int,
     sp: int,
     compute_bytes: int = 4,
-    activation_checkpointing: bool = False,
-    tiled_loss: bool = False,
-    loss_chunk_tokens: int | None = None,
-    tiled_mlp: bool = False,
-    mlp_chunk_tokens: int | None = None,
-    head_chunks: int = 1,
-    offload_activations: bool = False,
-    offload_optimizer: bool = False,
-    offload_params: bool = False,
-    overlap_comm: bool = False,
 ) -> MemoryEstimate:
     """One rank's peak memory in a training step (the closed form of the
     :mod:`dtensor_ulysses.plan.preflight` docstring).
 
     Args:
         shape: the model.
+        options: the run's recipe (:class:`~dtensor_ulysses.plan.ParallelOptions`; its memory
+            fields and ``overlap_comm`` count); ``None``: every option off.
         seq_len: tokens per sequence.
         batch_size: the *global* batch.
         dp: data-parallel degree.
         sp: sequence-parallel degree.
         compute_bytes: bytes per element of compute (2: bf16 on CUDA; 4: fp32 on CPU).
-
-    The other keyword arguments are the trainer's memory features, as in
-    :class:`~dtensor_ulysses.train.TrainConfig`.
     """
+    o = ParallelOptions() if options is None else options
     W = dp * sp
     c = compute_bytes
     D, F, L, V = shape.dim, shape.ffn_dim, shape.n_layers, shape.vocab_size
@@ -93,11 +85,11 @@ def estimate_memory(
     host: dict[str, int] = {}
     grads = 4 * n
     base: dict[str, int] = {}
-    if offload_params:  # gradients reach the host a block at a time
+    if o.offload_params:  # gradients reach the host a block at a time
         host["parameters, gradients, optimizer states"] = 16 * n
         base["parameter shards in flight"] = 4 * -(-block_params // W)
         grads = 4 * -(-block_params // W)
-    elif offload_optimizer:
+    elif o.offload_optimizer:
         base["parameters"] = 4 * n
         host["optimizer states and master weights"] = 16 * n
     else:
@@ -108,9 +100,9 @@ def estimate_memory(
     gathered = 2 * block_params * c + block_params * 4 + (root_params - head_params) * c
     gathered += head_params * 4  # the head's fp32 reduce-scatter input, until the next one
 
-    K = max(1, head_chunks)
+    K = max(1, o.head_chunks)
     kv_recv = kv * max(1, sp // max(1, shape.n_kv_heads))  # kv heads replicated when sp > K_kv
-    saved = 4 * D + 2 * (2 * kv) + 4 * q // K + (0 if tiled_mlp else 4 * F)  # what a block keeps
+    saved = 4 * D + 2 * (2 * kv) + 4 * q // K + (0 if o.tiled_mlp else 4 * F)  # what a block keeps
     # the backward of one block (the peak of a checkpointed step): its input, the attention
     # norm's output, q, the gradients of o and q and of the residual stream (3D + 3q); the
     # exchanged k, v and their gradient accumulators (4 kv'); one head stage's q, d o, o, d q,
@@ -119,17 +111,17 @@ def estimate_memory(
     # previous stage's d q, in flight (6 q / K); or, before it, the MLP's backward (without
     # --tiled-mlp: its 4 saved and 3 gradient F-sized tensors)
     exchanged = sp > 1 or K > 1
-    in_flight = 6 if overlap_comm and K > 1 else 0  # one stage: k, v move in forward only
+    in_flight = 6 if o.overlap_comm and K > 1 else 0  # one stage: k, v move in forward only
     stage = 4 * kv_recv + ((5 + in_flight) * q // K if exchanged else 0)
     attn_bwd = 3 * D + 3 * q + stage
-    mlp_bwd = 5 * D + 2 * q + 2 * kv_recv + (0 if tiled_mlp else 7 * F)
+    mlp_bwd = 5 * D + 2 * q + 2 * kv_recv + (0 if o.tiled_mlp else 7 * F)
     act: dict[str, int] = {}
-    if tiled_mlp:  # one chunk's SwiGLU intermediates, recomputed in backward
-        chunk = min(t, mlp_chunk_tokens or min(D, t))
+    if o.tiled_mlp:  # one chunk's SwiGLU intermediates, recomputed in backward
+        chunk = min(t, o.mlp_chunk_tokens or min(D, t))
         act["mlp chunk"] = 4 * F * chunk * c
-    if activation_checkpointing:
+    if o.activation_checkpointing:
         kept = D * t * c
-        if offload_activations:  # on the device: the one recomputed and the one before it
+        if o.offload_activations:  # on the device: the one recomputed and the one before it
             act["checkpoints"] = min(L, 2) * kept
             host["activation checkpoints"] = max(0, L - 1) * kept
         else:
@@ -138,7 +130,7 @@ def estimate_memory(
     else:
         act["activations"] = (L - 1) * saved * t * c
         work = (saved + max(attn_bwd, mlp_bwd)) * t * c
-    loss_tokens = min(t, loss_chunk_tokens or default_loss_chunk(t)) if tiled_loss else t
+    loss_tokens = min(t, o.loss_chunk_tokens or default_loss_chunk(t)) if o.tiled_loss else t
     logits = loss_tokens * V * (c + 8)
     # Gradients fill up in backward as activations are freed: the step's peak is the larger of
     # the loss (all kept activations, the logits, the final hidden states and their gradient),

@@ -70,6 +70,7 @@ overrides) in ``_preflight_capacity.py``; import every public name from this mod
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,7 +85,7 @@ from dtensor_ulysses.plan._preflight_estimate import (
     format_bytes,
 )
 from dtensor_ulysses.plan.presets import ModelShape
-from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS
+from dtensor_ulysses.plan.recipe import MEMORY_OPTIONS, ParallelOptions
 
 __all__ = [
     "check_fits",
@@ -162,9 +163,9 @@ def _flag(name: str) -> str:
 
 def check_fits(
     shape: ModelShape,
+    options: ParallelOptions | None = None,
     *,
     device_type: str,
-    features: dict,
     seq_len: int,
     batch_size: int,
     dp: int,
@@ -177,13 +178,14 @@ def check_fits(
 ) -> Preflight:
     """Estimate this rank's memory and compare it with the capacities given (or probed).
 
-    ``features``: the memory fields of a :class:`~dtensor_ulysses.train.TrainConfig`
-    (``activation_checkpointing``, ``tiled_loss``, ...); ``headroom``: the fraction of the
-    capacity an estimate may use (None: :data:`HEADROOM`). When the run does not fit,
-    ``binding`` names the memory that does not (``"device"``, ``"host"`` or both; on CPU they
-    are one, reported as ``"device"``) and ``problem`` holds a message with that memory's
-    estimate, capacity and shortfall, and a fix that helps it: the smallest set of flags that
-    fits, or when the host binds the offload flags to drop (if the device then fits) or more
+    ``options``: the run's :class:`~dtensor_ulysses.plan.ParallelOptions` (its memory fields:
+    ``activation_checkpointing``, ``tiled_loss``, ...; ``None``: all off); ``headroom``: the
+    fraction of the capacity an estimate may use (None: :data:`HEADROOM`). When the run does
+    not fit, ``binding`` names the memory that does not (``"device"``, ``"host"`` or both; on
+    CPU they are one, reported as ``"device"``) and ``problem`` holds a message with that
+    memory's estimate, capacity and shortfall, and a fix that helps it: the smallest set of
+    flags that fits, or when the host binds the offload flags to drop (if the device then fits)
+    or more
     ranks, fewer ranks per node, a shorter sequence.
     """
     host_source = host_capacity_source
@@ -195,7 +197,8 @@ def check_fits(
             host_cap = device_cap
     c = 2 if device_type == "cuda" else 4
     kw: dict[str, Any] = dict(seq_len=seq_len, batch_size=batch_size, dp=dp, sp=sp, compute_bytes=c)
-    est = estimate_memory(shape, **kw, **features)
+    options = ParallelOptions() if options is None else options
+    est = estimate_memory(shape, options, **kw)
     out = Preflight(est, device_type, device_cap, host_cap, capacity_source)
     if headroom is None:
         headroom = HEADROOM
@@ -207,18 +210,19 @@ def check_fits(
     # the smallest set of flags (then the smallest estimate) that fits
     candidates = [
         name for name, to_host in FEATURE_FLAGS
-        if not features.get(name) and (device_type == "cuda" or not to_host)
+        if not getattr(options, name) and (device_type == "cuda" or not to_host)
     ]  # fmt: skip
     best: tuple[int, int, tuple[str, ...]] | None = None
     smallest: tuple[int, tuple[str, ...]] | None = None
     for k in range(1, len(candidates) + 1):
         for combo in itertools.combinations(candidates, k):
-            f = dict(features, **{name: True for name in combo})
-            if f.get("offload_activations") and not f.get("activation_checkpointing"):
+            on: dict[str, Any] = {name: True for name in combo}
+            f = dataclasses.replace(options, **on)
+            if f.offload_activations and not f.activation_checkpointing:
                 continue
-            if f.get("offload_optimizer") and f.get("offload_params"):
+            if f.offload_optimizer and f.offload_params:
                 continue
-            e = estimate_memory(shape, **kw, **f)
+            e = estimate_memory(shape, f, **kw)
             need = _need(e, device_type)[0]
             if smallest is None or need < smallest[0]:
                 smallest = (need, combo)
@@ -272,7 +276,7 @@ def check_fits(
         lines.append(f"add {flags} (about {format_bytes(best[1])} per rank)")
     elif host_over:
         assert host_cap is not None
-        lines.append(_host_fix(shape, kw, features, est, device_type, device_cap, host_cap,
+        lines.append(_host_fix(shape, kw, options, est, device_type, device_cap, host_cap,
                                headroom, dev_over, out))  # fmt: skip
     else:
         n_more = need_dev / max(1, (device_cap or 1) * headroom)
@@ -291,7 +295,7 @@ def check_fits(
 def _host_fix(
     shape: ModelShape,
     kw: dict[str, Any],
-    features: dict,
+    options: ParallelOptions,
     est: MemoryEstimate,
     device_type: str,
     device_cap: int | None,
@@ -303,11 +307,12 @@ def _host_fix(
     """What helps a run whose host memory binds: the offload flags to drop, when the device then
     fits both; otherwise more ranks or fewer ranks per node (the host bytes per rank shrink with
     ``dp * sp``; a node's memory is shared by its ranks), a shorter sequence or a smaller batch."""
-    on = [name for name, to_host in FEATURE_FLAGS if to_host and features.get(name)]
+    on = [name for name, to_host in FEATURE_FLAGS if to_host and getattr(options, name)]
     for k in range(1, len(on) + 1):
         for combo in itertools.combinations(on, k):
-            f = dict(features, **{name: False for name in combo})
-            e = estimate_memory(shape, **kw, **f)
+            off: dict[str, Any] = {name: False for name in combo}
+            f = dataclasses.replace(options, **off)
+            e = estimate_memory(shape, f, **kw)
             if _fits(e, device_type, device_cap, host_cap, headroom):
                 out.suggestion = [f"no {_flag(n)}" for n in combo]
                 return (

@@ -16,6 +16,7 @@ __all__ = [
     "DP_AXIS",
     "RING_AXIS",
     "SP_AXIS",
+    "check_head_chunks",
     "check_ring_mesh",
     "check_ring_seq",
     "check_sp_for_heads",
@@ -328,6 +329,33 @@ def check_sp_for_heads(
         other = f" (or pass {uneven_option} to accept a load imbalance)" if uneven_option else ""
         raise ValueError(
             f"{n_heads} {what} are not divisible by sp={sp}; choose sp in {even}{other}"
+        )
+
+
+def check_head_chunks(
+    n_heads: int, sp: int, head_chunks: int, *, name: str = "head_chunks="
+) -> None:
+    """Head-chunked Ulysses needs even heads per rank and ``head_chunks`` dividing them (the
+    rule :meth:`~dtensor_ulysses.plan.ParallelOptions.check` applies; the engine applies it
+    again to the heads it is called with).
+
+    ``name`` is how the caller spells the parameter in messages (the trainer: ``"--head-chunks "``).
+
+    Raises:
+        ValueError: the numbers and the valid choices.
+    """
+    if n_heads % sp:
+        raise ValueError(
+            f"{name}{head_chunks} needs sp={sp} to divide the {n_heads} q heads (ranks "
+            f"must hold equal heads); choose sp in {{{', '.join(map(str, divisors(n_heads)))}}}"
+        )
+    per_rank = n_heads // sp
+    if per_rank % head_chunks:
+        raise ValueError(
+            f"{name}{head_chunks} does not divide the {per_rank} q heads each of the "
+            f"sp={sp} ranks holds; choose head_chunks in "
+            f"{{{', '.join(map(str, divisors(per_rank)))}}} (UPipe's choice: {per_rank}, one "
+            f"head per rank per stage)"
         )
 
 

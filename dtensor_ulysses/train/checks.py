@@ -20,11 +20,11 @@ from dtensor_ulysses.attention.kernels import (
     KernelChoice,
     choose_kernel,
 )
-from dtensor_ulysses.attention.ulysses import check_head_chunks
 from dtensor_ulysses.parallel import apply as parallel_apply
 from dtensor_ulysses.parallel.mesh import ParallelDims, default_device_type
-from dtensor_ulysses.plan.preflight import MEMORY_FEATURES, check_fits
+from dtensor_ulysses.plan.preflight import check_fits
 from dtensor_ulysses.plan.presets import ModelShape, get_shape
+from dtensor_ulysses.plan.recipe import ParallelOptions
 from dtensor_ulysses.plan.splits import check_ring_seq, nearby_multiples
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, _warn
 from dtensor_ulysses.train.guard import SINGLE_PROCESS_ENV, check_numbers, check_targets
@@ -48,9 +48,11 @@ def _started(world_size: int) -> str:
 
 def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Check the configuration before any process group exists and return it resolved: a new
-    :class:`TrainConfig` with ``sp`` (:class:`~dtensor_ulysses.parallel.ParallelDims`),
-    ``model`` (``"tiny"`` unless ``--hf-model`` is given) and ``resume_from`` filled in; ``cfg``
-    itself is left as it was.
+    :class:`TrainConfig` with the degrees (``sp``, ``parallel_dims``: one
+    :class:`~dtensor_ulysses.parallel.ParallelDims`), the recipe (``parallel_options``: one
+    :class:`~dtensor_ulysses.plan.ParallelOptions`, checked once), the built-in model's kernel
+    (``kernel_choice``), ``model`` (``"tiny"`` unless ``--hf-model`` is given) and
+    ``resume_from`` filled in; ``cfg`` itself is left as it was.
 
     Raises:
         UsageError: with the numbers and the fix, for every bad combination.
@@ -66,7 +68,7 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
                 raise UsageError(
                     f"{flag} applies to --hf-model only; this run trains the built-in model"
                 )
-    for name in ("dp", "ring", "seq_len", "batch_size", "steps"):
+    for name in ("seq_len", "batch_size", "steps"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
     if cfg.keep_last is not None and cfg.keep_last < 1:
@@ -87,8 +89,11 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
             check_ring_seq(cfg.seq_len, cfg.ring)
         except ValueError as e:
             raise UsageError(f"--seq-len: {e}") from None
-    shape = validate_hf(cfg) if cfg.hf_model is not None else _validate_preset(cfg)
-    device_type = _validate_device(cfg, shape)
+    shape = validate_hf(cfg) if cfg.hf_model is not None else _preset_shape(cfg)
+    cfg = replace(cfg, parallel_options=_check_options(cfg, shape))  # built and checked once
+    device_type, kernel = _validate_device(cfg, shape)
+    if cfg.hf_model is None:  # the built-in model's one layer kind: parallelize stores this
+        cfg = replace(cfg, kernel_choice=kernel)
     if (cfg.seq_len // cfg.ring) % dims.sp and cfg.strict_seq_len:
         raise UsageError(
             f"--seq-len {cfg.seq_len} is not divisible by sp={dims.sp}; use a multiple of "
@@ -99,7 +104,6 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"--batch-size {cfg.batch_size} (global) is not divisible by dp={cfg.dp}; use a "
             f"multiple of {cfg.dp}, e.g. {nearby_multiples(cfg.batch_size, cfg.dp)}"
         )
-    _validate_memory_features(cfg, shape)
     if cfg.resume and not cfg.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir (where to find the checkpoint)")
     try:  # reads and checks the data files now; the corpora are cached for train()
@@ -130,36 +134,45 @@ def validate(cfg: TrainConfig, world_size: int) -> TrainConfig:
 
 def _resolve_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """The run's degrees (``--sp`` unset: the ranks left), refused with the flags' names."""
-    ring = f" x --ring {cfg.ring}" if cfg.ring > 1 else ""
-    if cfg.sp is None and world_size % (cfg.dp * cfg.ring):
-        raise UsageError(f"--dp {cfg.dp}{ring} does not divide the world size {world_size}")
-    sp = world_size // (cfg.dp * cfg.ring) if cfg.sp is None else cfg.sp
-    if sp < 1:
-        raise UsageError(f"--sp={sp} must be >= 1")
-    dims = ParallelDims(cfg.dp, cfg.ring, sp)
-    if dims.world_size != world_size:
-        raise UsageError(
-            f"--dp {cfg.dp}{ring} x --sp {sp} = {dims.world_size} but {_started(world_size)}; "
-            f"make dp{' * ring' if cfg.ring > 1 else ''} * sp equal "
-            f"--nproc-per-node x --nnodes"
-        )
-    return dims
-
-
-def _validate_preset(cfg: TrainConfig) -> ModelShape:
-    assert cfg.model is not None and cfg.sp is not None
     try:
-        shape = get_shape(cfg.model)
-        cfg.options().check(
-            "flag", n_heads=shape.n_heads, sp=cfg.sp, heads_name=f"heads of model {cfg.model!r}"
-        )
+        return ParallelDims.resolve(world_size, cfg.dp, cfg.sp, cfg.ring, spelling="flag",
+                                    world=_started(world_size))  # fmt: skip
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return shape
 
 
-def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
-    """The device type the run uses; refuses a device or kernel this machine lacks."""
+def _preset_shape(cfg: TrainConfig) -> ModelShape:
+    assert cfg.model is not None
+    try:
+        return get_shape(cfg.model)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_options(cfg: TrainConfig, shape: ModelShape | None) -> ParallelOptions:
+    """The run's :class:`~dtensor_ulysses.plan.ParallelOptions`, built from the flags and
+    checked once (:meth:`~dtensor_ulysses.plan.ParallelOptions.check`, spelled as flags) with
+    everything the run knows: the model's heads, sp, the ring, a rank's tokens, the family."""
+    assert cfg.sp is not None
+    options = cfg.options()
+    if cfg.hf_model is not None:
+        heads = f"q heads of {Path(cfg.hf_model).name}"
+    else:
+        heads = f"heads of model {cfg.model!r}"
+    try:
+        options.check(
+            "flag", n_heads=None if shape is None else shape.n_heads, sp=cfg.sp, ring=cfg.ring,
+            local_tokens=cfg.local_tokens(), hf_model=cfg.hf_model is not None,
+            heads_name=heads,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return options
+
+
+def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> tuple[str, KernelChoice | None]:
+    """The device type the run uses and the built-in model's kernel (:func:`kernel_choice`;
+    ``None`` without a shape); refuses a device or kernel this machine lacks."""
     device_type = cfg.device or default_device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
         why = (
@@ -168,23 +181,24 @@ def _validate_device(cfg: TrainConfig, shape: ModelShape | None) -> str:
             else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
         )
         raise UsageError(f"--device cuda: {why}; drop --device cuda to train on the CPU")
-    if shape is not None:
-        try:
-            kernel_choice(cfg, device_type, shape.head_dim)
-        except AttentionBackendError as e:
-            flag = f"--attention-backend {cfg.attention_backend}"
-            if e.option == "compile":
-                flag = f"--compile with --ring {cfg.ring}"
-            raise UsageError(f"{flag}: {e}") from None
-    return device_type
+    if shape is None:
+        return device_type, None
+    try:
+        return device_type, kernel_choice(cfg, device_type, shape.head_dim)
+    except AttentionBackendError as e:
+        flag = f"--attention-backend {cfg.attention_backend}"
+        if e.option == "compile":
+            flag = f"--compile with --ring {cfg.ring}"
+        raise UsageError(f"{flag}: {e}") from None
 
 
 def kernel_choice(cfg: TrainConfig, device_type: str, head_dim: int) -> KernelChoice:
     """The built-in model's kernel for this run (its one layer kind: causal; packed documents
-    with ``--pack-docs``; compiled; the ring's blocks with ``--ring``): the choice
-    ``du.parallelize`` makes again when it builds the layers, made here so a kernel that cannot
-    run is refused before any process group exists. ``--hf-model`` layers are chosen per layer
-    kind by ``hf.apply_ulysses`` (their features come from the model)."""
+    with ``--pack-docs``; compiled; the ring's blocks with ``--ring``), chosen before any
+    process group exists: ``validate`` keeps it in the resolved configuration
+    (``kernel_choice``) and ``du.parallelize`` stores it on every layer as it is. For
+    ``--hf-model`` it only refuses a kernel that cannot run plain attention here: the layers'
+    kinds come from the model, and ``hf.apply_ulysses`` chooses per kind when it builds."""
     policy = parallel_apply.default_mixed_precision(device_type)  # what parallelize applies
     dtype = getattr(policy, "param_dtype", None) or torch.float32
     return choose_kernel(
@@ -197,11 +211,9 @@ def kernel_choice(cfg: TrainConfig, device_type: str, head_dim: int) -> KernelCh
 def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
     """Refuse a run whose estimated per-rank memory exceeds this machine's (``preflight.py``)."""
     assert cfg.sp is not None
-    features = {name: getattr(cfg, name) for name in MEMORY_FEATURES}
-    features["overlap_comm"] = cfg.overlap_comm  # not a memory feature, but it costs memory
     try:
         result = check_fits(
-            shape, device_type=device_type, features=features,
+            shape, cfg.options(), device_type=device_type,
             seq_len=cfg.seq_len // cfg.ring,  # a ring rank's sp group sees S / ring tokens
             batch_size=cfg.batch_size, dp=cfg.dp, sp=cfg.sp, headroom=cfg.memory_headroom,
         )  # fmt: skip
@@ -213,18 +225,3 @@ def _preflight(cfg: TrainConfig, shape, device_type: str) -> None:
         _warn(f"memory preflight: {result.problem} (starting anyway: --allow-oversubscribe)")
         return
     raise UsageError(f"memory preflight: {result.problem}")
-
-
-def _validate_memory_features(cfg: TrainConfig, shape: ModelShape | None) -> None:
-    """The parallel options' rules (:meth:`~dtensor_ulysses.plan.ParallelOptions.check`, spelled
-    as flags), and the head stages against the model's heads."""
-    assert cfg.sp is not None
-    try:
-        cfg.options().check(
-            "flag", ring=cfg.ring, local_tokens=cfg.local_tokens(),
-            hf_model=cfg.hf_model is not None,
-        )  # fmt: skip
-        if cfg.head_chunks != 1 and shape is not None:  # else the engine checks it at build
-            check_head_chunks(shape.n_heads, cfg.sp, cfg.head_chunks, name="--head-chunks ")
-    except ValueError as e:
-        raise UsageError(str(e)) from None

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from dtensor_ulysses.plan import local_tokens
-from dtensor_ulysses.plan.recipe import ATTENTION_BACKENDS, ParallelOptions
+from dtensor_ulysses.plan.recipe import ATTENTION_BACKENDS, TRAINER, ParallelOptions
 
 if TYPE_CHECKING:
+    from dtensor_ulysses.attention.kernels import KernelChoice
     from dtensor_ulysses.parallel.mesh import ParallelDims
 
 __all__ = ["ATTENTION_BACKENDS", "TrainConfig", "UsageError", "parse_args"]
@@ -79,10 +80,15 @@ class TrainConfig:
     eval_data: list[str] | None = None
     eval_every: int = 0  # steps; 0: only at the end
     parallel_dims: ParallelDims | None = None  # set by validate(): the degrees, built once
+    parallel_options: ParallelOptions | None = None  # set by validate(): the recipe, checked once
+    kernel_choice: KernelChoice | None = None  # set by validate(): the built-in model's kernel
 
     def options(self) -> ParallelOptions:
-        """The run's :class:`~dtensor_ulysses.plan.ParallelOptions`: the flags of the parallel
-        recipe, the fields of that one type (every other door builds the same)."""
+        """The run's :class:`~dtensor_ulysses.plan.ParallelOptions`: the one ``validate`` built
+        from the flags and checked (kept in ``parallel_options``); before ``validate``, the
+        flags' values as that type (unchecked)."""
+        if self.parallel_options is not None:
+            return self.parallel_options
         return ParallelOptions(**{name: getattr(self, name) for name in _OPTION_FIELDS})
 
     def dims(self) -> ParallelDims:
@@ -98,7 +104,7 @@ class TrainConfig:
 
 
 # the ParallelOptions fields the trainer has as flags (mixed precision: the device's default)
-_OPTION_FIELDS = tuple(f for f in ParallelOptions.fields() if f != "mixed_precision")
+_OPTION_FIELDS = ParallelOptions.fields(TRAINER)
 
 
 class _HelpFormatter(argparse.HelpFormatter):

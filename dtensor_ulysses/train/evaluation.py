@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses.data import eval_batches
 from dtensor_ulysses.parallel import ParallelDims, evaluate
@@ -32,17 +30,14 @@ class Evaluator:
     Attributes:
         cfg: the resolved configuration (``batch_size``, ``pack_docs``, ``eval_every``, ``steps``).
         corpus: the ``--eval-data`` corpus (either model family's).
-        dims: the run's parallel degrees.
-        mesh: the run's mesh (this rank's coordinates).
-        group: the process group of all the mesh's ranks (the sums and counts).
+        dims: the run's parallel degrees, bound to its mesh (this rank's coordinates; the
+            sums and counts over all its ranks).
         device: where the model computes.
     """
 
     cfg: TrainConfig
     corpus: Any
     dims: ParallelDims
-    mesh: DeviceMesh
-    group: dist.ProcessGroup | None
     device: torch.device
 
     def due(self, done: int) -> bool:
@@ -54,7 +49,7 @@ class Evaluator:
         """``{"eval_loss", "eval_perplexity", "eval_tokens"}`` over every full global batch."""
         batches = eval_batches(
             self.corpus, global_batch_size=self.cfg.batch_size, pack_docs=self.cfg.pack_docs,
-            **self.dims.coords(self.mesh),
+            **self.dims.coords(),
         )  # fmt: skip
-        out = evaluate(model, batches, self.group, self.device)
+        out = evaluate(model, batches, self.dims.flat_mesh.get_group(), self.device)
         return {f"eval_{k}": v for k, v in out.items()}

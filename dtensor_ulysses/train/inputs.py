@@ -48,8 +48,6 @@ def validate_hf(cfg: TrainConfig) -> ModelShape | None:
         from dtensor_ulysses.hf.models.pretrained import check_weights
     except ImportError as e:
         raise UsageError(f"--hf-model: {e}") from None
-    if cfg.tiled_mlp:
-        raise UsageError("--tiled-mlp applies to the built-in model only, not to --hf-model")
     if cfg.save_hf is not None:
         out, src = Path(cfg.save_hf).resolve(), Path(hf_dir(cfg))
         if out == src or out in src.parents:

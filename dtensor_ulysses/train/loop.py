@@ -58,7 +58,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,8 +66,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtensor_ulysses._exit import leave_together
 from dtensor_ulysses.attention.kernels import describe_kernels, model_kernels
 from dtensor_ulysses.data import Batch
-from dtensor_ulysses.parallel import flatten_dp_sp, global_valid_tokens
-from dtensor_ulysses.parallel.mesh import default_device_type
+from dtensor_ulysses.parallel import global_valid_tokens
+from dtensor_ulysses.parallel.mesh import ParallelDims, default_device_type
 from dtensor_ulysses.train import checkpoint as ckpt
 from dtensor_ulysses.train.checks import validate
 from dtensor_ulysses.train.cli import TrainConfig, UsageError, parse_args
@@ -99,28 +98,21 @@ __all__ = [
 ]
 
 
-def build(
-    cfg: TrainConfig,
-    mesh: DeviceMesh,
-    device: torch.device,
-    *,
-    init: bool = True,
-    mixed_precision: Any = "auto",
-):
+def build(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, *, init: bool = True):
     """The model of ``cfg`` (its :func:`~dtensor_ulysses.train.model_spec`), sharded and
     materialized, with AdamW and its schedule: ``(model, optimizer, scheduler)``.
 
     Args:
-        cfg: a validated configuration.
+        cfg: a validated configuration: its recipe (``cfg.options()``, mixed precision
+            included: ``"auto"`` lets the mesh's device type decide, bf16 + fp32 reduce on CUDA,
+            fp32 elsewhere; the memory trace passes the policy of the run it describes) and
+            the built-in model's kernel (``cfg.kernel_choice``).
         mesh: the ``("dp", "sp")`` mesh (``("dp", "ring", "sp")`` with a ring).
         device: where the model computes.
         init: draw the initial weights of the built-in model (``False`` leaves them
             uninitialized: for memory tracing under fake tensors, where values do not matter).
-        mixed_precision: FSDP2's ``MixedPrecisionPolicy``, ``None`` for fp32, or ``"auto"`` (the
-            mesh's device type decides: bf16 + fp32 reduce on CUDA, fp32 elsewhere); the memory
-            trace passes the policy of the run it describes. Both model families take it.
     """
-    model = model_spec(cfg).build(cfg, mesh, device, init, mixed_precision)
+    model = model_spec(cfg).build(cfg, mesh, device, init)
     return (model, *make_optimizer(cfg, model))
 
 
@@ -200,22 +192,25 @@ def train(cfg: TrainConfig) -> list[dict]:
 def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
     """:func:`train`, also returning the trained (sharded) model."""
     device_type = cfg.device or default_device_type()
-    dims = cfg.dims()  # resolved by validate()
-    mesh = dims.build_mesh(device_type, timeout_s=cfg.collective_timeout_s)
+    # the degrees validate() resolved, bound to their mesh (the groups, this rank's coordinates)
+    dims = ParallelDims.from_mesh(
+        cfg.dims().build_mesh(device_type, timeout_s=cfg.collective_timeout_s)
+    )
+    mesh = dims.world_mesh
     rank = dist.get_rank()
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(device_type)
-    coords = dims.coords(mesh)  # this rank's (dp, ring, sp) coordinates, for the slicer
-    group = flatten_dp_sp(mesh).get_group()
+    coords = dims.coords()  # this rank's (dp, ring, sp) coordinates, for the slicer
+    group = dims.flat_mesh.get_group()
 
     spec = model_spec(cfg)
     corpus = spec.corpus(cfg, cfg.data, "--data")
     evaluator = None
     if cfg.eval_data:
         eval_corpus = spec.corpus(cfg, cfg.eval_data, "--eval-data")
-        evaluator = Evaluator(cfg, eval_corpus, dims, mesh, group, device)
+        evaluator = Evaluator(cfg, eval_corpus, dims, device)
     model, optimizer, scheduler = build(cfg, mesh, device)
     meta = checkpoint_meta(cfg)
     start, path = 0, None

@@ -36,9 +36,10 @@ class ModelSpec:
     """One model family, as the loop sees it.
 
     Attributes:
-        build: ``(cfg, mesh, device, init, mixed_precision) -> model``: on meta, memory
-            features, parallelized (FSDP2's ``mixed_precision``: a policy, ``None`` or
-            ``"auto"``), materialized, and (``init``) its initial weights.
+        build: ``(cfg, mesh, device, init) -> model``: on meta, memory features, parallelized
+            with the run's recipe (``cfg.options()``, the one
+            :class:`~dtensor_ulysses.plan.ParallelOptions` ``validate`` checked; its
+            ``mixed_precision`` is FSDP2's), materialized, and (``init``) its initial weights.
         corpus: ``(cfg, paths, what) -> corpus`` that ``get_batch`` reads (``what`` names the
             flag in errors).
         get_batch: :func:`dtensor_ulysses.data.get_batch`, the same for both families (each
@@ -47,7 +48,7 @@ class ModelSpec:
         export: ``(cfg, model) -> None``, the end-of-run export (``--save-hf``), or ``None``.
     """
 
-    build: Callable[[TrainConfig, DeviceMesh, torch.device, bool, Any], torch.nn.Module]
+    build: Callable[[TrainConfig, DeviceMesh, torch.device, bool], torch.nn.Module]
     corpus: Callable[[TrainConfig, list[str] | None, str], Any]
     describe: Callable[[TrainConfig, torch.nn.Module], tuple[str, int, float]]
     export: Callable[[TrainConfig, torch.nn.Module], None] | None = None
@@ -63,33 +64,25 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
 # the built-in model
 # ----------------------------------------------------------------------------------------------
 def _build_builtin(
-    cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, init: bool, mixed_precision: Any
+    cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, init: bool
 ) -> torch.nn.Module:
+    options = cfg.options()
     shape = get_shape(cfg.model or "tiny")
     local = cfg.local_tokens()
     model = build_model(shape, device="meta")
     set_tiling(
         model,
-        loss_chunk_tokens=(cfg.loss_chunk_tokens or default_loss_chunk(local))
-        if cfg.tiled_loss
+        loss_chunk_tokens=(options.loss_chunk_tokens or default_loss_chunk(local))
+        if options.tiled_loss
         else None,
-        mlp_chunk_tokens=(cfg.mlp_chunk_tokens or min(shape.dim, local)) if cfg.tiled_mlp else None,
+        mlp_chunk_tokens=(options.mlp_chunk_tokens or min(shape.dim, local))
+        if options.tiled_mlp
+        else None,
     )
-    parallelize(
-        model,
-        mesh,
-        activation_checkpointing=cfg.activation_checkpointing,
-        offload_activations=cfg.offload_activations,
-        offload_params=cfg.offload_params,
-        head_chunks=cfg.head_chunks,
-        overlap_comm=cfg.overlap_comm,
-        compile=cfg.compile or False,
-        attention_backend=cfg.attention_backend,
-        allow_uneven_heads=cfg.allow_uneven_heads,
-        mixed_precision=mixed_precision,
-    )
+    # the kernel validate chose for the model's layer kind (None: chosen by parallelize)
+    parallelize(model, mesh, options, kernel=cfg.kernel_choice)
     # with FSDP2's CPU offload the sharded parameters live on the host (it copies them over)
-    model.to_empty(device="cpu" if cfg.offload_params else device)
+    model.to_empty(device="cpu" if options.offload_params else device)
     if init:
         init_weights(model, seed=cfg.seed)
     return model
@@ -121,26 +114,19 @@ _BUILTIN = ModelSpec(
 # a transformers checkpoint (--hf-model): imported on use, transformers is an optional extra
 # ----------------------------------------------------------------------------------------------
 def _build_hf(
-    cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, init: bool, mixed_precision: Any
+    cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, init: bool
 ) -> torch.nn.Module:
     """The transformers model from ``--hf-model``, each rank loading only its FSDP2 shards
     (the weights are the checkpoint's; ``init=False``, the memory trace: none are read)."""
     from dtensor_ulysses.hf import load_pretrained
 
-    chunk = (
-        (cfg.loss_chunk_tokens or default_loss_chunk(cfg.local_tokens()))
-        if cfg.tiled_loss
-        else None
-    )
+    options = cfg.options()
+    chunk = None
+    if options.tiled_loss:
+        chunk = options.loss_chunk_tokens or default_loss_chunk(cfg.local_tokens())
     assert cfg.hf_model is not None
-    return load_pretrained(
-        cfg.hf_model, mesh, device, loss_chunk_tokens=chunk,
-        activation_checkpointing=cfg.activation_checkpointing,
-        offload_activations=cfg.offload_activations, offload_params=cfg.offload_params,
-        head_chunks=cfg.head_chunks, attention_backend=cfg.attention_backend,
-        allow_uneven_heads=cfg.allow_uneven_heads, mixed_precision=mixed_precision,
-        weights=init,
-    )  # fmt: skip
+    return load_pretrained(cfg.hf_model, mesh, device, options, loss_chunk_tokens=chunk,
+                           weights=init)  # fmt: skip
 
 
 def _hf_corpus(cfg: TrainConfig, paths: list[str] | None, what: str) -> Any:
@@ -214,7 +200,7 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module):
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    optimizer_cls = HostOffloadAdamW if cfg.offload_optimizer else torch.optim.AdamW
+    optimizer_cls = HostOffloadAdamW if cfg.options().offload_optimizer else torch.optim.AdamW
     optimizer = optimizer_cls(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 

@@ -36,7 +36,11 @@ EXPECTED = {
     "module_heads": ("ValueError", r"sp=4 exceeds the 2 q heads"),
     "module_bad_mesh": ("TypeError", r"mesh must be a DeviceMesh with an 'sp' axis or a ProcessGroup"),
     "flash_on_cpu": ("AttentionBackendError", r"backend='flash_attn' cannot run flash-attn: .*; use backend='auto' or one of \['sdpa', 'blockwise'\]"),
-    "unknown_backend": ("ValueError", r"unknown attention backend 'xformers'; choose one of"),
+    "unknown_backend": ("ValueError", r"backend='xformers' is not an attention kernel; choose one of"),
+    # the parallel recipe: the degrees bound to their mesh, the options as one object
+    "dims_bound": (None, r"^$"),
+    "dims_unbound": ("ValueError", r"ParallelDims\(dp=2 x sp=2\) has no mesh yet: bind"),
+    "dims_other_mesh": ("ValueError", r"the mesh has axes \('dp', 'sp'\) of sizes \(2, 2\), not the dp=1 x sp=4"),
 }  # fmt: skip
 
 
@@ -53,11 +57,14 @@ def test_bad_input_messages():
 
 def test_local_attention_backend_errors():
     q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(ValueError, match="unknown attention backend 'bogus'"):
+    with pytest.raises(ValueError, match="backend='bogus' is not an attention kernel"):
         du.local_attention(q, q, q, backend="bogus")
     with pytest.raises(RuntimeError, match="backend='flash_attn' cannot run"):
         du.local_attention(q, q, q, backend="flash_attn")
-    with pytest.raises(ValueError, match="cannot force backend 'cudnn'"), du.force_backend("cudnn"):
+    with (
+        pytest.raises(ValueError, match=r"force_backend\('cudnn'\) is not an attention kernel"),
+        du.force_backend("cudnn"),
+    ):
         pass
 
 

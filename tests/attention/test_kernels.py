@@ -329,22 +329,35 @@ def test_choose_kernel_once_per_layer_kind_plain_packed_and_ring(monkeypatch):
 
 
 def test_the_call_path_looks_the_stored_choice_up(monkeypatch):
-    """A layer with a stored KernelChoice runs what it says, never choosing again:
-    force_backend (which changes what ``auto`` picks per call) does not change it."""
+    """A layer with a stored KernelChoice runs what it says, never choosing again (no
+    ``select_backend`` on the call path; force_backend, which changes what ``auto`` picks per
+    call, does not change it); every kernel has its runner; a call that brings a feature the
+    stored kernel does not run is refused, never run by another kernel."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
     calls = []
     real = attention.blockwise_attention
     monkeypatch.setattr(attention, "blockwise_attention",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+
+    def chosen_again(*a, **kw):
+        raise AssertionError("the call path chose a kernel again")
+
     layer = attention.LocalAttention()
     layer.kernel_choice = kernels.choose_kernel(
         AttnFeatures(), device_type="cpu", dtype=q.dtype, head_dim=4, requested="blockwise"
     )
+    monkeypatch.setattr(attention, "select_backend", chosen_again)
     with du.force_backend("sdpa"):
         got = layer(q, k, v)
     assert calls == [1]
     torch.testing.assert_close(got, reference(q, k, v, scale=0.5, causal=True))
+    assert set(attention._RUNNERS) >= set(KERNELS)
+    plain = kernels.choose_kernel(AttnFeatures(), device_type="cpu", dtype=q.dtype, head_dim=4)
+    assert plain.plain == "sdpa"
+    with pytest.raises(AttentionBackendError, match=r"stored kernel 'sdpa' .* does not run a "
+                                                    r"sliding window"):  # fmt: skip
+        local_attention(q, k, v, backend=plain, window=(2, 0))
 
 
 def test_local_attention_bad_feature_values_and_flex_training_on_cpu():

@@ -151,7 +151,7 @@ def _train_counting(trainer: Any) -> dict:
         return compute_loss(model, inputs, *a, **kw)
 
     trainer.compute_loss = recording
-    sp_group = trainer._du_mesh["sp"].get_group().group_name
+    sp_group = trainer._du_dims.sp_mesh.get_group().group_name
     with CommCounter() as comm:
         trainer.train()
     sp_reduces = [

@@ -129,7 +129,7 @@ def _comm(trainer: Any) -> dict:
     keeps the gradient of its own piece)."""
     from dtensor_ulysses.debug import CommCounter
 
-    sp_group = trainer._du_dims.sp_group(trainer._du_mesh).get_group()
+    sp_group = trainer._du_dims.sp_mesh.get_group()
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     trainer.model.train()
     with CommCounter() as fwd:

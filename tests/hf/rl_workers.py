@@ -177,7 +177,7 @@ def comm(spec: dict) -> dict:
     trainer = build(spec)
     trainer.model.train()
     batch = next(iter(trainer.get_train_dataloader()))
-    group = trainer._du_mesh["sp"].get_group()
+    group = trainer._du_dims.sp_mesh.get_group()
     with CommCounter() as score:
         out = trainer._generate_and_score_completions(batch)
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)

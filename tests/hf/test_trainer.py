@@ -343,10 +343,22 @@ def test_generation_and_other_loss_trainers_refused():
                        (trl.RewardTrainer, "_UlyssesReward"), (trl.GRPOTrainer, "_UlyssesRL"),
                        (trl.RLOOTrainer, "_UlyssesRL")):  # fmt: skip
         assert mixin in [c.__name__ for c in with_ulysses(cls, sp=2).__mro__]
-    with pytest.raises(ValueError, match="unknown with_ulysses options"):
+    with pytest.raises(ValueError, match=r"unknown with_ulysses option\(s\)"):
         with_ulysses(trl.SFTTrainer, sp=2, tiled=True)
     with pytest.raises(ValueError, match="sp=0"):
         with_ulysses(trl.SFTTrainer, sp=0)
+    # the recipe as one object: kept as it is; not with keywords too; nothing it would not apply
+    from dtensor_ulysses.plan import ParallelOptions
+
+    opts = ParallelOptions(activation_checkpointing=True, tiled_loss=True)
+    assert with_ulysses(trl.SFTTrainer, 2, opts)._du_options is opts
+    assert with_ulysses(trl.SFTTrainer, sp=2, tiled_loss=True)._du_options == ParallelOptions(
+        tiled_loss=True
+    )
+    with pytest.raises(ValueError, match=r"not both .*replace\(options, head_chunks=\.\.\.\)"):
+        with_ulysses(trl.SFTTrainer, 2, opts, head_chunks=2)
+    with pytest.raises(ValueError, match=r"with_ulysses does not apply offload_optimizer=True"):
+        with_ulysses(trl.SFTTrainer, 2, ParallelOptions(offload_optimizer=True))
 
 
 def _stock(assets, tmp_path, model="llama", **args):

@@ -1,6 +1,9 @@
 """ParallelDims alone, without a mesh or a process group (torchtitan's test_parallel_dims.py is
-the model): the degrees a world resolves to, the checks between them, the axis names and shape
-of the mesh they build, and that the trainer builds them once and hands them on."""
+the model): the degrees a world resolves to, the checks between them in the caller's spelling
+(the trainer's flags use the same arithmetic), the axis names and shape of the mesh they build,
+that degrees without their mesh refuse to answer groups, and that the trainer builds them once
+and hands them on. Bound to a mesh (groups, coordinates, the slicer's arguments): the bad-input
+world, ``tests/attention/test_bad_input.py``."""
 
 from __future__ import annotations
 
@@ -42,6 +45,35 @@ def test_resolve_fills_in_the_degree_left(world, dp, sp, ring, want):
 def test_resolve_refuses_degrees_that_do_not_make_the_world(world, kw, match):
     with pytest.raises(ValueError, match=match):
         ParallelDims.resolve(world, **kw)
+
+
+@pytest.mark.parametrize(
+    "world,kw,match",
+    [
+        (8, dict(dp=2, sp=2), r"^--dp 2 x --sp 2 = 4 but torchrun started 8 processes; make dp "
+                              r"\* sp equal --nproc-per-node x --nnodes$"),
+        (4, dict(dp=1, sp=4, ring=2), r"^--dp 1 x --ring 2 x --sp 4 = 8 but torchrun started 4"),
+        (8, dict(dp=3, sp=None), r"^--dp 3 does not divide the world size 8; choose dp in"),
+        (8, dict(dp=3, sp=None, ring=2), r"^--dp 3 x --ring 2 does not divide the world size 8"),
+        (8, dict(dp=0), r"^--dp 0 is not a positive degree; use --dp >= 1$"),
+        (8, dict(dp=1, sp=0), r"^--sp 0 is not a positive degree; use --sp >= 1$"),
+    ],
+)  # fmt: skip
+def test_the_trainers_flags_get_the_same_arithmetic_in_their_spelling(world, kw, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims.resolve(
+            world, **kw, spelling="flag", world=f"torchrun started {world} processes"
+        )
+
+
+def test_degrees_without_their_mesh_refuse_to_answer_groups():
+    dims = ParallelDims(2, 1, 2)
+    assert dims.mesh is None
+    for name in ("world_mesh", "sp_mesh", "dp_mesh", "flat_mesh", "sp_rank", "dp_rank"):
+        with pytest.raises(ValueError, match=r"has no mesh yet: bind .* ParallelDims.from_mesh"):
+            getattr(dims, name)
+    with pytest.raises(ValueError, match="has no mesh yet"):
+        dims.cut()
 
 
 @pytest.mark.parametrize("bad,error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),

@@ -15,8 +15,16 @@ import time
 
 import pytest
 
-from dtensor_ulysses.plan import check_fits, estimate_memory, get_shape, parse_bytes
+from dtensor_ulysses.plan import (
+    ParallelOptions,
+    check_fits,
+    estimate_memory,
+    get_shape,
+    parse_bytes,
+)
 from tests.train.test_faults import TINY, _env, _errors, _run_all, _warnings
+
+AC = ParallelOptions(activation_checkpointing=True)
 
 
 @pytest.mark.timeout(60)
@@ -62,19 +70,17 @@ def test_preflight_suggests_the_flags_that_fit():
     shape = get_shape("llama3-8b")
     run = dict(seq_len=131072, batch_size=2, dp=2, sp=8)
     plain = estimate_memory(shape, compute_bytes=2, **run)
-    with_ac = estimate_memory(shape, compute_bytes=2, activation_checkpointing=True, **run)
+    with_ac = estimate_memory(shape, AC, compute_bytes=2, **run)
     assert with_ac.device_bytes < plain.device_bytes / 2
     cap = (plain.device_bytes + with_ac.device_bytes) // 2
-    res = check_fits(shape, device_type="cuda", features={}, device_cap=cap, host_cap=2**40,
+    res = check_fits(shape, device_type="cuda", device_cap=cap, host_cap=2**40,
                      capacity_source="test", **run)  # fmt: skip
     assert not res.fits and res.suggestion == ["--activation-checkpointing"], res.problem
     assert "add --activation-checkpointing" in (res.problem or "")
-    ok = check_fits(shape, device_type="cuda", features={"activation_checkpointing": True},
-                    device_cap=cap, host_cap=2**40, **run)  # fmt: skip
+    ok = check_fits(shape, AC, device_type="cuda", device_cap=cap, host_cap=2**40, **run)
     assert ok.fits
     # on CPU the host is the device: offloading is never suggested
-    cpu = check_fits(shape, device_type="cpu", features={}, device_cap=cap // 4, host_cap=None,
-                     **run)  # fmt: skip
+    cpu = check_fits(shape, device_type="cpu", device_cap=cap // 4, host_cap=None, **run)
     assert not cpu.fits and "offload" not in (cpu.problem or "")
 
 
@@ -105,9 +111,8 @@ def test_preflight_is_close_to_the_traced_step():
     assert r.returncode == 0, r.stderr[-3000:]
     traced = int(r.stdout.strip().splitlines()[-1])
     est = estimate_memory(
-        get_shape("llama3-8b").with_(n_layers=2), seq_len=2097152, batch_size=1, dp=1, sp=8,
-        compute_bytes=2, activation_checkpointing=True, tiled_loss=True, tiled_mlp=True,
-        offload_activations=True, head_chunks=4, offload_optimizer=True,
+        get_shape("llama3-8b").with_(n_layers=2), ParallelOptions(**RECIPE), seq_len=2097152,
+        batch_size=1, dp=1, sp=8, compute_bytes=2,
     )  # fmt: skip
     assert -0.10 <= est.device_bytes / traced - 1 <= 0.15, (est.device, traced)
 
@@ -122,7 +127,7 @@ def _cuda(features, *, host_cap, device_cap=GPU_80GB, seq_len=4_194_304, **run):
     run = dict(dict(batch_size=1, dp=1, sp=8), **run)
     caps = dict(device_cap=device_cap, host_cap=host_cap, capacity_source="test GPU",
                 host_capacity_source="test host")  # fmt: skip
-    return check_fits(get_shape("llama3-8b"), device_type="cuda", features=features,
+    return check_fits(get_shape("llama3-8b"), ParallelOptions(**features), device_type="cuda",
                       seq_len=seq_len, **caps, **run)  # fmt: skip
 
 

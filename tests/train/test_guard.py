@@ -417,19 +417,19 @@ def test_preflight_refuses_an_estimate_within_the_headroom():
     run = dict(seq_len=64, batch_size=2, dp=1, sp=2)
     need = estimate_memory(shape, compute_bytes=4, **run).device_bytes
     cap = int(need / 0.95)  # the estimate is 95% of the capacity: in the margin
-    res = check_fits(shape, device_type="cpu", features={}, device_cap=cap, host_cap=cap,
+    res = check_fits(shape, device_type="cpu", device_cap=cap, host_cap=cap,
                      capacity_source="test", **run)  # fmt: skip
     assert not res.fits, "an estimate at 95% of the capacity must be refused"
     assert f"a run may use {HEADROOM:.0%}" in (res.problem or ""), res.problem
     assert "--memory-headroom" in (res.problem or "")
-    loose = check_fits(shape, device_type="cpu", features={}, device_cap=cap, host_cap=cap,
+    loose = check_fits(shape, device_type="cpu", device_cap=cap, host_cap=cap,
                        headroom=0.97, **run)  # fmt: skip
     assert loose.fits
-    roomy = check_fits(shape, device_type="cpu", features={}, device_cap=int(need / 0.85),
+    roomy = check_fits(shape, device_type="cpu", device_cap=int(need / 0.85),
                        host_cap=None, **run)  # fmt: skip
     assert roomy.fits
     with pytest.raises(ValueError, match="headroom 1.5 must be a fraction"):
-        check_fits(shape, device_type="cpu", features={}, device_cap=cap, host_cap=cap,
+        check_fits(shape, device_type="cpu", device_cap=cap, host_cap=cap,
                    headroom=1.5, **run)  # fmt: skip
 
 

@@ -108,6 +108,7 @@ def test_one_step_loss_and_every_gradient_equal_single_device(world_size, refere
     for rank, per_rank in enumerate(results):
         for r in per_rank:
             label = f"rank {rank} (dp, sp)={r['layout']}"
+            assert r["stored"] and all(r["stored"]), f"{label}: not validate's kernel choice"
             assert abs(r["loss"] - ref_loss) < 1e-5, f"{label}: loss {r['loss']} vs {ref_loss}"
             assert set(r["grads"]) == set(ref_grads), f"{label}: parameter names differ"
             for name, g in r["grads"].items():

@@ -121,7 +121,7 @@ def test_ring_refuses_a_kernel_that_cannot_run_its_blocks_before_step_1(kernel, 
     assert "\n" not in message and message.startswith(f"--attention-backend {kernel}: "), message
     assert "'blockwise'" in message, message
     validate(TrainConfig(**base, attention_backend="blockwise"), 2)
-    with pytest.raises(UsageError, match=r"^--compile with --ring 2: .*P2POp"):
+    with pytest.raises(UsageError, match=r"^--compile aot_eager with ring=2: .*P2POp"):
         validate(TrainConfig(**base, compile="aot_eager"), 2)
 
 

@@ -34,6 +34,7 @@ from dtensor_ulysses.hf.models.causal_lm import HFCausalLM
 from dtensor_ulysses.hf.models.parallelize import parallelize
 from dtensor_ulysses.hf.models.routing import unwrap
 from dtensor_ulysses.models.weights import bare_name, copy_full_
+from dtensor_ulysses.plan.recipe import HF_PARALLELIZE, ParallelOptions
 
 __all__ = [
     "check_model_dir",
@@ -218,24 +219,28 @@ def load_pretrained(
     directory: str | os.PathLike,
     mesh: DeviceMesh,
     device: torch.device | str,
+    options: ParallelOptions | None = None,
     *,
     loss_chunk_tokens: int | None = None,
     weights: bool = True,
-    **parallel_kwargs: Any,
+    **keywords: Any,
 ) -> HFCausalLM:
     """``config.json`` + safetensors -> an FSDP2-sharded, Ulysses-routed :class:`HFCausalLM`.
 
-    Built on ``meta``, parallelized (``parallel_kwargs`` go to :func:`parallelize`), then only
+    Built on ``meta``, parallelized by :func:`parallelize` with ``options`` (a
+    :class:`~dtensor_ulysses.plan.ParallelOptions`, or its fields as ``keywords``), then only
     this rank's shards are allocated (on the host with ``offload_params``) and filled;
     ``weights=False``: left unfilled, and only ``config.json`` is read (the memory tracer).
+    ``loss_chunk_tokens``: the tiled loss's rows per chunk (``None``: the full logits).
     """
+    opts = ParallelOptions.at_door(options, keywords, door=HF_PARALLELIZE)
     path = check_model_dir(directory) if weights else Path(directory)
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = HFCausalLM(hf, loss_chunk_tokens=loss_chunk_tokens)
-    parallelize(model, mesh, **parallel_kwargs)
-    model.to_empty(device="cpu" if parallel_kwargs.get("offload_params") else device)
+    parallelize(model, mesh, opts)
+    model.to_empty(device="cpu" if opts.offload_params else device)
     _init_buffers(hf, check=weights)
     if weights:
         load_weights(model, path)

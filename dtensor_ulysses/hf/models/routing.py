@@ -71,7 +71,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from dtensor_ulysses.attention import AttnFeatures, KernelChoice, choose_kernel
 from dtensor_ulysses.attention.doc_tensors import with_doc_tensors
-from dtensor_ulysses.attention.local import BACKENDS, local_attention
+from dtensor_ulysses.attention.kernels import check_backend
+from dtensor_ulysses.attention.local import local_attention
 from dtensor_ulysses.attention.ulysses import (
     UlyssesAttention,
     check_head_chunks,
@@ -501,8 +502,7 @@ def apply_ulysses(
         ValueError: heads and sp do not fit (the message names the valid sp).
     """
     hf = unwrap(model)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    check_backend(backend)
     found = _supported(hf)
     group = sp_group(mesh)
     sp = dist.get_world_size(group)

@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_ulysses.plan.splits import DP_AXIS
+from dtensor_ulysses.parallel.mesh import ParallelDims
 
 __all__ = ["dp_gather", "install"]
 
@@ -31,7 +30,7 @@ __all__ = ["dp_gather", "install"]
 class _UlyssesAccelerator:
     """Mixin placed before the accelerator's own class (see :func:`install`)."""
 
-    _du_mesh: DeviceMesh
+    _du_dims: ParallelDims  # the trainer's degrees, bound to its mesh
 
     def prepare_model(
         self, model: Any, device_placement: Any = None, evaluation_mode: bool = False
@@ -45,7 +44,7 @@ class _UlyssesAccelerator:
         import accelerate.accelerator as accelerator_module
 
         original = accelerator_module.prepare_data_loader
-        dp, dp_rank = self._du_mesh[DP_AXIS].size(), self._du_mesh.get_local_rank(DP_AXIS)
+        dp, dp_rank = self._du_dims.dp, self._du_dims.dp_rank
 
         def by_dp_rank(*a: Any, **kw: Any):
             kw["num_processes"], kw["process_index"] = dp, dp_rank
@@ -59,7 +58,7 @@ class _UlyssesAccelerator:
             accelerator_module.prepare_data_loader = original
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        return dp_gather(input_data, group=self._du_mesh[DP_AXIS].get_group())
+        return dp_gather(input_data, group=self._du_dims.dp_mesh.get_group())
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2):
         self.unscale_gradients()  # type: ignore[attr-defined]
@@ -74,14 +73,13 @@ class _UlyssesAccelerator:
         return total
 
 
-def install(accelerator: Any, mesh: DeviceMesh) -> None:
-    """Give ``accelerator`` (an ``accelerate.Accelerator``) the Ulysses overrides, in place."""
+def install(accelerator: Any, dims: ParallelDims) -> None:
+    """Give ``accelerator`` (an ``accelerate.Accelerator``) the Ulysses overrides, in place;
+    ``dims``: the trainer's degrees, bound to its mesh."""
     base = type(accelerator)
-    if issubclass(base, _UlyssesAccelerator):
-        accelerator._du_mesh = mesh
-        return
-    accelerator.__class__ = type(f"Ulysses{base.__name__}", (_UlyssesAccelerator, base), {})
-    accelerator._du_mesh = mesh
+    if not issubclass(base, _UlyssesAccelerator):
+        accelerator.__class__ = type(f"Ulysses{base.__name__}", (_UlyssesAccelerator, base), {})
+    accelerator._du_dims = dims
 
 
 def _pad_dim1(t: torch.Tensor, length: int) -> torch.Tensor:

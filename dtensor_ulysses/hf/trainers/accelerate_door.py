@@ -92,6 +92,7 @@ import inspect
 import os
 import weakref
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -124,15 +125,12 @@ from dtensor_ulysses.hf.trainers.refusals import (
     _single_process_launch,
 )
 from dtensor_ulysses.models import cross_entropy_sum
-from dtensor_ulysses.parallel import flatten_dp_sp
 from dtensor_ulysses.parallel.mesh import ParallelDims
 from dtensor_ulysses.plan import ParallelOptions
+from dtensor_ulysses.plan.recipe import ACCELERATE
 
 __all__ = ["UlyssesAccelerator"]
 
-# the ParallelOptions fields the door takes (precision is accelerate's mixed_precision)
-OPTIONS = ("activation_checkpointing", "offload_activations", "offload_params", "head_chunks",
-           "attention_backend", "allow_uneven_heads")  # fmt: skip
 # the batch keys a slice reads; keyword arguments passed through to the model unchanged
 _READ = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids"}
 _PASS = {"use_cache", "output_router_logits", "return_dict", "logits_to_keep"}
@@ -268,24 +266,22 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
     Args:
         sp: the Ulysses degree; default: the ``cp_size`` of accelerate's parallelism
             configuration (``parallelism_config=`` or the accelerate config / launch flags).
-        activation_checkpointing: recompute each decoder layer in backward (also turned on by
-            an FSDP2 plugin's ``activation_checkpointing`` or a model whose gradient
-            checkpointing was enabled).
-        offload_activations: with checkpointing, keep each layer's input on the host.
-        offload_params: parameters, gradients and optimizer states on the host (also an FSDP2
-            plugin's ``cpu_offload``).
-        head_chunks: attention in this many stages of heads per layer.
-        attention_backend: ``"auto"`` or a kernel name.
-        allow_uneven_heads: accept q heads that sp does not divide.
-        **kwargs: ``accelerate.Accelerator``'s arguments, by keyword.
+        options: the recipe, a :class:`~dtensor_ulysses.plan.ParallelOptions`; or, instead,
+            its fields this door applies as keywords (``ParallelOptions.fields(ACCELERATE)``):
+            ``activation_checkpointing`` (also turned on by an FSDP2 plugin's
+            ``activation_checkpointing`` or a model whose gradient checkpointing was enabled),
+            ``offload_activations``, ``offload_params`` (also an FSDP2 plugin's
+            ``cpu_offload``), ``head_chunks``, ``attention_backend``, ``allow_uneven_heads``.
+            The precision is accelerate's ``mixed_precision`` (autocast).
+        **kwargs: ``accelerate.Accelerator``'s arguments, by keyword (and the options' fields,
+            when ``options`` is not given).
 
     Raises:
         ValueError: a setting the door cannot make exact, or a launch whose process count does
             not fit the degrees (one line under a launch).
     """
 
-    _du_mesh: Any
-    _du_dims: ParallelDims
+    _du_dims: ParallelDims  # bound to the mesh
     _du_options: ParallelOptions
     _du_compute_dtype: torch.dtype | None
 
@@ -294,14 +290,13 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
         self,
         *args: Any,
         sp: int | None = None,
-        activation_checkpointing: bool = False,
-        offload_activations: bool = False,
-        offload_params: bool = False,
-        head_chunks: int = 1,
-        attention_backend: str = "auto",
-        allow_uneven_heads: bool = False,
+        options: ParallelOptions | None = None,
         **kwargs: Any,
     ) -> None:
+        # the recipe: a ParallelOptions, or its fields this door applies as keywords (the
+        # precision is accelerate's mixed_precision, not an FSDP2 policy)
+        keywords = {k: kwargs.pop(k) for k in ParallelOptions.fields(ACCELERATE) if k in kwargs}
+        chosen = ParallelOptions.at_door(options, keywords, door=ACCELERATE, whole=True)
         if args:  # Accelerator's positional order, as keywords
             names = list(inspect.signature(Accelerator.__init__).parameters)[1:]
             kwargs.update(zip(names, args))
@@ -314,16 +309,7 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
             from accelerate.utils import FullyShardedDataParallelPlugin
 
             plugin = FullyShardedDataParallelPlugin()  # the config file's fsdp_* keys
-        chosen: dict[str, Any] = dict(
-            activation_checkpointing=activation_checkpointing,
-            offload_activations=offload_activations,
-            offload_params=offload_params,
-            head_chunks=head_chunks,
-            attention_backend=attention_backend,
-            allow_uneven_heads=allow_uneven_heads,
-        )
-        chosen.update(_fsdp_options(plugin))
-        options = ParallelOptions(**chosen, mixed_precision=None)
+        options = replace(chosen, **_fsdp_options(plugin), mixed_precision=None)
         options.check(hf_model=True)
         # the process group first (NCCL with gloo for host tensors on CUDA), then accelerate
         # as a plain multi-process accelerator on it (on CPU: MULTI_CPU)
@@ -333,7 +319,7 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
         mesh = dims.build_mesh(
             "cpu" if cpu else "cuda", timeout_s=timeout.total_seconds() if timeout else None
         )
-        self._du_mesh, self._du_dims, self._du_options = mesh, dims, options
+        self._du_dims, self._du_options = ParallelDims.from_mesh(mesh), options
         with _without(_SETTINGS_ENV):
             super().__init__(cpu=cpu, **kwargs)
         kind = str(self.distributed_type)
@@ -434,10 +420,10 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
             on = getattr(hf, "is_gradient_checkpointing", False)
         if on:  # transformers' checkpointing becomes ours: per layer, inside FSDP2
             getattr(hf, "activation_checkpointing_disable", hf.gradient_checkpointing_disable)()
-            options = ParallelOptions(**{**_fields(options), "activation_checkpointing": True})
+            options = replace(options, activation_checkpointing=True)
         old = {id(p): (n, p) for n, p in model.named_parameters(remove_duplicate=False)}
         attn_implementation = hf.config._attn_implementation  # the stock model's
-        group = flatten_dp_sp(self._du_mesh).get_group()
+        group = self._du_dims.flat_mesh.get_group()
         moved = _state.start_from_rank0(model, group, self.device)
         if moved and dist.get_rank() == 0:
             more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
@@ -447,12 +433,8 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
                 flush=True,
             )
         model = parallelize_root(
-            model, hf, self._du_mesh, activation_checkpointing=options.activation_checkpointing,
-            offload_activations=options.offload_activations,
-            offload_params=options.offload_params, head_chunks=options.head_chunks,
-            mixed_precision=None, attention_backend=options.attention_backend,
-            allow_uneven_heads=options.allow_uneven_heads, compute_dtype=self._du_compute_dtype,
-        )  # fmt: skip
+            model, hf, self._du_dims.world_mesh, options, compute_dtype=self._du_compute_dtype
+        )
         new = dict(model.named_parameters(remove_duplicate=False))
         for key, (n, p) in old.items():
             if n in new and new[n] is not p:
@@ -533,11 +515,11 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
     def gather(self, tensor: Any) -> Any:
         """accelerate's ``gather`` over the dp ranks (one value per dp group, as the stock
         loop's processes give them); tensors of unequal length in dim 1 are padded with -100."""
-        return _dp_gather_nested(tensor, self._du_dims.dp_group(self._du_mesh).get_group())
+        return _dp_gather_nested(tensor, self._du_dims.dp_mesh.get_group())
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """accelerate's ``reduce`` (``"sum"``, ``"mean"``, ``"none"``) over the dp ranks."""
-        group = self._du_dims.dp_group(self._du_mesh).get_group()
+        group = self._du_dims.dp_mesh.get_group()
 
         def one(t: torch.Tensor) -> torch.Tensor:
             if reduction == "none":
@@ -551,7 +533,7 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """accelerate's ``gather_for_metrics`` over the dp ranks only (the sp ranks of a dp
         group hold the same rows): the last batch's duplicated rows dropped as stock."""
-        group = self._du_dims.dp_group(self._du_mesh).get_group()
+        group = self._du_dims.dp_mesh.get_group()
         try:
             recursively_apply(lambda x: x, input_data, error_on_other_type=True)
             tensors = not use_gather_object
@@ -653,9 +635,8 @@ class _SliceStep:
 
     def __init__(self, accelerator: UlyssesAccelerator, model: nn.Module, hf: Any,
                  attn_implementation: str) -> None:  # fmt: skip
-        self.mesh = accelerator._du_mesh
         self.dims = accelerator._du_dims
-        self.sp_group = self.dims.sp_group(self.mesh).get_group()
+        self.sp_group = self.dims.sp_mesh.get_group()
         self.model, self.hf = model, hf
         self.router = router_loss_config(hf)
         self.attn_implementation = str(attn_implementation)
@@ -707,11 +688,11 @@ class _SliceStep:
             # positions restart, the documents attend to each other (see isolates): the
             # layout from the padding alone, the positions cut as given
             del rows["position_ids"]
-            sb = shard_batch(rows, self.mesh, count_valid=False)
-            lo, s = sb.layout.offset(self.mesh.get_local_rank("sp")), sb.input_ids.shape[1]
+            sb = shard_batch(rows, self.dims, count_valid=False)
+            lo, s = sb.layout.offset(self.dims.sp_rank), sb.input_ids.shape[1]
             sb.position_ids = pos.to(ids.device).expand(ids.shape)[:, lo : lo + s]
         else:
-            sb = shard_batch(rows, self.mesh, count_valid=False)
+            sb = shard_batch(rows, self.dims, count_valid=False)
         n = None
         if labels is not None:
             n = num_items if num_items is not None else _targets({**batch, "labels": labels})
@@ -754,7 +735,7 @@ class _SliceStep:
             assert self.router is not None
             mask = batch.get("attention_mask")
             if mask is not None:  # this rank's columns of its rows
-                lo = sb.layout.offset(self.mesh.get_local_rank("sp"))
+                lo = sb.layout.offset(self.dims.sp_rank)
                 mask = mask[:, lo : lo + sb.input_ids.shape[1]]
             router = load_balancing_loss(output.router_logits, self.router.num_experts,
                                          self.router.top_k, self.sp_group, valid=mask)  # fmt: skip
@@ -770,7 +751,7 @@ class _SliceStep:
             share = local / dp
             output.loss = total + (share - share.detach())
         if not torch.is_grad_enabled():  # evaluation: the full logits, as the stock model's
-            output.logits = _gather_seq(output.logits, sb.layout, self.mesh)
+            output.logits = _gather_seq(output.logits, sb.layout, self.dims)
         return output
 
     def save_pretrained(self, save_directory: Any, *args: Any, state_dict: dict | None = None,
@@ -883,10 +864,6 @@ def _refuse_backends(kwargs: dict) -> None:
     precision = str(kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION"))
     if precision.lower() == "fp8":
         raise ValueError("mixed_precision='fp8' is not supported under the door; use 'bf16'")
-
-
-def _fields(options: ParallelOptions) -> dict[str, Any]:
-    return {f: getattr(options, f) for f in (*OPTIONS, "mixed_precision")}
 
 
 def _describe(hf: Any, dims: ParallelDims, options: ParallelOptions,

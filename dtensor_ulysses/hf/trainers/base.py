@@ -81,6 +81,7 @@ FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,6 @@ from dtensor_ulysses.hf.trainers.refusals import (
     _single_process_launch,
 )
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
-from dtensor_ulysses.parallel import flatten_dp_sp
 from dtensor_ulysses.parallel.mesh import ParallelDims
 from dtensor_ulysses.plan import ParallelOptions
 from dtensor_ulysses.plan.splits import default_loss_chunk
@@ -180,8 +180,8 @@ def _describe(trainer: Any) -> str:
     runs and the features in use."""
     from dtensor_ulysses.attention import describe_kernels, model_kernels
 
-    o, mesh = trainer._du_options, trainer._du_mesh
-    dp, sp = mesh["dp"].size(), mesh["sp"].size()
+    o, dims = trainer._du_options, trainer._du_dims
+    dp, sp = dims.dp, dims.sp
     device = trainer.args.device
     hf: Any = _state.base_model(trainer.model)
     cfg = hf.config.get_text_config()
@@ -189,16 +189,16 @@ def _describe(trainer: Any) -> str:
     features = [
         name
         for name, on in (
-            ("activation checkpointing", o["activation_checkpointing"]),
-            ("offloaded activations", o["offload_activations"]),
-            ("offloaded parameters", o["offload_params"]),
-            (f"head chunks {o['head_chunks']}", o["head_chunks"] > 1),
-            ("tiled loss", o["tiled_loss"]),
-            ("uneven heads", o["allow_uneven_heads"]),
+            ("activation checkpointing", o.activation_checkpointing),
+            ("offloaded activations", o.offload_activations),
+            ("offloaded parameters", o.offload_params),
+            (f"head chunks {o.head_chunks}", o.head_chunks > 1),
+            ("tiled loss", o.tiled_loss),
+            ("uneven heads", o.allow_uneven_heads),
         )
         if on
     ]
-    policy = o["mixed_precision"]
+    policy = o.mixed_precision
     if policy == "auto":
         policy = None if device.type != "cuda" else "bf16"
     fsdp_dtype = torch.bfloat16 if policy == "bf16" else getattr(policy, "param_dtype", None)
@@ -233,11 +233,20 @@ def _announce(trainer: Any) -> None:
 
 
 class _UlyssesTrainer:
-    """Mixin placed before the user's trainer class by :func:`with_ulysses`."""
+    """Mixin placed before the user's trainer class by :func:`with_ulysses`.
 
-    _du_sp: int
-    _du_options: dict[str, Any]
-    _du_mesh: Any
+    What it holds: the recipe (``_du_options``, one :class:`~dtensor_ulysses.plan.
+    ParallelOptions`, set by ``with_ulysses``; ``dataclasses.replace`` of it for a second
+    model, :meth:`_du_parallelize_reference`) and the degrees (``_du_dims``, one
+    :class:`~dtensor_ulysses.parallel.ParallelDims` bound to the mesh once the accelerator
+    exists: ``.sp``, ``.dp``, ``.sp_mesh``, ``.dp_mesh``, ``.flat_mesh``, ``.sp_rank``,
+    ``.dp_rank``, ``.mesh``). ``_du_sp_arg`` is the ``sp`` ``with_ulysses`` was given, for the
+    checks that run before the world exists; everything after asks ``_du_dims``.
+    """
+
+    _du_sp_arg: int
+    _du_options: ParallelOptions
+    _du_dims: ParallelDims
     _du_router: tuple[float, bool] | None = None
     _du_family_loss: bool = False  # a family mixin computes the loss (and checks loss_type)
     # provided by transformers.Trainer
@@ -255,7 +264,7 @@ class _UlyssesTrainer:
         _refuse_attention_dropout(model, kwargs.get("args", args[1] if len(args) > 1 else None))
         if isinstance(model, nn.Module):
             check_supported(_state.base_model(model))
-            if self._du_options["tiled_loss"]:
+            if self._du_options.tiled_loss:
                 plain_head(_state.base_model(model))
         opts = kwargs.get("optimizers")
         if opts is not None and any(o is not None for o in opts):
@@ -284,7 +293,7 @@ class _UlyssesTrainer:
         super().__init__(*args, **kwargs)
         self._du_router = _router_rule(self, _state.base_model(self.model))
         if self.args.gradient_checkpointing:  # ours, per decoder layer, inside FSDP2
-            self._du_options = {**self._du_options, "activation_checkpointing": True}
+            self._du_options = replace(self._du_options, activation_checkpointing=True)
             self.args.gradient_checkpointing = False
         self.model_accepts_loss_kwargs = True  # the loss below is normalized over the step
         self.loss_is_scaled_for_ga = True
@@ -296,7 +305,7 @@ class _UlyssesTrainer:
     # construction
     # ------------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        _refuse_args(self.args, self._du_sp, own_loss=self._du_family_loss)
+        _refuse_args(self.args, self._du_sp_arg, own_loss=self._du_family_loss)
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         kind = str(getattr(self.accelerator, "distributed_type", ""))
         if "DEEPSPEED" in kind or kind.endswith("FSDP"):
@@ -305,7 +314,9 @@ class _UlyssesTrainer:
                 f"with FSDP2 itself; launch with a plain multi-process config (torchrun)"
             )
         if not dist.is_initialized():
-            raise ValueError(_single_process_launch(f"with_ulysses(sp={self._du_sp})", self._du_sp))
+            raise ValueError(
+                _single_process_launch(f"with_ulysses(sp={self._du_sp_arg})", self._du_sp_arg)
+            )
         world = dist.get_world_size()
         if self.args.world_size != world:
             raise ValueError(
@@ -313,10 +324,11 @@ class _UlyssesTrainer:
                 f"(its distributed type is {kind or 'NO'}); on CPU pass use_cpu=True in the "
                 f"training arguments so that it runs multi-process"
             )
-        self._du_dims = ParallelDims.resolve(world, dp=None, sp=self._du_sp)  # the checks
-        self._du_mesh = self._du_dims.build_mesh(self.args.device.type)
+        # the degrees (checked against the world), bound to their mesh: the one holder
+        dims = ParallelDims.resolve(world, dp=None, sp=self._du_sp_arg)
+        self._du_dims = ParallelDims.from_mesh(dims.build_mesh(self.args.device.type))
         leave_together_at_exit()
-        _accel.install(self.accelerator, self._du_mesh)
+        _accel.install(self.accelerator, self._du_dims)
         self.gather_function = self.accelerator.gather_for_metrics
 
     def _move_model_to_device(self, model: nn.Module, device: Any) -> None:
@@ -326,14 +338,12 @@ class _UlyssesTrainer:
     def _du_parallelize(self, model: nn.Module) -> nn.Module:
         if isinstance(model, FSDPModule):
             return model
-        o = self._du_options
         hf: Any = _state.base_model(model)
-        ParallelOptions(**o).check(hf_model=True)  # gradient_checkpointing may have changed it
-        if o["tiled_loss"]:  # the same Linear, now able to return the loss (names unchanged)
-            plain_head(hf).__class__ = _LossHead
+        if self._du_options.tiled_loss:  # the same Linear, now able to return the loss
+            plain_head(hf).__class__ = _LossHead  # (names unchanged)
         # every rank starts from rank 0's weights, as under DDP
         moved = _state.start_from_rank0(
-            model, flatten_dp_sp(self._du_mesh).get_group(), self.args.device
+            model, self._du_dims.flat_mesh.get_group(), self.args.device
         )
         if moved and dist.get_rank() == 0:
             more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
@@ -343,30 +353,23 @@ class _UlyssesTrainer:
                 f"under DDP",
                 flush=True,
             )
-        return parallelize_root(
-            model, hf, self._du_mesh, activation_checkpointing=o["activation_checkpointing"],
-            offload_activations=o["offload_activations"], offload_params=o["offload_params"],
-            head_chunks=o["head_chunks"], mixed_precision=o["mixed_precision"],
-            attention_backend=o["attention_backend"], allow_uneven_heads=o["allow_uneven_heads"],
-            compute_dtype=_compute_dtype(self.args),
-        )  # fmt: skip
+        return parallelize_root(model, hf, self._du_dims.world_mesh, self._du_options,
+                                compute_dtype=_compute_dtype(self.args))  # fmt: skip
 
     def _du_parallelize_reference(self, ref: nn.Module) -> nn.Module:
-        """A family's reference model on the policy's mesh: the same checks, rank 0's weights
-        on every rank, Ulysses + FSDP2 as the policy, frozen (no gradients, no optimizer
-        state, no activation checkpointing)."""
+        """A family's second model (a reference, a teacher) on the policy's mesh: the same
+        checks, rank 0's weights on every rank, Ulysses + FSDP2 with the policy's recipe
+        (``dataclasses.replace`` of ``_du_options``) less activation checkpointing, frozen (no
+        gradients, no optimizer state). The one way a second model gets the policy's recipe."""
         hf: Any = _state.base_model(ref)
         check_supported(hf)
         _refuse_attention_dropout(ref, self.args)
         ref.requires_grad_(False)
-        _state.start_from_rank0(ref, flatten_dp_sp(self._du_mesh).get_group(), self.args.device)
-        o = self._du_options
-        ref = parallelize_root(
-            ref, hf, self._du_mesh, activation_checkpointing=False, offload_activations=False,
-            offload_params=o["offload_params"], head_chunks=o["head_chunks"],
-            mixed_precision=o["mixed_precision"], attention_backend=o["attention_backend"],
-            allow_uneven_heads=o["allow_uneven_heads"], compute_dtype=_compute_dtype(self.args),
-        )  # fmt: skip
+        _state.start_from_rank0(ref, self._du_dims.flat_mesh.get_group(), self.args.device)
+        frozen = replace(self._du_options, activation_checkpointing=False,
+                         offload_activations=False)  # fmt: skip
+        ref = parallelize_root(ref, hf, self._du_dims.world_mesh, frozen,
+                               compute_dtype=_compute_dtype(self.args))  # fmt: skip
         return ref.eval()
 
     def create_optimizer(self, *args: Any, **kwargs: Any):
@@ -383,7 +386,7 @@ class _UlyssesTrainer:
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)  # type: ignore[misc]
         added = self.state.num_input_tokens_seen - before
-        self.state.num_input_tokens_seen = before + added // self._du_sp
+        self.state.num_input_tokens_seen = before + added // self._du_dims.sp
 
     # ------------------------------------------------------------------------------------------
     # loss
@@ -396,9 +399,8 @@ class _UlyssesTrainer:
             return batches, None
         count = torch.tensor([sum(_targets(b) for b in batches)], dtype=torch.int64)
         count = count.to(device)
-        dp_mesh = self._du_dims.dp_group(self._du_mesh)
-        if dp_mesh.size() > 1:  # sp ranks hold the same rows: count over dp
-            dist.all_reduce(count, group=dp_mesh.get_group())
+        if self._du_dims.dp > 1:  # sp ranks hold the same rows: count over dp
+            dist.all_reduce(count, group=self._du_dims.dp_mesh.get_group())
         return batches, count[0]
 
     @_refusals_in_one_line
@@ -412,19 +414,19 @@ class _UlyssesTrainer:
         if vision:
             refuse_video(inputs, _state.base_model(model))
         _refuse_batch_keys(inputs, read, _DROPPED, "it")
-        mesh = self._du_mesh
-        sb = shard_batch(inputs, mesh, count_valid=False)
-        group = flatten_dp_sp(mesh).get_group()
+        dims = self._du_dims
+        sb = shard_batch(inputs, dims, count_valid=False)
+        group = dims.flat_mesh.get_group()
         if num_items is None:  # evaluation: this batch's global count
             n = (sb.labels != IGNORE_INDEX).sum().reshape(1).to(torch.int64)
             dist.all_reduce(n, group=group)
             num_items = n[0]
         n_valid = max(int(num_items), 1)
         head: Any = None
-        if self._du_options["tiled_loss"] and not logits:
+        if self._du_options.tiled_loss and not logits:
             head = _state.base_model(model).get_output_embeddings()  # type: ignore[operator]
             head.labels = sb.labels
-            head.chunk_tokens = self._du_options["loss_chunk_tokens"] or default_loss_chunk(
+            head.chunk_tokens = self._du_options.loss_chunk_tokens or default_loss_chunk(
                 sb.labels.numel()
             )
         extra_kw = {"output_router_logits": True} if self._du_router else {}
@@ -470,8 +472,7 @@ class _UlyssesTrainer:
         coef, per_ga = self._du_router
         mask = inputs.get("attention_mask")
         if mask is not None:  # this rank's columns of its rows
-            me = self._du_mesh.get_local_rank("sp")
-            lo = sb.layout.offset(me)
+            lo = sb.layout.offset(self._du_dims.sp_rank)
             mask = mask[:, lo : lo + sb.input_ids.shape[1]]
         rc = router_loss_config(_state.base_model(self.model))
         assert rc is not None  # _router_rule found it at construction
@@ -506,8 +507,8 @@ class _UlyssesTrainer:
             else:
                 seen = inputs["position_ids"].size(1)
             count = torch.tensor([seen], dtype=torch.int64)
-            if self._du_dims.dp_group(self._du_mesh).size() > 1:
-                dist.all_reduce(count, group=self._du_dims.dp_group(self._du_mesh).get_group())
+            if self._du_dims.dp > 1:
+                dist.all_reduce(count, group=self._du_dims.dp_mesh.get_group())
             self._total_train_tokens += int(count[0]) // getattr(self, "_tp_size", 1)  # type: ignore[attr-defined]
             metrics["num_tokens"] = [self._total_train_tokens]  # type: ignore[attr-defined]
 
@@ -526,7 +527,7 @@ class _UlyssesTrainer:
         loss = loss.detach()
         if prediction_loss_only:
             return loss, None, None
-        return loss, _gather_seq(logits, sb.layout, self._du_mesh), inputs.get("labels")
+        return loss, _gather_seq(logits, sb.layout, self._du_dims), inputs.get("labels")
 
     # ------------------------------------------------------------------------------------------
     # files
@@ -584,9 +585,9 @@ class _LossHead(nn.Linear):
         return tiled_cross_entropy_sum(h_BsD, self.weight, self.labels, self.chunk_tokens)
 
 
-def _gather_seq(local_BsV: torch.Tensor, layout: Any, mesh: Any) -> torch.Tensor:
+def _gather_seq(local_BsV: torch.Tensor, layout: Any, dims: ParallelDims) -> torch.Tensor:
     """The full ``[B, S, ...]`` tensor from each sp rank's ``[B, s, ...]`` slice."""
-    group = ParallelDims.from_mesh(mesh).sp_group(mesh).get_group()
+    group = dims.sp_mesh.get_group()
     sizes = layout.seq_sizes
     if len(sizes) == 1:
         return local_BsV

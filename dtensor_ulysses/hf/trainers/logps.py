@@ -100,10 +100,6 @@ def _slice_values(model: nn.Module, sb: ShardedBatch, chunk_tokens: int | None, 
     return values
 
 
-def _sp_group(mesh: DeviceMesh) -> Any:
-    return ParallelDims.from_mesh(mesh).sp_group(mesh).get_group()
-
-
 def _at_least_sp(batch: Any, sp: int) -> Any:
     """``batch`` with padding columns appended (mask 0, label ``-100``) when its ``S < sp``
     columns would leave a rank an empty slice; a longer batch is returned as it is. No real
@@ -134,7 +130,7 @@ def _at_least_sp(batch: Any, sp: int) -> Any:
 def token_rows(
     model: nn.Module,
     batch: Any,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | ParallelDims,
     *,
     chunk_tokens: int | None = None,
     stats: bool = False,
@@ -149,8 +145,9 @@ def token_rows(
             inputs), ``attention_mask``, ``position_ids``, as
             :func:`~dtensor_ulysses.hf.shard_batch` takes them; every sp rank of a dp group
             passes the same rows.
-        mesh: the ``("dp", "sp")`` mesh. A batch of fewer than ``sp`` columns is padded to
-            ``sp`` (masked, no labels), so that no rank holds an empty slice.
+        mesh: the ``("dp", "sp")`` mesh, or its :class:`~dtensor_ulysses.parallel.ParallelDims`
+            bound to it. A batch of fewer than ``sp`` columns is padded to ``sp`` (masked, no
+            labels), so that no rank holds an empty slice.
         chunk_tokens: logit rows at a time (default ``min(2048, B * s)``).
         stats: also the per-token statistics (no gradient).
         **model_kwargs: more keyword arguments of the model's forward.
@@ -162,22 +159,23 @@ def token_rows(
         this rank's :class:`~dtensor_ulysses.hf.ShardedBatch`.
     """
     S = batch["input_ids"].shape[1]
-    sb = shard_batch(_at_least_sp(batch, mesh["sp"].size()), mesh, count_valid=False)
+    dims = ParallelDims.of(mesh)
+    sb = shard_batch(_at_least_sp(batch, dims.sp), dims, count_valid=False)
     local = _slice_values(model, sb, chunk_tokens, stats, model_kwargs)
     sizes = sb.layout.seq_sizes
     if len(sizes) == 1:
         return local, sb
-    lo = sb.layout.offset(mesh.get_local_rank("sp"))
+    lo = sb.layout.offset(dims.sp_rank)
     pad = (0, 0) if stats else ()
     # zeros outside this rank's slice (and no columns past S: the padding added above)
     full = F.pad(local, (*pad, lo, sum(sizes) - lo - local.shape[1]))[:, :S]
-    return all_reduce_sum(full, _sp_group(mesh)), sb
+    return all_reduce_sum(full, dims.sp_mesh.get_group()), sb
 
 
 def sequence_logps(
     model: nn.Module,
     batch: Any,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | ParallelDims,
     *,
     chunk_tokens: int | None = None,
     **model_kwargs: Any,
@@ -185,8 +183,9 @@ def sequence_logps(
     """``[B]`` float32: each row's sum of its label log-probabilities over the *whole* row (all
     sp ranks' slices), on every rank of the sp group; differentiable (see the module
     docstring). Arguments as :func:`token_rows`; one all-reduce of ``B`` floats."""
-    sb = shard_batch(_at_least_sp(batch, mesh["sp"].size()), mesh, count_valid=False)
+    dims = ParallelDims.of(mesh)
+    sb = shard_batch(_at_least_sp(batch, dims.sp), dims, count_valid=False)
     local_B = _slice_values(model, sb, chunk_tokens, False, model_kwargs).sum(1)
     if len(sb.layout.seq_sizes) == 1:
         return local_B
-    return all_reduce_sum(local_B, _sp_group(mesh))
+    return all_reduce_sum(local_B, dims.sp_mesh.get_group())

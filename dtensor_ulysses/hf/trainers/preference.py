@@ -60,6 +60,8 @@ from dtensor_ulysses.hf.trainers.refusals import (
     UnsupportedTrainerError,
     _refusals_in_one_line,
 )
+from dtensor_ulysses.parallel.mesh import ParallelDims
+from dtensor_ulysses.plan.recipe import ParallelOptions
 
 __all__: list[str] = []
 
@@ -89,8 +91,8 @@ class _SlicedLM:
         batch = {"input_ids": kwargs["input_ids"], "labels": labels,
                  "attention_mask": kwargs.get("attention_mask")}  # fmt: skip
         rows, _ = token_rows(
-            self.model, batch, self.trainer._du_mesh, stats=self.stats,
-            chunk_tokens=self.trainer._du_options["loss_chunk_tokens"],
+            self.model, batch, self.trainer._du_dims, stats=self.stats,
+            chunk_tokens=self.trainer._du_options.loss_chunk_tokens,
         )  # fmt: skip
         rows = rows[:, :-1]  # TRL's rows: position t scores token t + 1
         mask = labels[:, 1:] != -100
@@ -133,9 +135,8 @@ class _UlyssesPreference:
     """Shared by the DPO and KTO mixins (placed before ``_UlyssesTrainer``)."""
 
     _du_family_loss = True  # the trainer's own loss_type: checked here, not as a token CE
-    _du_mesh: Any
-    _du_dims: Any
-    _du_options: dict[str, Any]
+    _du_dims: ParallelDims
+    _du_options: ParallelOptions
     args: Any
     model: Any
     ref_model: Any
@@ -208,13 +209,13 @@ class _UlyssesPreference:
             self.precompute_ref_logps = saved
         if not self.model.training:  # evaluation: this dp rank's loss (gathered over dp)
             return loss
-        dp_mesh = self._du_dims.dp_group(self._du_mesh)
+        dims = self._du_dims
         steps = getattr(self, "current_gradient_accumulation_steps",
                         self.args.gradient_accumulation_steps)  # fmt: skip
-        local = loss / (dp_mesh.size() * steps)
+        local = loss / (dims.dp * steps)
         total = local.detach().clone()
-        if dp_mesh.size() > 1:
-            dist.all_reduce(total, group=dp_mesh.get_group())
+        if dims.dp > 1:
+            dist.all_reduce(total, group=dims.dp_mesh.get_group())
         # the value is the global loss (what the Trainer logs), the gradient this rank's part
         return total + (local - local.detach())
 

@@ -58,6 +58,8 @@ from dtensor_ulysses.hf.trainers.refusals import (
     _refusals_in_one_line,
     _refuse_batch_keys,
 )
+from dtensor_ulysses.parallel.mesh import ParallelDims
+from dtensor_ulysses.plan.recipe import ParallelOptions
 
 __all__ = ["last_token"]
 
@@ -149,9 +151,8 @@ class _UlyssesReward:
     """The ``RewardTrainer`` family's loss, placed before the shared mixin."""
 
     # provided by the shared mixin and the Trainer
-    _du_options: dict[str, Any]
-    _du_mesh: Any
-    _du_dims: Any
+    _du_options: ParallelOptions
+    _du_dims: ParallelDims
     _du_pick: _Pick
     _metrics: dict
     _total_train_tokens: int
@@ -162,7 +163,7 @@ class _UlyssesReward:
 
     @_refusals_in_one_line
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if self._du_options["tiled_loss"]:
+        if self._du_options.tiled_loss:
             raise UnsupportedTrainerError(
                 "tiled_loss=True: a reward model has no [B, S, vocab] logits (its score head "
                 "gives one number per token); drop tiled_loss"
@@ -194,11 +195,9 @@ class _UlyssesReward:
         hf: Any = _state.base_model(model)
         pad_id = hf.config.get_text_config().pad_token_id
         index_B = last_token(ids_BS, pad_id)
-        mesh = self._du_mesh
-        sp_mesh = self._du_dims.sp_group(mesh)
-        sb = shard_batch(_padded(ids_BS, mask_BS, pad_id, sp_mesh.size()), mesh,
-                         count_valid=False)  # fmt: skip
-        lo, s = sb.layout.offset(sp_mesh.get_local_rank()), sb.input_ids.shape[1]
+        dims = self._du_dims
+        sb = shard_batch(_padded(ids_BS, mask_BS, pad_id, dims.sp), dims, count_valid=False)
+        lo, s = sb.layout.offset(dims.sp_rank), sb.input_ids.shape[1]
         pick = self._du_pick
         pick.held_B = (index_B >= lo) & (index_B < lo + s)
         pick.index_B = (index_B - lo).clamp(0, max(s - 1, 0))
@@ -207,7 +206,7 @@ class _UlyssesReward:
                         ulysses_layout=sb.layout, use_cache=False)  # fmt: skip
         finally:
             pick.index_B = pick.held_B = None
-        rewards_BL = all_reduce_sum(out.logits, sp_mesh.get_group())
+        rewards_BL = all_reduce_sum(out.logits, dims.sp_mesh.get_group())
         chosen_b, rejected_b = torch.chunk(rewards_BL.squeeze(-1), chunks=2)
         if "margin" in inputs:
             margin = inputs["margin"]
@@ -220,7 +219,7 @@ class _UlyssesReward:
             )
         self._du_reward_metrics(mode, mask_BS, rewards_BL, chosen_b, rejected_b)
         value = loss.detach()
-        local = loss / self._du_dims.dp_group(mesh).size()
+        local = loss / dims.dp
         if mode == "train":  # the stock trainer divides by the accumulation steps
             steps = getattr(self, "current_gradient_accumulation_steps",
                             self.args.gradient_accumulation_steps)  # fmt: skip
@@ -232,7 +231,7 @@ class _UlyssesReward:
     def _du_reward_metrics(self, mode: str, mask_BS: torch.Tensor | None, rewards_BL: torch.Tensor,
                            chosen_b: torch.Tensor, rejected_b: torch.Tensor) -> None:  # fmt: skip
         """What ``RewardTrainer.compute_loss`` logs, from the full rewards, over the dp ranks."""
-        group = self._du_dims.dp_group(self._du_mesh).get_group()
+        group = self._du_dims.dp_mesh.get_group()
         metrics = self._metrics[mode]
         if mode == "train":
             assert mask_BS is not None, "TRL's reward collator gives an attention_mask"

@@ -71,7 +71,8 @@ from dtensor_ulysses.hf.batch import shard_batch
 from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError, _refusals_in_one_line
 from dtensor_ulysses.hf.trainers.rollouts import _dp_gather_same, _patched, _Rollouts
-from dtensor_ulysses.plan.splits import DP_AXIS, SP_AXIS
+from dtensor_ulysses.parallel.mesh import ParallelDims
+from dtensor_ulysses.plan.recipe import ParallelOptions
 
 __all__: list[str] = []
 
@@ -84,10 +85,9 @@ class _UlyssesRL(_Rollouts):
 
     _du_family_loss = True  # every loss_type runs as stock (on the sp-summed rows)
     _du_trl_classes = _RL_TRAINERS
-    _du_sp: int
-    _du_mesh: Any
-    _du_dims: Any
-    _du_options: dict[str, Any]
+    _du_sp_arg: int
+    _du_dims: ParallelDims
+    _du_options: ParallelOptions
     args: Any
     model: Any
     accelerator: Any
@@ -99,10 +99,10 @@ class _UlyssesRL(_Rollouts):
         names = list(_init_names(type(self)))
         bound = dict(zip(names, args))
         bound.update(kwargs)
-        _refuse_rl(type(self), bound, self._du_sp)
+        _refuse_rl(type(self), bound, self._du_sp_arg)
         targs = bound.get("args")
         if targs is not None and hasattr(targs, "generation_batch_size"):
-            _dp_generation_batch(targs, self._du_sp)
+            _dp_generation_batch(targs, self._du_sp_arg)
         super().__init__(*args, **kwargs)
         # the stock trainer's own rule for gradient accumulation (the shared mixin set its own)
         self.__dict__.pop("loss_is_scaled_for_ga", None)
@@ -120,16 +120,16 @@ class _UlyssesRL(_Rollouts):
         """The reward functions on sp rank 0 only; the rewards broadcast over sp, then gathered
         over dp as the stock trainer gathers them over its ranks."""
         device = self.accelerator.device
-        if self._du_mesh.get_local_rank(SP_AXIS) == 0:
+        if self._du_dims.sp_rank == 0:
             with _patched(self._du_trl_module(), "gather", lambda t: t):
                 local = super()._calculate_rewards(  # type: ignore[misc]
                     inputs, prompts, completions, completion_ids_list
                 )
         else:
             local = torch.zeros(len(prompts), len(self.reward_funcs), device=device)
-        if self._du_sp > 1:
-            dist.broadcast(local, src=self._du_sp_root(), group=self._du_sp_group())
-        return _dp_gather_same(local, self._du_mesh[DP_AXIS].get_group())
+        if self._du_dims.sp > 1:
+            dist.broadcast(local, src=self._du_sp_root(), group=self._du_dims.sp_mesh.get_group())
+        return _dp_gather_same(local, self._du_dims.dp_mesh.get_group())
 
     # ------------------------------------------------------------------------------------------
     # log-probabilities on the sharded sequence
@@ -145,8 +145,8 @@ class _UlyssesRL(_Rollouts):
                 f"with_ulysses: the RL log-probabilities take text rows only; got "
                 f"{used or ['compute_aux_loss']}"
             )
-        mesh, group = self._du_mesh, self._du_sp_group()
-        me = mesh.get_local_rank(SP_AXIS)
+        dims = self._du_dims
+        group, me = dims.sp_mesh.get_group(), dims.sp_rank
         B, S = input_ids.shape
         step = batch_size or B
         logps, entropies = [], []
@@ -156,7 +156,7 @@ class _UlyssesRL(_Rollouts):
             labels_BS = ids_BS.masked_fill(mask_BS == 0, -100)
             labels_BS[:, :-logits_to_keep] = -100  # only completion tokens are scored
             sb = shard_batch({"input_ids": ids_BS, "labels": labels_BS,
-                              "attention_mask": mask_BS}, mesh, count_valid=False)  # fmt: skip
+                              "attention_mask": mask_BS}, dims, count_valid=False)  # fmt: skip
             with self.accelerator.autocast():
                 out = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
                             ulysses_layout=sb.layout, shift_labels=sb.labels,
@@ -187,9 +187,8 @@ class _UlyssesRL(_Rollouts):
                 model, inputs, return_outputs=return_outputs,
                 num_items_in_batch=num_items_in_batch,
             )  # fmt: skip
-        dp = self._du_mesh[DP_AXIS].size()
         # the value is the stock rank's loss; FSDP2 sums gradients over dp where DDP averages
-        return loss.detach() + (loss - loss.detach()) / dp
+        return loss.detach() + (loss - loss.detach()) / self._du_dims.dp
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: Any = None):  # fmt: skip

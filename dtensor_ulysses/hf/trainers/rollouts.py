@@ -27,7 +27,7 @@ import torch.distributed as dist
 from dtensor_ulysses.hf.models.routing import plain_attention
 from dtensor_ulysses.hf.trainers import _state
 from dtensor_ulysses.hf.trainers._accel import dp_gather
-from dtensor_ulysses.plan.splits import DP_AXIS, SP_AXIS
+from dtensor_ulysses.parallel.mesh import ParallelDims
 
 __all__: list[str] = []
 
@@ -38,21 +38,21 @@ __all__: list[str] = []
 class _DpAccelerator:
     """Mixin placed over the accelerator's class inside :meth:`_UlyssesRL._du_dp_view`."""
 
-    _du_mesh: Any
+    _du_dims: ParallelDims  # set by _accel.install
 
     @property
     def process_index(self) -> int:
-        return self._du_mesh.get_local_rank(DP_AXIS)
+        return self._du_dims.dp_rank
 
     @property
     def num_processes(self) -> int:
-        return self._du_mesh[DP_AXIS].size()
+        return self._du_dims.dp
 
     def gather(self, tensor: Any) -> Any:
-        return _dp_gather_same(tensor, self._du_mesh[DP_AXIS].get_group())
+        return _dp_gather_same(tensor, self._du_dims.dp_mesh.get_group())
 
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0):
-        group = self._du_mesh[DP_AXIS].get_group()
+        group = self._du_dims.dp_mesh.get_group()
         out = tensor.clone()
         if dist.get_world_size(group) > 1:
             dist.all_reduce(out, group=group)
@@ -99,8 +99,7 @@ class _Rollouts:
     replaces)."""
 
     _du_trl_classes: tuple[str, ...] = ()
-    _du_sp: int
-    _du_mesh: Any
+    _du_dims: ParallelDims
     args: Any
     model: Any
     accelerator: Any
@@ -109,7 +108,7 @@ class _Rollouts:
         """The random stream of the stock rank with this dp index (generation, shuffles)."""
         from accelerate.utils import set_seed
 
-        set_seed(self.args.seed + self._du_mesh.get_local_rank(DP_AXIS))
+        set_seed(self.args.seed + self._du_dims.dp_rank)
 
     # ------------------------------------------------------------------------------------------
     # the stock step's collectives over dp
@@ -122,7 +121,7 @@ class _Rollouts:
     def _du_dp_view(self) -> Iterator[None]:
         acc = self.accelerator
         base = type(acc)
-        group = self._du_mesh[DP_AXIS].get_group()
+        group = self._du_dims.dp_mesh.get_group()
         module = self._du_trl_module()
         acc.__class__ = type(f"Dp{base.__name__}", (_DpAccelerator, base), {})
         try:
@@ -134,12 +133,9 @@ class _Rollouts:
         finally:
             acc.__class__ = base
 
-    def _du_sp_group(self) -> dist.ProcessGroup:
-        return self._du_mesh[SP_AXIS].get_group()
-
     def _du_sp_root(self) -> int:
         """The global rank of sp rank 0 of this rank's group."""
-        return dist.get_global_rank(self._du_sp_group(), 0)
+        return dist.get_global_rank(self._du_dims.sp_mesh.get_group(), 0)
 
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         with self._du_dp_view():
@@ -166,8 +162,9 @@ class _Rollouts:
         finally:
             root.reshard()
             del hf._is_fsdp_managed_module
-        if self._du_sp > 1:  # one set of rollouts per sp group: sp rank 0's (GRPO returns
-            box = [out]  # (completion_ids, logprobs), RLOO completion_ids)
-            dist.broadcast_object_list(box, src=self._du_sp_root(), group=self._du_sp_group())
+        if self._du_dims.sp > 1:  # one set of rollouts per sp group: sp rank 0's (GRPO
+            box = [out]  # returns (completion_ids, logprobs), RLOO completion_ids)
+            dist.broadcast_object_list(box, src=self._du_sp_root(),
+                                       group=self._du_dims.sp_mesh.get_group())  # fmt: skip
             out = box[0]
         return out

@@ -15,17 +15,9 @@ from dtensor_ulysses.hf.trainers.preference import _UlyssesDPO, _UlyssesKTO
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError, _refusals_in_one_line
 from dtensor_ulysses.hf.trainers.reward import _UlyssesReward
 from dtensor_ulysses.hf.trainers.rl import _UlyssesRL
-from dtensor_ulysses.plan import ParallelOptions
+from dtensor_ulysses.plan.recipe import WITH_ULYSSES, ParallelOptions
 
 __all__ = ["with_ulysses"]
-
-# the ParallelOptions fields with_ulysses takes, with their defaults (the recipe's one type)
-OPTIONS = {
-    name: getattr(ParallelOptions(), name)
-    for name in ("activation_checkpointing", "offload_activations", "offload_params",
-                 "head_chunks", "tiled_loss", "loss_chunk_tokens", "attention_backend",
-                 "allow_uneven_heads", "mixed_precision")
-}  # fmt: skip
 # trainers whose inputs come from generation, or whose loss is not the token cross entropy
 _GENERATION = ("OnlineDPOTrainer", "PPOTrainer", "GKDTrainer", "NashMDTrainer", "XPOTrainer",
                "GOLDTrainer", "AsyncGRPOTrainer")  # fmt: skip
@@ -41,24 +33,32 @@ _FAMILIES: dict[str, type] = {
 
 
 @_refusals_in_one_line
-def with_ulysses(cls: type, sp: int, **options: Any) -> type:
+def with_ulysses(
+    cls: type, sp: int, options: ParallelOptions | None = None, **keywords: Any
+) -> type:
     """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer``, ``DPOTrainer``,
     ``KTOTrainer`` or a subclass of one) that trains with Ulysses sequence parallelism of
     degree ``sp`` on FSDP2.
 
+    ``with_ulysses(SFTTrainer, sp=4, options=ParallelOptions(activation_checkpointing=True))``
+    and ``with_ulysses(SFTTrainer, sp=4, activation_checkpointing=True)`` are the same trainer:
+    the recipe as one object or as its fields by keyword, not both. The subclass keeps the one
+    :class:`~dtensor_ulysses.plan.ParallelOptions` (``_du_options``), checked here once.
+
     Args:
         cls: the trainer class.
         sp: the Ulysses degree; the launch's world size ``P`` must be a multiple (``dp = P/sp``).
-        **options: ``activation_checkpointing`` (also turned on by the arguments'
-            ``gradient_checkpointing``), ``offload_activations``, ``offload_params``,
-            ``head_chunks``, ``tiled_loss`` (the loss from the final hidden states in chunks of
-            ``loss_chunk_tokens``, default ``min(2048, local tokens)``: no ``[B, s, V]``
-            logits; needs a plain output head), ``attention_backend`` (``"auto"`` or a kernel
-            name),
-            ``allow_uneven_heads`` (q heads that sp does not divide), ``mixed_precision`` (an
-            FSDP2 ``MixedPrecisionPolicy``, ``None``, or ``"auto"``: bf16 on CUDA): the
-            fields of :class:`~dtensor_ulysses.plan.ParallelOptions` that apply to a
-            transformers trainer, checked by its one ``check``.
+        options: the recipe, of which a trainer applies ``activation_checkpointing`` (also
+            turned on by the arguments' ``gradient_checkpointing``), ``offload_activations``,
+            ``offload_params``, ``head_chunks``, ``tiled_loss`` (the loss from the final hidden
+            states in chunks of ``loss_chunk_tokens``, default ``min(2048, local tokens)``: no
+            ``[B, s, V]`` logits; needs a plain output head), ``attention_backend``
+            (``"auto"`` or a kernel name), ``allow_uneven_heads`` (q heads that sp does not
+            divide) and ``mixed_precision`` (an FSDP2 ``MixedPrecisionPolicy``, ``None``, or
+            ``"auto"``: bf16 on CUDA); any other field set is refused (the built-in model's
+            ``overlap_comm``, ``compile``, ``tiled_mlp``; the trainer's host AdamW,
+            ``offload_optimizer``: a ``Trainer`` builds its own optimizer).
+        **keywords: the same fields as keywords, instead of ``options``.
 
     Returns:
         The subclass; construct it as ``cls``.
@@ -67,7 +67,8 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
         UnsupportedTrainerError: a trainer whose inputs come from generation or whose loss is
             not the token cross entropy without a family mixin (DPO and KTO have theirs:
             :mod:`~dtensor_ulysses.hf.trainers.preference`).
-        ValueError: bad ``sp`` or an unknown option.
+        ValueError: bad ``sp``; an unknown keyword, both an object and keywords, a field
+            the trainer does not apply, or a combination the one ``check`` refuses.
     """
     from transformers import Trainer
 
@@ -75,13 +76,8 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
         raise TypeError(f"with_ulysses takes a transformers.Trainer subclass, got {cls!r}")
     if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
         raise ValueError(f"sp={sp!r} is not a positive int; use sp >= 1 (e.g. sp=4)")
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(
-            f"unknown with_ulysses options {unknown}; the options are {list(OPTIONS)} (fields "
-            f"of dtensor_ulysses.plan.ParallelOptions)"
-        )
-    ParallelOptions(**options).check(hf_model=True)
+    opts = ParallelOptions.at_door(options, keywords, door=WITH_ULYSSES, whole=True)
+    opts.check(hf_model=True)
     names = [c.__name__ for c in cls.__mro__]
     generation = [n for n in names if n in _GENERATION]
     if generation:
@@ -102,5 +98,5 @@ def with_ulysses(cls: type, sp: int, **options: Any) -> type:
     bases: tuple[type, ...] = (_UlyssesTrainer, cls)
     if family is not None:  # the family's loss, placed before the shared mixin
         bases = (_FAMILIES[family], *bases)
-    attrs = {"_du_sp": sp, "_du_options": {**OPTIONS, **options}, "__module__": __name__}
+    attrs = {"_du_sp_arg": sp, "_du_options": opts, "__module__": __name__}
     return type(f"Ulysses{cls.__name__}", bases, attrs)
