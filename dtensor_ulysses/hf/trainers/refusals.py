@@ -120,6 +120,54 @@ def _refuse_batch_keys(inputs: dict, read: set[str], dropped: set[str], who: str
         )
 
 
+# TRL's SFTTrainer, tokenizing with assistant_only_loss=True a row that has no assistant token
+_TRL_NO_ASSISTANT = "assistant_only_loss=True`, but at least one example has no assistant tokens"
+
+
+def _rows_without_assistant(
+    error: RuntimeError, datasets: dict[str, Any]
+) -> UnsupportedTrainerError | None:
+    """TRL's ``RuntimeError`` for chat rows without an assistant token (raised by every rank
+    while the base ``__init__`` tokenizes, a traceback each) as one refusal naming the rows:
+    those of ``datasets`` (``{"train_dataset": ..., "eval_dataset": ...}``, an eval dict
+    included) whose ``messages`` have no assistant turn; when every row has one, the chat
+    template gives no assistant mask. ``None`` for any other error (raise it as it is)."""
+    if _TRL_NO_ASSISTANT not in str(error):
+        return None
+    found: list[str] = []
+    total, looked = 0, False
+    for key, data in datasets.items():
+        parts = data.items() if isinstance(data, dict) else [("", data)]
+        for sub, ds in parts:
+            if "messages" not in (getattr(ds, "column_names", None) or ()):
+                continue
+            where, looked = (f"{key}[{sub!r}]" if sub else key), True
+            for i, messages in enumerate(ds["messages"]):
+                roles = [m.get("role") for m in messages or () if isinstance(m, dict)]
+                if "assistant" not in roles:
+                    total += 1
+                    if len(found) < 5:
+                        found.append(f"{where} row {i}")
+    if not looked:
+        return UnsupportedTrainerError(
+            "assistant_only_loss=True: a chat row has no assistant token (no assistant turn, "
+            "or a chat template without {% generation %} markers); drop such rows or set "
+            "assistant_only_loss=False"
+        )
+    if not found:
+        return UnsupportedTrainerError(
+            "assistant_only_loss=True: every chat row has an assistant turn, but the "
+            "tokenizer's chat template gives no assistant mask (no {% generation %} markers); "
+            "add them to the template or set assistant_only_loss=False"
+        )
+    more = f" and {total - len(found)} more" if total > len(found) else ""
+    return UnsupportedTrainerError(
+        f"assistant_only_loss=True trains on assistant tokens only, and {total} chat row(s) "
+        f"have no assistant turn ({', '.join(found)}{more}): there is nothing to learn in "
+        f"them; drop them (dataset.filter) or set assistant_only_loss=False"
+    )
+
+
 def _refuse_args(args: Any, sp: int, *, own_loss: bool = False) -> None:
     """The training arguments with_ulysses cannot make exact; ``own_loss``: a trainer family
     whose mixin checks its own ``loss_type``."""
