@@ -154,7 +154,7 @@ def run_example(argv: list[str]) -> dict:
     import sys
     from pathlib import Path
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
+    examples = Path(__file__).resolve().parents[2] / "examples"
     if str(examples) not in sys.path:
         sys.path.insert(0, str(examples))
     spec = importlib.util.spec_from_file_location("dpo_trl_example", examples / "dpo_trl.py")
