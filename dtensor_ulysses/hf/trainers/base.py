@@ -38,7 +38,7 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   count is the stock Trainer's: over the shifted labels for a causal-LM ``loss_type``, over
   the labels as they stand otherwise (GPT-2's ``loss_type=None``: one more per row, as the
   stock run divides). A model that takes no loss kwargs (``accepts_loss_kwargs = False``:
-  Qwen2.5-VL, Qwen3-VL, Gemma 3 / 4) averages each micro-batch over its dp rank's targets, as
+  Qwen2.5-VL, Qwen3-VL, Gemma 4 multimodal) averages each micro-batch over its dp rank's targets, as
   the stock model does; the Trainer divides that by the accumulation steps and DDP averages
   over dp, so here the value is the dp rank's mean (its sp group's slices summed) and each
   rank's gradient part is divided by the accumulation steps and by dp. With
@@ -316,7 +316,7 @@ class _UlyssesTrainer:
         # the stock normalization, read before it is replaced below: a model that takes
         # num_items_in_batch gets the token mean of the optimizer step, counted over the
         # shifted labels when its loss_type is the causal-LM loss (else over the labels as they
-        # stand, GPT-2's); one that does not (Qwen-VL, Gemma 3/4: accepts_loss_kwargs=False)
+        # stand, GPT-2's); one that does not (Qwen-VL, Gemma 4: accepts_loss_kwargs=False)
         # averages each micro-batch on each dp rank, the Trainer dividing by the accumulation
         # steps and DDP averaging over dp
         self._du_step_mean = bool(self.model_accepts_loss_kwargs)
