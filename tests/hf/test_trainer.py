@@ -538,9 +538,10 @@ def test_router_aux_loss_accepted(assets, tmp_path):
 
 
 def test_chat_rows_without_an_assistant_turn_refused_naming_them(assets, tmp_path):
-    """assistant_only_loss=True on chat rows of which some have no assistant turn: TRL's
-    tokenization error (a traceback on every rank under a launch) becomes one refusal that
-    names the rows and the fix (under torchrun: one ``error:`` line from rank 0, as
+    """assistant_only_loss=True on chat rows of which some have no assistant turn: instead of
+    TRL's tokenization error (rank 0 tokenizes first while the others wait at a barrier: a
+    traceback on every rank under a launch), every rank reads the rows before TRL does and
+    refuses alike, naming them and the fix (under torchrun: one ``error:`` line from rank 0, as
     test_refusal_under_torchrun_is_one_line_from_rank_0 checks for any refusal)."""
     import transformers as tf
     import trl
@@ -619,9 +620,13 @@ def test_attention_dropout_refused_at_construction_with_the_fix(assets, tmp_path
 
 
 @pytest.mark.timeout(180)
-def test_refusal_under_torchrun_is_one_line_from_rank_0(tmp_path):
-    """A refusal at construction under torchrun (2 ranks, sp=3): one ``error:`` line from
-    rank 0, no worker traceback, the reason in torchrun's failure summary, exit status 2."""
+@pytest.mark.parametrize("case", ["sp3", "chat_rows"])
+def test_refusal_under_torchrun_is_one_line_from_rank_0(tmp_path, assets, case):
+    """A refusal at construction under torchrun (2 ranks): one ``error:`` line from rank 0, no
+    worker traceback, the reason in torchrun's failure summary, exit status 2. ``sp3``:
+    examples/sft_trl.py at sp=3 (after the process group exists); ``chat_rows``: chat rows
+    without an assistant turn (tests/hf/chat_refusal.py), refused before TRL tokenizes (TRL
+    tokenizes on rank 0 first, the other ranks waiting at a barrier)."""
     import os
     import subprocess
     import sys
@@ -629,17 +634,26 @@ def test_refusal_under_torchrun_is_one_line_from_rank_0(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    if case == "sp3":
+        script = ["examples/sft_trl.py", "--sp", "3", "--steps", "1", "--out", str(tmp_path)]
+        reason = "sp=3 does not divide the 2 ranks"
+        line = f"error: {reason}; launch a multiple of 3 ranks"
+    else:
+        script = ["tests/hf/chat_refusal.py", assets["dirs"]["llama"], assets["tok"],
+                  str(tmp_path)]  # fmt: skip
+        reason = "assistant_only_loss=True trains on assistant tokens only"
+        line = (f"error: {reason}, and 2 chat row(s) have no assistant turn (train_dataset row "
+                f"4, train_dataset row 5): there is nothing to learn in them; drop them "
+                f"(dataset.filter) or set assistant_only_loss=False")  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "examples/sft_trl.py", "--sp", "3", "--steps", "1",
-           "--out", str(tmp_path)]  # fmt: skip
+           "2", *script]  # fmt: skip
     res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=170)
     err = res.stderr
     assert res.returncode != 0, err[-3000:]
     # (rank 1's progress bars may share its line: they end with a carriage return)
-    assert err.count("error:") == 1 and ("error: sp=3 does not divide the 2 ranks; launch a "
-                                         "multiple of 3 ranks") in err, err[-3000:]  # fmt: skip
-    assert "hf/trainers/" not in err and "UnsupportedTrainerError: sp=3" not in err.split(
-        "Root Cause")[0], err[-3000:]  # fmt: skip
-    assert "exitcode  : 2" in err and "sp=3 does not divide the 2 ranks" in err.split(
-        "Root Cause")[-1], err[-3000:]  # fmt: skip
+    assert err.count("error:") == 1 and line in err, err[-3000:]
+    # no worker traceback: the one traceback is torchrun's own (its ChildFailedError)
+    assert "hf/trainers/" not in err.split("Root Cause")[0], err[-3000:]
+    assert err.count("Traceback (most recent call last)") == 1, err[-3000:]
+    assert "exitcode  : 2" in err and reason in err.split("Root Cause")[-1], err[-3000:]
     assert "To enable traceback see" not in err.split("Root Cause")[-1], err[-3000:]

@@ -128,6 +128,7 @@ from dtensor_ulysses.hf.trainers.refusals import (
     _refuse_args,
     _refuse_attention_dropout,
     _refuse_batch_keys,
+    _refuse_rows_without_assistant,
     _rows_without_assistant,
 )
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
@@ -304,10 +305,12 @@ class _UlyssesTrainer:
                     f"{key} is an IterableDataset: accelerate dispatches its batches over all "
                     f"ranks, not per dp group; pass a map-style dataset (datasets.Dataset)"
                 )
+        data = {k: kwargs.get(k) for k in ("train_dataset", "eval_dataset")}
+        _refuse_rows_without_assistant(kwargs.get("args", args[1] if len(args) > 1 else None),
+                                       data)  # fmt: skip
         try:
             super().__init__(*args, **kwargs)
-        except RuntimeError as e:  # TRL's, for chat rows without an assistant turn: one line
-            data = {k: kwargs.get(k) for k in ("train_dataset", "eval_dataset")}
+        except RuntimeError as e:  # TRL's, for chat rows without an assistant token: one line
             refusal = _rows_without_assistant(e, data)
             if refusal is None:
                 raise
