@@ -38,10 +38,10 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   count is the stock Trainer's: over the shifted labels for a causal-LM ``loss_type``, over
   the labels as they stand otherwise (GPT-2's ``loss_type=None``: one more per row, as the
   stock run divides). A model that takes no loss kwargs (``accepts_loss_kwargs = False``:
-  Qwen2.5-VL, Qwen3-VL, Gemma 4 multimodal) averages each micro-batch over its dp rank's targets, as
-  the stock model does; the Trainer divides that by the accumulation steps and DDP averages
-  over dp, so here the value is the dp rank's mean (its sp group's slices summed) and each
-  rank's gradient part is divided by the accumulation steps and by dp. With
+  Qwen2.5-VL, Qwen3-VL, Gemma 4 multimodal) averages each micro-batch over its dp rank's
+  targets, as the stock model does; the Trainer divides that by the accumulation steps and
+  DDP averages over dp, so here the value is the dp rank's mean (its sp group's slices
+  summed) and each rank's gradient part is divided by the accumulation steps and by dp. With
   ``tiled_loss`` the output head returns that sum itself, computed in chunks of rows (the head
   stays the model's ``Linear``, its class swapped for ``_LossHead``), so no ``[B, s, V]``
   logits exist in training.
@@ -88,8 +88,8 @@ the token cross entropy and has no family mixin (DPO and KTO have theirs:
 FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 ``sp_size`` or ``tp_size > 1``, a ``compute_loss_func``, label smoothing, optimizers passed in
 (built before sharding), iterable datasets, ``save_on_each_node``, a router loss on a model
-that averages per micro-batch; TRL's tokenization error for chat rows without an assistant
-turn (``assistant_only_loss=True``) becomes one refusal naming the rows.
+that averages per micro-batch; chat rows without an assistant turn under
+``assistant_only_loss=True`` (named, on every rank before TRL tokenizes them).
 """
 
 from __future__ import annotations
