@@ -4,10 +4,18 @@ two lines marked ``Ulysses``.
 On CPU with a tiny model built on the spot (``--model DIR`` for a local checkpoint)::
 
     torchrun --standalone --nproc-per-node 2 examples/dpo_trl.py --sp 2
-    torchrun --standalone --nproc-per-node 4 examples/dpo_trl.py --sp 2 --trainer kto
     torchrun --standalone --nproc-per-node 2 examples/dpo_trl.py --sp 2 --trainer reward
     python examples/dpo_trl.py --stock --trainer reward   # the stock trainer on one process:
-                                                          # the losses the runs above reproduce
+                                                          # the losses of the run above (dp = 1)
+    torchrun --standalone --nproc-per-node 4 examples/dpo_trl.py --sp 2 --trainer kto
+    torchrun --standalone --nproc-per-node 2 examples/dpo_trl.py --stock --trainer kto
+                                                          # 4 ranks at sp 2 are dp = 2: the
+                                                          # stock trainer on 2 processes
+
+``--stock`` launched on ``dp`` processes (one without torchrun) is the stock trainer at the same
+data parallelism, which is what a run on ``dp x sp`` ranks equals (2 rows per dp rank; KTO's
+KL pairs are drawn per device batch, so its dp = 2 run differs from dp = 1, for the stock
+trainer too).
 
 ``dpo``: prompt / chosen / rejected pairs against a reference model (a frozen copy of the
 initial policy). ``kto``: unpaired completions labelled desirable or not. ``reward``: the same
@@ -46,7 +54,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--model", default=None, help="a local model directory (default: tiny)")
     p.add_argument("--out", default="runs/preference_trl")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (TRL's default)")
-    p.add_argument("--stock", action="store_true", help="the stock trainer (one process)")
+    p.add_argument(
+        "--stock",
+        action="store_true",
+        help="the stock trainer (one process, or dp processes under torchrun)",
+    )
     a = p.parse_args(argv)
 
     import torch

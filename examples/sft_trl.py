@@ -3,10 +3,17 @@
 On CPU with a tiny model built on the spot (``--model DIR`` for a local checkpoint)::
 
     torchrun --standalone --nproc-per-node 2 examples/sft_trl.py --sp 2
-    torchrun --standalone --nproc-per-node 4 examples/sft_trl.py --sp 2 --packing --tiled-loss
     python examples/sft_trl.py --stock           # the stock trainer on one process: the losses
-                                                 # the runs above reproduce (add --bf16 to both
+                                                 # of the run above (dp = 1; add --bf16 to both
                                                  # for TRL's default precision: close, not equal)
+    torchrun --standalone --nproc-per-node 4 examples/sft_trl.py --sp 2 --packing --tiled-loss
+    torchrun --standalone --nproc-per-node 2 examples/sft_trl.py --stock --packing
+                                                 # 4 ranks at sp 2 are dp = 2: 2 rows per dp
+                                                 # rank, a global batch of 4; the stock trainer
+                                                 # on 2 processes gives the losses of that run
+
+``--stock`` launched on ``dp`` processes (one without torchrun) is the stock trainer at the same
+data parallelism, so the same global batch (``per_device_train_batch_size=2`` rows per dp rank).
 
 Chat data with the loss on assistant tokens only, or (``--packing``) packed text without
 padding (``padding_free``: documents kept apart by position ids restarting at 0).
@@ -28,7 +35,11 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a local model directory (default: tiny)")
     p.add_argument("--out", default="runs/sft_trl")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (TRL's default)")
-    p.add_argument("--stock", action="store_true", help="the stock trainer (one process)")
+    p.add_argument(
+        "--stock",
+        action="store_true",
+        help="the stock trainer (one process, or dp processes under torchrun)",
+    )
     a = p.parse_args()
 
     import torch

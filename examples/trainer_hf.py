@@ -42,11 +42,15 @@ def main() -> None:
         model=model, args=args, train_dataset=data, eval_dataset=data.select(range(8)),
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     )  # fmt: skip
-    if a.eval:
-        print("before:", trainer.evaluate())
+    if a.eval:  # every rank evaluates (its slices); rank 0 prints
+        before = trainer.evaluate()
+        if trainer.is_world_process_zero():
+            print("before:", before)
     trainer.train()
     if a.eval:
-        print("after:", trainer.evaluate())
+        after = trainer.evaluate()
+        if trainer.is_world_process_zero():
+            print("after:", after)
     trainer.save_model(f"{a.out}/final")
 
 

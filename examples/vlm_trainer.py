@@ -1,10 +1,17 @@
 """Ulysses for a vision-language model inside ``transformers.Trainer`` (Qwen2.5-VL / Qwen3-VL).
 
-On CPU with a tiny random Qwen2.5-VL built on the spot (``--model DIR``: a local checkpoint
-whose rows you bring in the same format)::
+On CPU with a tiny random Qwen2.5-VL built on the spot (``--model DIR``: a local Qwen2.5-VL or
+Qwen3-VL checkpoint; the synthetic rows below are then built from its config: its image token
+ids, patch size, merge size and vocabulary)::
 
     torchrun --standalone --nproc-per-node 2 examples/vlm_trainer.py --sp 2
+    python examples/vlm_trainer.py --stock       # the stock Trainer on one process: the losses
+                                                 # of the run above (dp = 1)
     torchrun --standalone --nproc-per-node 4 examples/vlm_trainer.py --sp 2
+    torchrun --standalone --nproc-per-node 2 examples/vlm_trainer.py --stock
+                                                 # 4 ranks at sp 2 are dp = 2: the stock
+                                                 # Trainer on 2 processes (Qwen-VL averages the
+                                                 # loss per dp rank; with_ulysses does the same)
 
 Each row is image + text: ``input_ids`` with the image's placeholder tokens, ``labels``,
 ``mm_token_type_ids`` (1 on image tokens: the M-RoPE positions), and the image's patches
@@ -20,7 +27,7 @@ import argparse
 
 import torch
 
-IMAGE, VIDEO, V_START, V_END = 90, 91, 92, 93
+IMAGE, VIDEO, V_START, V_END = 90, 91, 92, 93  # the tiny model's special token ids
 
 
 def tiny_model():
@@ -43,23 +50,39 @@ def tiny_model():
     return Qwen2_5_VLForConditionalGeneration(cfg).float()
 
 
-def rows(n: int, length: int = 48, seed: int = 0) -> list[dict]:
-    """``n`` image + text rows of ``length`` tokens, one or two images of different sizes."""
+def rows(config, n: int, length: int = 48, seed: int = 0) -> list[dict]:
+    """``n`` image + text rows of ``length`` tokens, one or two images of different sizes, in
+    the format of a Qwen-VL processor for the model ``config`` (its image and vision start /
+    end token ids; patches of ``in_channels x temporal_patch_size x patch_size^2`` values;
+    ``spatial_merge_size^2`` patches per image token); the text tokens are random ids below
+    the special ones."""
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    special = (config.image_token_id, config.video_token_id, config.vision_start_token_id,
+               config.vision_end_token_id)  # fmt: skip
+    text_ids = min(*special, config.get_text_config().vocab_size)
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        grids = [(1, 4, 8)] if i % 2 == 0 else [(1, 4, 4), (1, 8, 4)]
-        ids = torch.randint(0, IMAGE, (1, length), generator=g)
+        # (t, h, w) in patches: h and w multiples of the merge size
+        grids = (
+            [(1, 2 * merge, 4 * merge)]
+            if i % 2 == 0
+            else [(1, 2 * merge, 2 * merge), (1, 4 * merge, 2 * merge)]
+        )
+        ids = torch.randint(0, text_ids, (1, length), generator=g)
         types = torch.zeros_like(ids)
         at = 3
+        start, end = config.vision_start_token_id, config.vision_end_token_id
         for t, h, w in grids:
-            k = t * h * w // 4  # image tokens: patches merged 2 x 2
-            ids[0, at - 1], ids[0, at + k] = V_START, V_END
-            ids[0, at : at + k] = IMAGE
+            k = t * h * w // merge**2  # image tokens: patches merged merge x merge
+            ids[0, at - 1], ids[0, at + k] = start, end
+            ids[0, at : at + k] = config.image_token_id
             types[0, at : at + k] = 1
             at += k + 6
         labels = ids.masked_fill(types == 1, -100)
-        pixels = torch.cat([torch.randn(t * h * w, 12, generator=g) for t, h, w in grids])
+        pixels = torch.cat([torch.randn(t * h * w, dim, generator=g) for t, h, w in grids])
         out.append({"input_ids": ids, "labels": labels, "mm_token_type_ids": types,
                     "pixel_values": pixels, "image_grid_thw": torch.tensor(grids)})  # fmt: skip
     return out
@@ -76,6 +99,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--model", default=None, help="a local model directory (default: tiny)")
     p.add_argument("--out", default="runs/vlm_trainer")
+    p.add_argument(
+        "--stock",
+        action="store_true",
+        help="the stock Trainer (one process, or dp processes under torchrun)",
+    )
     a = p.parse_args(argv)
 
     from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
@@ -92,11 +120,14 @@ def main(argv: list[str] | None = None) -> dict:
         logging_steps=1, report_to=[], save_strategy="no", remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(),
     )  # fmt: skip
-    trainer = with_ulysses(Trainer, sp=a.sp)(  # Ulysses (was: Trainer()
-        model=model, args=args, train_dataset=rows(16), data_collator=collate,
+    trainer_cls = Trainer if a.stock else with_ulysses(Trainer, sp=a.sp)  # Ulysses
+    trainer = trainer_cls(
+        model=model, args=args, train_dataset=rows(model.config, 16), data_collator=collate,
     )  # fmt: skip
     result = trainer.train()
-    print(result.metrics)
+    if trainer.is_world_process_zero():
+        print("losses", [h["loss"] for h in trainer.state.log_history if "loss" in h])
+        print(result.metrics)
     return result.metrics
 
 

@@ -13,6 +13,14 @@ padding get label ``-100``. Position ids stay global (given, or ``0..S-1``); pac
 summed over the ``dp x sp`` ranks, for the loss ``sum / n_valid``. The cut itself is the one slicer
 (:func:`dtensor_ulysses.data.slice_batch`), so a ``("dp", "ring", "sp")`` mesh gets its zigzag
 tokens.
+
+A batch whose cut would leave a rank no token (``S < sp``: a one-token or empty text row at
+batch 1; also ``S=5`` at ``sp=4``, cut ``[2, 2, 1, 0]``) is padded at the end to
+:func:`~dtensor_ulysses.plan.splits.padded_seq_len` (``S=2, sp=4 -> 4``; ``5 -> 7``): the
+padding columns are a document of their own with label ``-100`` (input id 0, attention mask
+0), so every rank holds at least one token and no real token's result changes (causal
+attention never reads a later column). ``layout.seq_len`` is then the padded length; the
+first ``S`` columns of anything gathered over sp are the batch's.
 """
 
 from __future__ import annotations
@@ -22,13 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ulysses.attention.local import starts_from_positions
 from dtensor_ulysses.data.batch import IGNORE_INDEX, full_batch, slice_batch
 from dtensor_ulysses.parallel.global_loss import global_valid_tokens
 from dtensor_ulysses.parallel.mesh import ParallelDims
-from dtensor_ulysses.plan.splits import SeqLayout
+from dtensor_ulysses.plan.splits import SeqLayout, padded_seq_len
 
 __all__ = ["ShardedBatch", "shard_batch"]
 
@@ -89,6 +98,30 @@ def _runs(mask_BS: torch.Tensor) -> list[list[int]]:
     return out
 
 
+def _pad_columns(
+    ids_BS: torch.Tensor,
+    labels_BS: torch.Tensor,
+    mask_BS: torch.Tensor | None,
+    pos_BS: torch.Tensor,
+    extra: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``extra`` padding columns appended: input id 0, label ``-100``, attention mask 0 (an
+    all-ones mask where there was none), positions continuing the row's (a document of their
+    own through the mask)."""
+    B, S = ids_BS.shape
+    if mask_BS is None:
+        mask_BS = torch.ones((B, S), dtype=torch.bool, device=ids_BS.device)
+    mask_BS = mask_BS.to(ids_BS.device, torch.bool)
+    tail = torch.arange(1, extra + 1, device=pos_BS.device)
+    more = tail - 1 if S == 0 else pos_BS[:, -1:] + tail
+    return (
+        F.pad(ids_BS, (0, extra), value=0),
+        F.pad(labels_BS, (0, extra), value=IGNORE_INDEX),
+        F.pad(mask_BS, (0, extra), value=False),
+        torch.cat([pos_BS, more.to(pos_BS.dtype).expand(B, extra)], 1),
+    )
+
+
 def shard_batch(
     batch: Any, mesh: DeviceMesh | ParallelDims, *, count_valid: bool = True
 ) -> ShardedBatch:
@@ -108,7 +141,9 @@ def shard_batch(
             counts, e.g. over a gradient-accumulation window).
 
     Returns:
-        A :class:`ShardedBatch` on the device of ``input_ids``.
+        A :class:`ShardedBatch` on the device of ``input_ids``; a batch whose cut would leave
+        a rank no token is padded at the end first (module docstring), so ``layout.seq_len``
+        may exceed ``S``.
     """
     ids = _get(batch, "input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -126,6 +161,10 @@ def shard_batch(
         if pos is None
         else pos.to(ids.device).expand(B, S)
     )
+    dims = ParallelDims.of(mesh)
+    padded = padded_seq_len(S, dims.sp, dims.ring)
+    if padded > S:  # no rank may hold an empty slice: padding columns at the end
+        ids, labels, mask, pos = _pad_columns(ids, labels, mask, pos, padded - S)
     starts = starts_from_positions(pos)
     if mask is not None:
         mask = mask.to(ids.device).bool()
@@ -137,7 +176,6 @@ def shard_batch(
     if mask is not None:
         shifted[~mask] = IGNORE_INDEX  # no loss where the input is padding
     docs = None if all(len(r) == 1 for r in starts) else tuple(tuple(r) for r in starts)
-    dims = ParallelDims.of(mesh)
     out = slice_batch(full_batch(ids, shifted, pos, docs), **dims.cut())
     n_valid = global_valid_tokens(out.labels, dims.flat_mesh.get_group()) if count_valid else 0
     return ShardedBatch(out.input_ids, out.labels, out.position_ids, out.layout, n_valid)

@@ -216,10 +216,12 @@ def _norm_and_blocks(net) -> tuple[Any, Any]:
 def _phase_hooks(
     net, optimizer, rec: Any, offload_params: bool, no_grad_phase: str = "old_policy"
 ) -> list[Any]:
-    """Marks: ``loss`` when the final norm starts, ``backward`` when the gradient of its output
-    exists, ``optimizer`` before the optimizer step (gradients classified there), and one mark
-    per block where its forward starts and where the gradient of its output exists (its
-    backward starts; gradients offloaded by FSDP2 leave the device there). A forward without
+    """Marks: ``loss`` when the final norm starts and again when the backward reaches the
+    model's output (the head's backward is the loss phase's too), ``backward`` when the
+    gradient of the final norm's output exists, ``optimizer`` before the optimizer step
+    (gradients classified there), and one mark per block where its forward starts and where
+    the gradient of its output exists (its backward starts; gradients offloaded by FSDP2 leave
+    the device there). A forward without
     gradients (a reference model, GRPO's old policy) marks ``no_grad_phase:i`` per block and
     ``no_grad_phase:head`` at its final norm instead. ``optimizer=None``: a model without one
     (the reference)."""
@@ -232,6 +234,13 @@ def _phase_hooks(
     def norm_post(_m, _args, out):
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g: tl.mark("backward"))
+
+    def root_post(_m, _args, out):
+        # the backward starts at the output head (its chunks recomputed, their gradients): the
+        # loss phase's memory, as the head's forward; marked again here because a forward
+        # without gradients (DPO's reference, after the policy's) may have marked in between
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g: tl.mark("loss"))
 
     def block_pre(i):
         def hook(_m, _args):
@@ -261,6 +270,7 @@ def _phase_hooks(
         rec.all_host = False
 
     norm, layers = _norm_and_blocks(net)
+    hooks.append(net.register_forward_hook(root_post))
     hooks.append(norm.register_forward_pre_hook(norm_pre))
     hooks.append(norm.register_forward_hook(norm_post))
     for i, block in enumerate(layers):

@@ -48,7 +48,9 @@ built by the same ``build`` (sharded alike), frozen, its shards in bf16 on CUDA;
 are in ``parameters`` from the start. Forwards without gradients add phases: ``reference``
 (its blocks, ``reference/head`` its output head) and ``old_policy`` (GRPO with
 ``num_iterations > 1``: the policy without gradients), each cut per block like ``forward``, so
-the extrapolation in depth holds for them too.
+the extrapolation in depth holds for them too. The policy's output head is ``loss``, its
+forward and its backward (which starts the step's backward): in a DPO step the reference runs
+between the two, and what is alive while the head's chunks are recomputed is the loss phase's.
 
 **The vision-language step** (``step="vl"`` with a
 :class:`~dtensor_ulysses.memtrace.vision_step.VisionSpec`,

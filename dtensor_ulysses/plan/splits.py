@@ -31,6 +31,7 @@ __all__ = [
     "kv_head_index",
     "local_tokens",
     "nearby_multiples",
+    "padded_seq_len",
     "ring_chunks",
     "ring_closed_form",
     "RING_ORDERS",
@@ -79,6 +80,41 @@ def seq_split(S: int, P: int) -> list[int]:
     shorter or empty (``S=37, P=4 -> [10, 10, 10, 7]``)."""
     chunk = -(-S // P)
     return [max(0, min(chunk, S - r * chunk)) for r in range(P)]
+
+
+def padded_seq_len(S: int, sp: int, ring: int = 1) -> int:
+    """The shortest length ``>= S`` whose cut leaves every sp rank at least one token.
+
+    DTensor's ``Shard(1)`` cut (:func:`seq_split`) gives chunks of ``ceil(S / sp)``, so a
+    row shorter than ``sp`` leaves ranks empty, and so do some longer ones (``S=5, sp=4 ->
+    [2, 2, 1, 0]``; ``S=9 -> [3, 3, 3, 0]``). A model layer cannot run on an empty slice
+    (transformers' attention reshapes it with a ``-1``), so such a batch is padded at the end
+    to this length (``5 -> 7: [2, 2, 2, 1]``; ``2 -> 4``); padding appended after the last real
+    token, a document of its own with no labels, changes no real token's result under causal
+    attention. With ``ring > 1`` each ring rank's ``S / ring`` tokens are cut over ``sp``; a
+    length that is not a multiple of ``2 * ring`` is returned unchanged (the slicer refuses
+    it with the lengths that work), else the result stays a multiple of ``2 * ring``.
+
+    Args:
+        S: the batch's full length (``0`` allowed).
+        sp: the sp degree.
+        ring: the ring degree.
+
+    Returns:
+        ``S`` when no rank would be empty, else the shortest longer length that leaves none.
+    """
+    if ring == 1:
+        n = max(S, sp)
+        while min(seq_split(n, sp)) == 0:  # ends by the next multiple of sp
+            n += 1
+        return n
+    step = 2 * ring
+    if S % step:
+        return S
+    n = max(S, -(-sp * ring // step) * step)
+    while min(seq_split(n // ring, sp)) == 0:
+        n += step
+    return n
 
 
 def local_tokens(batch_size: int, dp: int, seq_len: int, sp: int, ring: int = 1) -> int:

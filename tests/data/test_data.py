@@ -27,6 +27,7 @@ from dtensor_ulysses.data import (
     read_documents,
     sample_index,
 )
+from dtensor_ulysses.plan.splits import padded_seq_len, seq_split
 
 LAYOUTS = [(1, 1), (1, 2), (2, 1), (1, 4), (2, 2)]
 S, G = 16, 4
@@ -368,3 +369,19 @@ def test_default_corpus():
     w = sample_index(5, 0, G, len(corpus), 0)
     assert torch.equal(got[0][0], stream[w * 64 : w * 64 + 64].long())
     assert decode(got[0][0])  # real text
+
+
+def test_padded_length_leaves_no_rank_empty():
+    """``padded_seq_len``: the shortest length >= S whose cut leaves every sp rank a token (the
+    length ``shard_batch`` pads a batch to): S itself when no rank is empty; rows shorter than
+    sp, and lengths like 5, 6, 9 at sp=4 ([2, 2, 1, 0], [2, 2, 2, 0], [3, 3, 3, 0]), longer."""
+    for sp in range(1, 9):
+        for S in range(0, 50):
+            n = padded_seq_len(S, sp)
+            assert min(seq_split(n, sp)) >= 1, (S, sp, n)
+            assert all(min(seq_split(m, sp)) == 0 for m in range(S, n)), (S, sp, n)
+    assert [padded_seq_len(S, 4) for S in (1, 2, 3, 4, 5, 6, 9, 10)] == [4, 4, 4, 4, 7, 7, 10, 10]
+    assert padded_seq_len(0, 2) == 2 and padded_seq_len(1, 2) == 2 and padded_seq_len(37, 4) == 37
+    # with a ring: multiples of 2 * ring, each ring rank's S / ring cut over sp
+    assert padded_seq_len(4, 4, ring=2) == 8 and padded_seq_len(16, 4, ring=2) == 16
+    assert padded_seq_len(6, 2, ring=2) == 6  # not a multiple of 4: the slicer refuses it

@@ -20,7 +20,21 @@ ALL_DPO_LOSSES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "
 _NOT_RESULTS = {"step"}
 
 
-def _rows(kind: str) -> list[dict]:
+# rows shorter than sp (issue 47): prompt + completion of 1 ("": the end token alone), 2, 3,
+# 5, 6 or 9 tokens, so that each DPO step (one pair) has 1, 3, 5, 6, 9 or 2 columns and each
+# KTO batch of 2 rows 1 to 6 (never 4): every cut over sp=4 leaves a rank empty, and the
+# first DPO pair (1 column) one over sp=2 too
+SHORT_DPO = [("", "", ""), ("a", "", " a"), ("", " foxes", " a"), ("a", " all", " foxes"),
+             ("", " all counts", " dog"), ("a", "", "")]  # fmt: skip
+SHORT_KTO = [("", "", True), ("a", "", False), ("", " a", True), ("a", " a", False),
+             ("", " foxes", True), ("a", " foxes", False)]  # fmt: skip
+
+
+def _rows(kind: str, short: bool = False) -> list[dict]:
+    if short and kind == "dpo":
+        return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in SHORT_DPO]
+    if short:
+        return [{"prompt": p, "completion": c, "label": y} for p, c, y in SHORT_KTO]
     rows = []
     for i, t in enumerate(TEXTS[:16]):
         words = t.split()
@@ -72,7 +86,8 @@ def build(spec: dict, grads: Any = None) -> Any:
     if spec.get("eval"):
         kw["eval_dataset"] = _dataset(spec, "eval", _rows(spec["kind"])[: spec["eval"]])
     torch.manual_seed(0)
-    return cls(model=model, args=args, train_dataset=_dataset(spec, "train", _rows(spec["kind"])),
+    rows = _rows(spec["kind"], short=spec.get("short_rows", False))
+    return cls(model=model, args=args, train_dataset=_dataset(spec, "train", rows),
                processing_class=tok, **kw)  # fmt: skip
 
 
@@ -117,10 +132,47 @@ def _grads_callback() -> Any:
     return FirstGrads()
 
 
+def _record_first_logps() -> list:
+    """Under with_ulysses, keep the per-token log-probabilities the stand-in model hands TRL's
+    DPO code in the first step (the reference's call, then the policy's), as TRL receives
+    them; a no-op for the stock trainer."""
+    from dtensor_ulysses.hf.trainers import preference
+
+    calls: list = []
+    stand_in = preference._SlicedLM
+    if getattr(stand_in, "_recording", None) is not None:
+        stand_in._recording = calls
+        return calls
+    original = stand_in.__call__
+
+    def recording(self: Any, **kw: Any) -> Any:
+        out = original(self, **kw)
+        if len(stand_in._recording) < 2:
+            stand_in._recording.append((self.stats, out.log_probs.detach().clone()))
+        return out
+
+    stand_in.__call__ = recording
+    stand_in._recording = calls
+    return calls
+
+
+def _tie(calls: list) -> dict:
+    """Per row, the sums TRL takes of the reference's and the policy's log-probabilities at the
+    first step (``per_token_logps.sum(dim=1)``), and whether they are bitwise equal."""
+    (ref_stats, ref), (pol_stats, pol) = calls
+    assert (ref_stats, pol_stats) == (False, True)  # the reference first, then the policy
+    ref_sums, pol_sums = ref.sum(dim=1), pol.sum(dim=1)
+    return {"equal": bool(torch.equal(ref_sums, pol_sums)) and bool(torch.equal(ref, pol)),
+            "max_diff": (ref_sums - pol_sums).abs().max().item()}  # fmt: skip
+
+
 def run(spec: dict) -> dict:
     """Train; every value of every log entry with a loss, and the first step's gradients."""
     grads = _grads_callback()
     trainer = build(spec, grads)
+    tie = spec.get("sp") and spec["kind"] == "dpo" and not spec.get("args", {}).get(
+        "precompute_ref_log_probs")  # fmt: skip
+    calls = _record_first_logps() if tie else None
     if spec.get("count_comm"):  # the sp group's all-reduces, and the rows of each step
         out_comm = _train_counting(trainer)
     else:
@@ -129,6 +181,8 @@ def run(spec: dict) -> dict:
     keys = sorted({k for e in logs for k in e} - _NOT_RESULTS)
     out: dict = {k: [e.get(k) for e in logs] for k in keys}
     out["grads"] = grads.grads
+    if calls is not None:
+        out["tie"] = _tie(calls)
     if spec.get("count_comm"):
         out["comm"] = out_comm
     out["ref_columns"] = sorted(c for c in trainer.train_dataset.column_names if "ref_" in c)

@@ -28,13 +28,14 @@ from tests.hf import trainer_workers as T  # noqa: E402
 RTOL = 1e-4
 KEYS = ("loss", "grad_norm", "lr", "tokens_seen")
 # what each kind trains: (model, data)
-MODELS = {"trainer": "llama", "sft_chat": "qwen3", "sft_packed": "llama", "masked": "llama"}
+MODELS = {"trainer": "llama", "sft_chat": "qwen3", "sft_packed": "llama", "masked": "llama",
+          "short_sft": "llama", "short_trainer": "llama"}  # fmt: skip
 
 
-def _close(got: dict, ref: dict, keys=KEYS, trl: tuple = T.TRL_METRICS) -> None:
+def _close(got: dict, ref: dict, keys=KEYS, trl: tuple = T.TRL_METRICS, steps: int = 3) -> None:
     """``keys``, and TRL's SFT metrics ``trl`` where the reference logs them."""
     for k in keys + tuple(m for m in trl if ref.get(m)):
-        assert len(got[k]) == len(ref[k]) == 3, (k, got[k], ref[k])
+        assert len(got[k]) == len(ref[k]) == steps, (k, got[k], ref[k])
         if k in ("tokens_seen", "num_tokens"):  # counts: exact (sp ranks share their rows)
             assert got[k] == ref[k], (k, got[k], ref[k])
         else:
@@ -53,6 +54,11 @@ def assets(tmp_path_factory):
     cfg = tf.LlamaConfig(**small, tie_word_embeddings=False)
     tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "uneven")
     dirs["uneven"] = str(root / "uneven")
+    # GPT-2 (loss_type None: the stock Trainer divides by the unshifted label count)
+    gpt2 = tf.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)  # fmt: skip
+    tf.AutoModelForCausalLM.from_config(gpt2).save_pretrained(root / "gpt2")
+    dirs["gpt2"] = str(root / "gpt2")
     tok = root / "tok"
     W.make_tokenizer(tok, " ".join(T.TEXTS) * 5)
     return {"root": root, "dirs": dirs, "tok": str(tok)}
@@ -65,6 +71,14 @@ def _spec(assets, kind: str, name: str, **kw) -> dict:
 
 EVAL = dict(eval=8, metrics=True, eval_first=True)
 TILED = {"tiled_loss": True, "loss_chunk_tokens": 5}
+# rows shorter than sp (issue 47): SFTTrainer one row a step (6 steps: rows of 1, 2, 3, 5, 6
+# and 9 tokens, the 1-token one an empty text row), Trainer two rows a step (3 steps, each
+# batch of 2 to 9 columns); both evaluated on 7 rows in batches of 3 (a partial last batch),
+# every step's gradients kept
+SHORT = {
+    "short_sft": dict(batch=1, steps=6, eval=7, eval_batch=3, drop_last=False, grads=True),
+    "short_trainer": dict(batch=2, steps=3, eval=7, eval_batch=3, drop_last=False, grads=True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +92,8 @@ def refs(assets):
         "lora": T.run(_spec(assets, "sft_chat", "ref_l", lora=True)),
         "masked": T.run(_spec(assets, "masked", "ref_m")),
         "uneven": T.run(_spec(assets, "trainer", "ref_u", model="uneven")),
+        "gpt2": T.run(_spec(assets, "trainer", "ref_g", model="gpt2")),
+        **{kind: T.run(_spec(assets, kind, f"ref_{kind}", **kw)) for kind, kw in SHORT.items()},
     }
 
 
@@ -127,10 +143,13 @@ def world2(assets):
         _spec(assets, "trainer", "tl2", sp=2, options=TILED, count_logit_rows=True, **EVAL),
         _spec(assets, "sft_packed", "tlp2", sp=2, options=TILED),
         _spec(assets, "trainer", "nz2", sp=2, rank_noise=True, capture_stdout=True),
+        _spec(assets, "trainer", "g2", sp=2, model="gpt2"),
+        _spec(assets, "trainer", "h2", sp=2, model="uneven", expect_error=True),
+        *(_spec(assets, kind, f"{kind}2", sp=2, **kw) for kind, kw in SHORT.items()),
     ]
     names = ["trainer", "sft_chat", "sft_packed", "ga", "ckpt", "resume", "lora", "masked",
              "uneven", "sp3", "lora_ckpt", "lora_resume", "checkpointing", "tiled",
-             "tiled_packed", "rank_noise"]  # fmt: skip
+             "tiled_packed", "rank_noise", "gpt2", "heads", *SHORT]  # fmt: skip
     ranks = run_local_world(T.run_specs, 2, specs, timeout_s=400)
     out = dict(zip(names, ranks[0]))
     out["checkpointing_rank1"] = ranks[1][names.index("checkpointing")]
@@ -154,6 +173,7 @@ def world4(assets):
                         resume=str(r / "ck22" / "checkpoint-2")),
         "lora": _spec(assets, "sft_chat", "l22", sp=2, batch=2, lora=True),
         "tiled": _spec(assets, "trainer", "tl22", sp=2, batch=2, options=TILED),
+        **{kind: _spec(assets, kind, f"{kind}14", sp=4, **kw) for kind, kw in SHORT.items()},
     }  # fmt: skip
     runs = run_local_world(T.run_specs, 4, [*specs, *extra.values()], timeout_s=500)[0]
     out: dict = {(s["kind"], 4 // s["sp"], s["sp"]): r for s, r in zip(specs, runs)}
@@ -313,6 +333,52 @@ def test_start_line_once_from_rank_0(world2):
     assert "attention kernel sdpa, fp32 compute," in line, line
     assert line.endswith("features: activation checkpointing, head chunks 2"), line
     assert world2["checkpointing_rank1"]["stdout"] == ""
+
+
+def _same_run(got: dict, ref: dict, steps: int) -> None:
+    """Every logged value of every step (TRL's metrics where the stock run logs them, token
+    counts exactly), the evaluation, and every parameter's gradient at every step."""
+    _close(got, ref, steps=steps)
+    for k, v in ref["eval_after"].items():
+        if not k.endswith(("_runtime", "_per_second")):
+            assert got["eval_after"][k] == pytest.approx(v, rel=RTOL), (k, got["eval_after"], v)
+    assert len(got["grads"]) == len(ref["grads"]) == steps
+    for step, (mine, theirs) in enumerate(zip(got["grads"], ref["grads"])):
+        assert set(mine) == set(theirs) and theirs
+        for name, g in theirs.items():
+            diff = (mine[name] - g).abs().max().item()
+            assert diff <= 1e-6 + RTOL * g.abs().max().item(), (step, name, diff)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("kind", list(SHORT))
+def test_rows_shorter_than_sp_equal_stock(world2, world4, refs, kind, sp):
+    """Rows shorter than sp, an empty text row, and batches whose cut over sp=4 leaves the last
+    rank empty (5, 6 or 9 columns): padded at the end so that every rank holds a token, they
+    train exactly as the stock trainer on one process (its 0.0 loss for a row without a
+    target included): losses, grad norms, TRL's metrics, tokens seen, every gradient of every
+    step; and the evaluation of 7 rows in batches of 3 gives the stock ``eval_loss``, each
+    batch weighed by its rows (the last one holds 1)."""
+    got = world2[kind] if sp == 2 else world4[kind]
+    _same_run(got, refs[kind], SHORT[kind]["steps"])
+
+
+@pytest.mark.timeout(600)
+def test_gpt2_counts_as_the_stock_trainer(world2, refs):
+    """GPT-2 (``loss_type`` None): the stock Trainer divides the summed loss by the labels that
+    are not -100 before the shift (one more per row than the targets); with_ulysses does the
+    same, so losses and gradient norms equal the stock run."""
+    _close(world2["gpt2"], refs["gpt2"])
+
+
+@pytest.mark.timeout(600)
+def test_heads_not_divisible_names_the_option(world2):
+    """3 q heads at sp=2 without allow_uneven_heads: refused with the valid sp and the option
+    that accepts them."""
+    err = world2["heads"]["error"]
+    assert "3 q heads of LlamaForCausalLM are not divisible by sp=2; choose sp in {1, 3}" in err
+    assert "(or pass allow_uneven_heads=True to accept a load imbalance)" in err, err
 
 
 @pytest.mark.timeout(600)
@@ -483,6 +549,37 @@ def test_router_aux_loss_accepted(assets, tmp_path):
         with_ulysses(tf.Trainer, sp=2)(model=moe, args=a, train_dataset=data)
 
 
+def test_chat_rows_without_an_assistant_turn_refused_naming_them(assets, tmp_path):
+    """assistant_only_loss=True on chat rows of which some have no assistant turn: instead of
+    TRL's tokenization error (rank 0 tokenizes first while the others wait at a barrier: a
+    traceback on every rank under a launch), every rank reads the rows before TRL does and
+    refuses alike, naming them and the fix (under torchrun: one ``error:`` line from rank 0, as
+    test_refusal_under_torchrun_is_one_line_from_rank_0 checks for any refusal)."""
+    import transformers as tf
+    import trl
+    from datasets import Dataset
+
+    from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
+    from dtensor_ulysses.hf.trainers.refusals import _is_refusal
+
+    tok = tf.AutoTokenizer.from_pretrained(assets["tok"])
+    m = tf.AutoModelForCausalLM.from_pretrained(assets["dirs"]["llama"], dtype=torch.float32)
+    lone = [{"role": "user", "content": "the quick fox"}]
+    rows = [{"messages": c} for c in T.CONVS[:3]] + [{"messages": lone}] * 7
+    args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                         assistant_only_loss=True, max_length=40)  # fmt: skip
+    cls = with_ulysses(trl.SFTTrainer, sp=2)
+    with pytest.raises(UnsupportedTrainerError) as e:
+        cls(model=m, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    assert str(e.value) == (
+        "assistant_only_loss=True trains on assistant tokens only, and 7 chat row(s) have no "
+        "assistant turn (train_dataset row 3, train_dataset row 4, train_dataset row 5, "
+        "train_dataset row 6, train_dataset row 7 and 2 more): there is nothing to learn in "
+        "them; drop them (dataset.filter) or set assistant_only_loss=False"
+    ), e.value
+    assert _is_refusal(e.value)
+
+
 def test_needs_distributed_launch(assets, tmp_path):
     import transformers as tf
 
@@ -535,9 +632,13 @@ def test_attention_dropout_refused_at_construction_with_the_fix(assets, tmp_path
 
 
 @pytest.mark.timeout(180)
-def test_refusal_under_torchrun_is_one_line_from_rank_0(tmp_path):
-    """A refusal at construction under torchrun (2 ranks, sp=3): one ``error:`` line from
-    rank 0, no worker traceback, the reason in torchrun's failure summary, exit status 2."""
+@pytest.mark.parametrize("case", ["sp3", "chat_rows"])
+def test_refusal_under_torchrun_is_one_line_from_rank_0(tmp_path, assets, case):
+    """A refusal at construction under torchrun (2 ranks): one ``error:`` line from rank 0, no
+    worker traceback, the reason in torchrun's failure summary, exit status 2. ``sp3``:
+    examples/sft_trl.py at sp=3 (after the process group exists); ``chat_rows``: chat rows
+    without an assistant turn (tests/hf/chat_refusal.py), refused before TRL tokenizes (TRL
+    tokenizes on rank 0 first, the other ranks waiting at a barrier)."""
     import os
     import subprocess
     import sys
@@ -545,17 +646,26 @@ def test_refusal_under_torchrun_is_one_line_from_rank_0(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    if case == "sp3":
+        script = ["examples/sft_trl.py", "--sp", "3", "--steps", "1", "--out", str(tmp_path)]
+        reason = "sp=3 does not divide the 2 ranks"
+        line = f"error: {reason}; launch a multiple of 3 ranks"
+    else:
+        script = ["tests/hf/chat_refusal.py", assets["dirs"]["llama"], assets["tok"],
+                  str(tmp_path)]  # fmt: skip
+        reason = "assistant_only_loss=True trains on assistant tokens only"
+        line = (f"error: {reason}, and 2 chat row(s) have no assistant turn (train_dataset row "
+                f"4, train_dataset row 5): there is nothing to learn in them; drop them "
+                f"(dataset.filter) or set assistant_only_loss=False")  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "examples/sft_trl.py", "--sp", "3", "--steps", "1",
-           "--out", str(tmp_path)]  # fmt: skip
+           "2", *script]  # fmt: skip
     res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=170)
     err = res.stderr
     assert res.returncode != 0, err[-3000:]
     # (rank 1's progress bars may share its line: they end with a carriage return)
-    assert err.count("error:") == 1 and ("error: sp=3 does not divide the 2 ranks; launch a "
-                                         "multiple of 3 ranks") in err, err[-3000:]  # fmt: skip
-    assert "hf/trainers/" not in err and "UnsupportedTrainerError: sp=3" not in err.split(
-        "Root Cause")[0], err[-3000:]  # fmt: skip
-    assert "exitcode  : 2" in err and "sp=3 does not divide the 2 ranks" in err.split(
-        "Root Cause")[-1], err[-3000:]  # fmt: skip
+    assert err.count("error:") == 1 and line in err, err[-3000:]
+    # no worker traceback: the one traceback is torchrun's own (its ChildFailedError)
+    assert "hf/trainers/" not in err.split("Root Cause")[0], err[-3000:]
+    assert err.count("Traceback (most recent call last)") == 1, err[-3000:]
+    assert "exitcode  : 2" in err and reason in err.split("Root Cause")[-1], err[-3000:]
     assert "To enable traceback see" not in err.split("Root Cause")[-1], err[-3000:]

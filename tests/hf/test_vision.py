@@ -46,9 +46,12 @@ LAYOUTS4 = ((2, 2), (1, 4))
 BATCH = 4  # the Trainer's global batch
 
 
-def _trainer_job(assets, family: str, dp: int, sp: int | None) -> tuple:
-    out = str(assets / f"out-{family}-{dp}-{sp}")
-    return ("trainer_run", (str(assets / family), out, sp, BATCH // dp))
+def _trainer_job(assets, family: str, dp: int, sp: int | None, variant: str | None = None):
+    if variant is None:
+        out = str(assets / f"out-{family}-{dp}-{sp}")
+        return ("trainer_run", (str(assets / family), out, sp, BATCH // dp))
+    out = str(assets / f"out-{family}-{dp}-{sp}-{variant}")
+    return ("trainer_run", (str(assets / family), out, sp, BATCH // dp, 2, variant))
 
 
 def _sft_job(assets, sp: int) -> tuple:
@@ -64,6 +67,7 @@ def _jobs2(assets) -> list:
         + [("model_check", (f, 1, 2, 0, V.VIDEO_ROWS)) for f in FAMILIES]
         + [_trainer_job(assets, f, 1, 2) for f in FAMILIES]
         + [_trainer_job(assets, "qwen2_5_vl", 2, None)]  # the stock Trainer at dp=2
+        + [_trainer_job(assets, "qwen2_5_vl", 2, None, "uneven")]  # ... rows of unequal targets
     )
 
 
@@ -73,6 +77,9 @@ def _jobs4(assets) -> list:
         + [("split_check", (f, 0, FEW)) for f in FAMILIES]
         + [("model_check", (f, dp, sp)) for f in FAMILIES for dp, sp in LAYOUTS4]
         + [_trainer_job(assets, f, dp, sp) for f in FAMILIES for dp, sp in LAYOUTS4]
+        + [("model_check", (f, 1, 4, 0, V.SHORT_ROWS, V.SHORT_S)) for f in FAMILIES]
+        + [_trainer_job(assets, "qwen2_5_vl", 1, 4, "short")]
+        + [_trainer_job(assets, "qwen2_5_vl", 2, 2, "uneven")]
     )
 
 
@@ -259,6 +266,38 @@ def test_trainer_dp2_sp2_and_sp4_equal_stock_trainer(
         stock = _job(world2, *_trainer_job(assets, family, 2, None))[0]
         assert results[0]["loss"] == pytest.approx(stock["loss"], rel=1e-4)
         assert results[0]["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_cut_with_an_empty_rank_equal_stock_model(world4, family):
+    """Rows of 9 tokens with an image each at sp=4 (cut [3, 3, 3, 0]): the merged embeddings
+    are padded after the merge (every rank holds a token), and the loss and every gradient
+    (vision tower, Qwen3-VL's deepstack mergers included) equal the stock model's."""
+    ref = V.model_reference(family, rows=V.SHORT_ROWS, length=V.SHORT_S)
+    results = _job(world4, "model_check", (family, 1, 4, 0, V.SHORT_ROWS, V.SHORT_S))
+    _check_model(results, ref, 1, 4)
+
+
+def test_trainer_rows_cut_with_an_empty_rank_equal_stock_trainer(world4, assets):
+    """The same rows through with_ulysses(Trainer) at sp=4: losses, gradient norms and the
+    images the tower saw equal the stock Trainer on one process."""
+    ref = V.trainer_run(0, 1, str(assets / "qwen2_5_vl"), str(assets / "ref-short"), None,
+                        BATCH, 2, "short")  # fmt: skip
+    _check_trainer(_job(world4, *_trainer_job(assets, "qwen2_5_vl", 1, 4, "short")), ref)
+
+
+def test_per_rank_mean_of_a_model_without_loss_kwargs_equals_stock_dp2(world2, world4, assets):
+    """Qwen2.5-VL (``accepts_loss_kwargs = False``): the stock Trainer at dp=2 logs the mean of
+    each dp rank's token mean, which differs from one process when the rows hold unequal
+    numbers of targets; with_ulysses at (2,2) logs and trains the same (losses, gradient
+    norms)."""
+    stock = _job(world2, *_trainer_job(assets, "qwen2_5_vl", 2, None, "uneven"))[0]
+    got = _job(world4, *_trainer_job(assets, "qwen2_5_vl", 2, 2, "uneven"))[0]
+    one = V.trainer_run(0, 1, str(assets / "qwen2_5_vl"), str(assets / "ref-uneven"), None,
+                        BATCH, 2, "uneven")  # fmt: skip
+    assert abs(one["loss"][0] - stock["loss"][0]) > 1e-3 * stock["loss"][0], (one, stock)
+    assert got["loss"] == pytest.approx(stock["loss"], rel=1e-4)
+    assert got["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.parametrize("sp", (2, 4))

@@ -38,6 +38,12 @@ VIDEO_ROWS = [
 ]
 
 
+# rows of 9 tokens, one 4-token image each (V_START, 4 image tokens, V_END, text): cut over
+# sp=4 as [3, 3, 3, 0], so the batch is padded after the image merge (issue 47)
+SHORT_S = 9
+SHORT_ROWS = [[(2, (1, 4, 4))], [(4, (1, 4, 4))], [(1, (1, 4, 4))], [(3, (1, 4, 4))]]
+
+
 def make_config(family: str):
     import transformers as tf
 
@@ -94,12 +100,13 @@ def patch_dim(family: str) -> int:
     return int(v.in_channels * v.temporal_patch_size * v.patch_size**2)
 
 
-def global_batch(family: str, seed: int = 1, rows: list | None = None) -> dict:
-    """``G`` rows of ``S`` tokens with their images: input_ids, labels (-100 on image tokens),
-    mm_token_type_ids, pixel_values (patches of every image, in row order), image_grid_thw."""
+def global_batch(family: str, seed: int = 1, rows: list | None = None, length: int = S) -> dict:
+    """``G`` rows of ``length`` tokens with their images: input_ids, labels (-100 on image
+    tokens), mm_token_type_ids, pixel_values (patches of every image, in row order),
+    image_grid_thw."""
     g = torch.Generator().manual_seed(seed)
     rows = IMAGES if rows is None else rows
-    ids = torch.randint(0, IMAGE, (len(rows), S), generator=g)
+    ids = torch.randint(0, IMAGE, (len(rows), length), generator=g)
     types = torch.zeros_like(ids)
     grids, pixels = [], []
     vgrids, vpixels = [], []
@@ -230,12 +237,13 @@ def run_jobs(rank: int, world: int, jobs: list) -> list:
 # ----------------------------------------------------------------------------------------------
 # the whole model: apply_ulysses / parallelize + shard_batch
 # ----------------------------------------------------------------------------------------------
-def model_reference(family: str, seed: int = 0, rows: list | None = None) -> dict:
+def model_reference(family: str, seed: int = 0, rows: list | None = None,
+                    length: int = S) -> dict:  # fmt: skip
     """The stock model on one process: its own loss (token mean) on the global batch, and
     every gradient."""
     torch.set_num_threads(1)
     model = make_model(family, seed)
-    batch = global_batch(family, rows=rows)
+    batch = global_batch(family, rows=rows, length=length)
     loss = model(**batch).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -243,7 +251,7 @@ def model_reference(family: str, seed: int = 0, rows: list | None = None) -> dic
 
 
 def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int = 0,
-                rows: list | None = None) -> dict:  # fmt: skip
+                rows: list | None = None, length: int = S) -> dict:  # fmt: skip
     """``parallelize`` (Ulysses + FSDP2) and ``shard_batch`` on this dp rank's rows: the global
     loss, every full gradient, and the images the vision tower saw on each rank."""
     from torch.distributed.tensor import DTensor
@@ -261,7 +269,7 @@ def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int 
         lambda m, args, kwargs, out: seen.append(kwargs["grid_thw"].tolist()), with_kwargs=True
     )
     hf.parallelize(model, mesh)
-    batch = global_batch(family, rows=rows)
+    batch = global_batch(family, rows=rows, length=length)
     b = len(batch["input_ids"]) // dp
     lo = mesh.get_local_rank("dp") * b
     mine = batch if dp == 1 else rows_of(batch, lo, lo + b)
@@ -284,11 +292,18 @@ def model_check(rank: int, world: int, family: str, dp: int, sp: int, seed: int 
 # the Trainer door
 # ----------------------------------------------------------------------------------------------
 class RowsDataset(torch.utils.data.Dataset):
-    """The global batch's rows, one example each (its own images)."""
+    """The global batch's rows, one example each (its own images). ``variant``: ``"short"``,
+    the rows of :data:`SHORT_ROWS` (9 tokens); ``"uneven"``, row ``b`` without labels on its
+    first ``5 * b`` tokens (rows of unequal target counts)."""
 
-    def __init__(self, family: str, copies: int = 2):
-        batch = global_batch(family)
+    def __init__(self, family: str, copies: int = 2, variant: str | None = None):
+        short = variant == "short"
+        batch = global_batch(family, rows=SHORT_ROWS if short else None,
+                             length=SHORT_S if short else S)  # fmt: skip
         n = len(batch["input_ids"])
+        if variant == "uneven":
+            for b in range(n):
+                batch["labels"][b, : 5 * b] = -100
         self.rows = [rows_of(batch, i, i + 1) for i in range(n)] * copies
 
     def __len__(self) -> int:
@@ -305,7 +320,7 @@ def collate(rows: list) -> dict:
 
 
 def trainer_run(rank: int, world: int, model_dir: str, out_dir: str, sp: int | None,
-                batch: int, steps: int = 2) -> dict:  # fmt: skip
+                batch: int, steps: int = 2, variant: str | None = None) -> dict:  # fmt: skip
     """``transformers.Trainer`` (``sp`` None: the stock class) on the image + text rows: the
     logged losses and gradient norms, and the images the vision tower saw."""
     import os
@@ -336,7 +351,7 @@ def trainer_run(rank: int, world: int, model_dir: str, out_dir: str, sp: int | N
     )  # fmt: skip
     cls = tf.Trainer if sp is None else with_ulysses(tf.Trainer, sp)
     torch.manual_seed(0)
-    trainer = cls(model=model, args=args, train_dataset=RowsDataset(family),
+    trainer = cls(model=model, args=args, train_dataset=RowsDataset(family, variant=variant),
                   data_collator=collate)  # fmt: skip
     held["trainer"] = trainer
     trainer.train()

@@ -36,6 +36,10 @@ assert cpu.peak_bytes <= cpu.device_peak_bytes + cpu.host_bytes
 dpo = mt.trace_train_step("tiny", 1024, step="dpo")
 assert dpo.phases["forward"].by_category["parameters"] == 6 * m.n_params, dpo.phases
 assert list(dpo.phases) == ["forward", "loss", "reference", "backward", "optimizer"], dpo.phases
+# the policy head's backward (after the reference's forward) is the loss phase's, not the
+# reference's: the reference holds its forward's memory only
+assert dpo.phases["reference"].device < dpo.phases["loss"].device, dpo.phases
+assert dpo.peak_phase != "reference", dpo.phases
 grpo = mt.trace_train_step("tiny", 1024, step=mt.StepSpec("grpo", generations=2))
 assert grpo.phases["forward"].by_category["parameters"] == 4 * m.n_params  # beta 0: none
 assert "reference" not in grpo.phases and grpo.step["rows_per_dp_rank"] == 2, grpo.step

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtensor_ulysses.plan.splits import SeqLayout, seq_split
+from dtensor_ulysses.plan.splits import SeqLayout, padded_seq_len, seq_split
 
 __all__ = ["ImageBlocks", "block_spans", "image_blocks", "install"]
 
@@ -124,9 +124,10 @@ def _pre_forward(
     spans = block_spans(types, blocks.types)
     if spans is None:
         return (), kwargs
-    if layout is None:
-        layout = SeqLayout(tuple(seq_split(S, dist.get_world_size(group))))
-    if layout.seq_len != S:
+    P = dist.get_world_size(group)
+    if layout is None:  # as shard_batch cuts (padded where a rank would be empty)
+        layout = SeqLayout(tuple(seq_split(padded_seq_len(S, P), P)))
+    if layout.seq_len not in (S, padded_seq_len(S, P)):
         raise ValueError(
             f"ulysses_layout covers {layout.seq_len} tokens, the rows have {S}: pass the layout "
             f"of this batch"

@@ -509,8 +509,9 @@ def apply_ulysses(
     cfg = hf.config.get_text_config()
     n_heads = cfg.num_attention_heads
     check_sp_for_heads(
-        n_heads, sp, what=f"q heads of {type(hf).__name__}", allow_uneven=allow_uneven_heads
-    )
+        n_heads, sp, what=f"q heads of {type(hf).__name__}", allow_uneven=allow_uneven_heads,
+        uneven_option="allow_uneven_heads=True",  # apply_ulysses', parallelize's, with_ulysses'
+    )  # fmt: skip
     if head_chunks != 1:
         latent = [(n, m) for n, m, f in found if f is not None and is_latent_attention(m)]
         if latent:

@@ -31,7 +31,11 @@ forward embeds the full rows (cheap), merges the gathered image features and com
 M-RoPE position ids over the full rows (``get_rope_index``); a pre-hook on the language model
 then keeps this rank's slice of the embeddings, of the position ids (every row of them: 3 for
 M-RoPE, 4 with text positions), of the visual-token mask and of the deepstack features (the
-image tokens in the slice), and the decoder layers run under Ulysses as for text. The vision
+image tokens in the slice), and the decoder layers run under Ulysses as for text. Where the
+layout is padded (rows whose cut would leave a rank no token,
+:func:`~dtensor_ulysses.hf.shard_batch`), the merged embeddings get the same padding columns
+(zeros, positions continuing, never attended to by a real token) after the merge, so the
+images and the M-RoPE positions are the stock model's. The vision
 tower's own attention stays local (bidirectional, per image, on whole images) and keeps its
 implementation; only the text config's attention goes through the engine.
 
@@ -55,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtensor_ulysses.comm import all_gather_seq
-from dtensor_ulysses.plan.splits import SeqLayout, seq_split
+from dtensor_ulysses.plan.splits import SeqLayout, padded_seq_len, seq_split
 
 __all__ = [
     "VIDEO_KEYS",
@@ -426,21 +430,27 @@ def _slice_pre_forward(lm: nn.Module, args: tuple, kwargs: dict, params: list[st
                 "du.hf.shard_batch and call the model with ulysses_layout=sb.layout "
                 "(du.hf.vision_model_inputs builds the call)"
             )
-        layout = SeqLayout(tuple(seq_split(S, P)))
-    if layout.ring != 1 or layout.sp != P or layout.seq_len != S:
+        layout = SeqLayout(tuple(seq_split(padded_seq_len(S, P), P)))
+    if layout.ring != 1 or layout.sp != P or layout.seq_len not in (S, padded_seq_len(S, P)):
         raise ValueError(
             f"a vision-language model takes the full rows: ulysses_layout covers "
             f"{layout.seq_len} tokens over sp={layout.sp} (ring {layout.ring}), the rows have "
             f"{S} on sp={P}"
         )
+    extra = layout.seq_len - S  # shard_batch's padding columns (no rank left empty)
     lo, n = layout.offset(me), layout.seq_sizes[me]
-    kwargs["inputs_embeds"] = x[:, lo : lo + n]
+    kwargs["inputs_embeds"] = _pad_seq(x, extra)[:, lo : lo + n]
     pos = kwargs.get("position_ids")
     if pos is None:  # what the text model infers from the full rows
         pos = torch.arange(S, device=x.device).expand(B, S)
+    if extra:  # each row of positions (M-RoPE's 3 or 4) continues
+        tail = torch.arange(1, extra + 1, device=pos.device, dtype=pos.dtype)
+        more = tail - 1 if S == 0 else pos[..., -1:] + tail
+        pos = torch.cat([pos, more.expand(*pos.shape[:-1], extra)], -1)
     kwargs["position_ids"] = pos[..., lo : lo + n]
     vis = kwargs.get("visual_pos_masks")
     if vis is not None:
+        vis = _pad_seq(vis, extra)
         keep = torch.zeros_like(vis)
         keep[:, lo : lo + n] = True
         sel = keep[vis]  # which of the visual tokens (row-major) are in the slice
@@ -450,10 +460,17 @@ def _slice_pre_forward(lm: nn.Module, args: tuple, kwargs: dict, params: list[st
             kwargs["deepstack_visual_embeds"] = [d[sel] for d in deep]
     per_layer = kwargs.get("per_layer_inputs")  # Gemma 4's per-layer token embeddings
     if per_layer is not None:
-        kwargs["per_layer_inputs"] = per_layer[:, lo : lo + n]
+        kwargs["per_layer_inputs"] = _pad_seq(per_layer, extra)[:, lo : lo + n]
     kwargs["ulysses_layout"] = layout
     state.load = []  # the step's vision work is done: the next one starts from no load
     return (), kwargs
+
+
+def _pad_seq(x_BS: torch.Tensor, extra: int) -> torch.Tensor:
+    """``x[B, S, ...]`` with ``extra`` zero (``False``) rows appended along ``S``."""
+    if not extra:
+        return x_BS
+    return torch.cat([x_BS, x_BS.new_zeros((x_BS.shape[0], extra, *x_BS.shape[2:]))], 1)
 
 
 def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:

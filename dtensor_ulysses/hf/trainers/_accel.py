@@ -1,7 +1,7 @@
 """The Trainer's accelerator under Ulysses: data by dp rank, no DDP wrap, the DTensor grad norm.
 
 :func:`install` changes the class of the ``accelerate.Accelerator`` a ``Trainer`` built, in
-place, to a subclass that overrides three public methods:
+place, to a subclass that overrides four public methods:
 
 * ``prepare_data_loader``: the loader is sharded over the ``dp`` ranks only (every rank of an
   sp group reads the same rows), by handing accelerate's own ``prepare_data_loader`` the dp
@@ -11,7 +11,8 @@ place, to a subclass that overrides three public methods:
 * ``clip_grad_norm_``: the norm of DTensor gradients as a plain tensor (logged as a float).
 * ``gather_for_metrics`` (the Trainer's ``gather_function``: evaluation losses, logits,
   labels): :func:`dp_gather`, across the dp ranks only, since the sp ranks of a group hold the
-  same rows.
+  same rows; the last batch cut to the dataset's remaining rows as accelerate's own does, so
+  a partial last evaluation batch weighs by its rows in ``eval_loss``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ class _UlyssesAccelerator:
             accelerator_module.prepare_data_loader = original
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        return dp_gather(input_data, group=self._du_dims.dp_mesh.get_group())
+        data = dp_gather(input_data, group=self._du_dims.dp_mesh.get_group())
+        # accelerate's own rule: the last batch holds ``remainder`` rows of the dataset (the
+        # rest repeats rows to fill it), and the Trainer repeats each loss eval_batch_size
+        # times, so a partial last batch weighs by its rows, as in the stock run
+        state = self.gradient_state  # type: ignore[attr-defined]
+        if state.end_of_dataloader and state.remainder > 0:
+            return _first_rows(data, state.remainder)
+        return data
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2):
         self.unscale_gradients()  # type: ignore[attr-defined]
@@ -80,6 +88,15 @@ def install(accelerator: Any, dims: ParallelDims) -> None:
     if not issubclass(base, _UlyssesAccelerator):
         accelerator.__class__ = type(f"Ulysses{base.__name__}", (_UlyssesAccelerator, base), {})
     accelerator._du_dims = dims
+
+
+def _first_rows(data: Any, n: int) -> Any:
+    """``data`` (a tensor, or nested tuples / lists of them) cut to its first ``n`` rows."""
+    if isinstance(data, (tuple, list)):
+        return type(data)(_first_rows(d, n) for d in data)
+    if isinstance(data, torch.Tensor) and data.dim():
+        return data[:n]
+    return data
 
 
 def _pad_dim1(t: torch.Tensor, length: int) -> torch.Tensor:

@@ -22,7 +22,10 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   ``per_device_train_batch_size x dp x gradient_accumulation_steps``. Each rank then feeds the
   model its sequence slice (:func:`~dtensor_ulysses.hf.shard_batch`): labels shifted over the
   full row before slicing, global position ids, padding and packed documents (position ids
-  restarting at 0, as ``padding_free`` collators give) as the engine's document layout.
+  restarting at 0, as ``padding_free`` collators give) as the engine's document layout. A
+  batch whose cut would leave a rank no token (rows shorter than sp, an empty text row, or
+  e.g. 5 columns over sp=4) gets padding columns at the end (no labels, never attended to by
+  a real token), so every rank holds a slice and the step is the stock one.
   A vision-language model (Qwen2.5-VL, Qwen3-VL) takes the full rows and the batch's images
   (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) and slices after the image
   merge, each image (Qwen: each video too) encoded on one rank of the sp group
@@ -31,7 +34,14 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   optimizer step (all micro-batches, all dp ranks; ``-100`` and assistant / completion masks
   respected), so the summed gradients are the single-process gradients and gradient
   accumulation needs no rescaling. The value handed back to the Trainer (logged, averaged over
-  ranks) is the all-reduced global one. A slice with no valid target contributes ``0``. With
+  ranks) is the all-reduced global one. A slice with no valid target contributes ``0``. The
+  count is the stock Trainer's: over the shifted labels for a causal-LM ``loss_type``, over
+  the labels as they stand otherwise (GPT-2's ``loss_type=None``: one more per row, as the
+  stock run divides). A model that takes no loss kwargs (``accepts_loss_kwargs = False``:
+  Qwen2.5-VL, Qwen3-VL, Gemma 4 multimodal) averages each micro-batch over its dp rank's
+  targets, as the stock model does; the Trainer divides that by the accumulation steps and
+  DDP averages over dp, so here the value is the dp rank's mean (its sp group's slices
+  summed) and each rank's gradient part is divided by the accumulation steps and by dp. With
   ``tiled_loss`` the output head returns that sum itself, computed in chunks of rows (the head
   stays the model's ``Linear``, its class swapped for ``_LossHead``), so no ``[B, s, V]``
   logits exist in training.
@@ -43,9 +53,11 @@ What the returned subclass does on ``P = dp x sp`` ranks:
   steps), padding excluded: the logged ``loss`` is the stock model's, cross entropy plus the
   weighted router loss, and so are the gradients.
 * **Evaluation**: sharded at the training length (no fallback to one rank): the eval loss of a
-  batch is its global token mean; with ``compute_metrics`` the logits are gathered over sp to
-  the full sequence and ``labels`` are the collator's, so metrics see what they see on one
-  process.
+  batch is its global token mean (over the dp ranks' rows: at dp > 1 the one-process value of
+  the global batch); ``eval_loss`` weighs each batch by its rows as the stock loop does (a
+  partial last batch counts its rows only: accelerate's remainder); with ``compute_metrics``
+  the logits are gathered over sp to the full sequence and ``labels`` are the collator's, so
+  metrics see what they see on one process.
 * **Tokens seen** (``include_num_input_tokens_seen``): the stock count, which sums every rank's
   rows, divided by sp, since the sp ranks of a group read the same rows; it equals the count of
   a single-process run. TRL's ``entropy``, ``mean_token_accuracy`` (not with the tiled loss)
@@ -75,7 +87,9 @@ the token cross entropy and has no family mixin (DPO and KTO have theirs:
 :mod:`~dtensor_ulysses.hf.trainers.reward`), DeepSpeed or accelerate's
 FSDP also enabled, a ``parallelism_config`` with ``cp_size``,
 ``sp_size`` or ``tp_size > 1``, a ``compute_loss_func``, label smoothing, optimizers passed in
-(built before sharding), iterable datasets, ``save_on_each_node``.
+(built before sharding), iterable datasets, ``save_on_each_node``, a router loss on a model
+that averages per micro-batch; chat rows without an assistant turn under
+``assistant_only_loss=True`` (named, on every rank before TRL tokenizes them).
 """
 
 from __future__ import annotations
@@ -115,6 +129,8 @@ from dtensor_ulysses.hf.trainers.refusals import (
     _refuse_args,
     _refuse_attention_dropout,
     _refuse_batch_keys,
+    _refuse_rows_without_assistant,
+    _rows_without_assistant,
     _single_process_launch,
 )
 from dtensor_ulysses.models import cross_entropy_sum, tiled_cross_entropy_sum
@@ -152,11 +168,16 @@ def _router_rule(trainer: Any, model: Any) -> tuple[float, bool] | None:
     return rc.coef, False
 
 
-def _targets(batch: dict) -> int:
+def _targets(batch: dict, shifted: bool = True) -> int:
     """Valid targets of a full-length batch, as :func:`~dtensor_ulysses.hf.shard_batch` shifts
-    them (the label of the next token, none from or into padding)."""
+    them (the label of the next token, none from or into padding); ``shifted=False``: the
+    labels that are not ``-100`` as they stand, the stock Trainer's count for a model whose
+    ``loss_type`` is not the causal-LM loss (GPT-2: ``loss_type=None``), one more per row
+    than the targets the loss sums."""
     labels = batch.get("labels")
     labels = batch["input_ids"] if labels is None else labels
+    if not shifted:
+        return int((labels != IGNORE_INDEX).sum())
     valid = labels[:, 1:] != IGNORE_INDEX
     mask = batch.get("attention_mask")
     if mask is not None:
@@ -249,8 +270,12 @@ class _UlyssesTrainer:
     _du_dims: ParallelDims
     _du_router: tuple[float, bool] | None = None
     _du_family_loss: bool = False  # a family mixin computes the loss (and checks loss_type)
+    _du_step_mean: bool = True  # the stock loss: the step's token mean (else per micro-batch)
+    _du_shifted_count: bool = True  # the stock count: the shifted labels (else as they stand)
     # provided by transformers.Trainer
     args: Any
+    model_accepts_loss_kwargs: bool
+    loss_is_scaled_for_ga: bool | None
     model: Any
     model_wrapped: Any
     accelerator: Any
@@ -290,8 +315,32 @@ class _UlyssesTrainer:
                     f"{key} is an IterableDataset: accelerate dispatches its batches over all "
                     f"ranks, not per dp group; pass a map-style dataset (datasets.Dataset)"
                 )
-        super().__init__(*args, **kwargs)
+        data = {k: kwargs.get(k) for k in ("train_dataset", "eval_dataset")}
+        _refuse_rows_without_assistant(kwargs.get("args", args[1] if len(args) > 1 else None),
+                                       data)  # fmt: skip
+        try:
+            super().__init__(*args, **kwargs)
+        except RuntimeError as e:  # TRL's, for chat rows without an assistant token: one line
+            refusal = _rows_without_assistant(e, data)
+            if refusal is None:
+                raise
+            raise refusal from None
         self._du_router = _router_rule(self, _state.base_model(self.model))
+        # the stock normalization, read before it is replaced below: a model that takes
+        # num_items_in_batch gets the token mean of the optimizer step, counted over the
+        # shifted labels when its loss_type is the causal-LM loss (else over the labels as they
+        # stand, GPT-2's); one that does not (Qwen-VL, Gemma 4: accepts_loss_kwargs=False)
+        # averages each micro-batch on each dp rank, the Trainer dividing by the accumulation
+        # steps and DDP averaging over dp
+        self._du_step_mean = bool(self.model_accepts_loss_kwargs)
+        self._du_shifted_count = bool(getattr(self, "_loss_shifts_labels", True))
+        if self._du_router and not self._du_step_mean:
+            raise UnsupportedTrainerError(
+                f"{type(_state.base_model(self.model)).__name__} averages its loss per "
+                f"micro-batch (accepts_loss_kwargs=False) and adds a router loss: that "
+                f"combination is not made exact yet; set router_aux_loss_coef=0.0 (or "
+                f"output_router_logits=False)"
+            )
         if self.args.gradient_checkpointing:  # ours, per decoder layer, inside FSDP2
             self._du_options = replace(self._du_options, activation_checkpointing=True)
             self.args.gradient_checkpointing = False
@@ -395,9 +444,10 @@ class _UlyssesTrainer:
         batches, _ = super().get_batch_samples(  # type: ignore[misc]
             epoch_iterator, num_batches, device
         )
-        if not batches:
+        if not batches or not self._du_step_mean:  # (a mean per micro-batch: no count)
             return batches, None
-        count = torch.tensor([sum(_targets(b) for b in batches)], dtype=torch.int64)
+        shifted = self._du_shifted_count
+        count = torch.tensor([sum(_targets(b, shifted) for b in batches)], dtype=torch.int64)
         count = count.to(device)
         if self._du_dims.dp > 1:  # sp ranks hold the same rows: count over dp
             dist.all_reduce(count, group=self._du_dims.dp_mesh.get_group())
@@ -417,9 +467,13 @@ class _UlyssesTrainer:
         dims = self._du_dims
         sb = shard_batch(inputs, dims, count_valid=False)
         group = dims.flat_mesh.get_group()
-        if num_items is None:  # evaluation: this batch's global count
+        training = bool(self.model.training)
+        # the stock model averages each micro-batch on each dp rank (no num_items_in_batch)
+        per_rank = training and not self._du_step_mean
+        sp_group = dims.sp_mesh.get_group()
+        if num_items is None:  # this batch's count (evaluation: over every rank)
             n = (sb.labels != IGNORE_INDEX).sum().reshape(1).to(torch.int64)
-            dist.all_reduce(n, group=group)
+            dist.all_reduce(n, group=sp_group if per_rank else group)
             num_items = n[0]
         n_valid = max(int(num_items), 1)
         head: Any = None
@@ -450,10 +504,16 @@ class _UlyssesTrainer:
         local = ce_sum / n_valid
         aux = None
         if self._du_router:
-            training = num_items is not None
             local, aux = self._du_router_loss(local, out, inputs, sb, group, training=training)
-        total = local.detach().clone()
-        dist.all_reduce(total, group=group)
+        if per_rank:  # the value: this dp rank's stock loss; the gradient: DDP's mean over dp
+            local = local / getattr(self, "current_gradient_accumulation_steps",
+                                    self.args.gradient_accumulation_steps)  # fmt: skip
+            total = local.detach().clone()
+            dist.all_reduce(total, group=sp_group)
+            local = local / dims.dp
+        else:
+            total = local.detach().clone()
+            dist.all_reduce(total, group=group)
         if hasattr(self, "_metrics"):  # TRL's SFT metrics
             self._du_trl_metrics(inputs, sb.labels, slice_logits, group)
             if aux is not None:  # what TRL logs: the unweighted router loss
@@ -471,6 +531,10 @@ class _UlyssesTrainer:
         assert self._du_router is not None
         coef, per_ga = self._du_router
         mask = inputs.get("attention_mask")
+        S = inputs["input_ids"].shape[1]
+        if sb.layout.seq_len > S:  # shard_batch's padding columns: no router loss either
+            mask = torch.ones_like(inputs["input_ids"]) if mask is None else mask
+            mask = nn.functional.pad(mask, (0, sb.layout.seq_len - S), value=0)
         if mask is not None:  # this rank's columns of its rows
             lo = sb.layout.offset(self._du_dims.sp_rank)
             mask = mask[:, lo : lo + sb.input_ids.shape[1]]
@@ -510,7 +574,7 @@ class _UlyssesTrainer:
             if self._du_dims.dp > 1:
                 dist.all_reduce(count, group=self._du_dims.dp_mesh.get_group())
             self._total_train_tokens += int(count[0]) // getattr(self, "_tp_size", 1)  # type: ignore[attr-defined]
-            metrics["num_tokens"] = [self._total_train_tokens]  # type: ignore[attr-defined]
+        metrics["num_tokens"] = [self._total_train_tokens]  # type: ignore[attr-defined]  # (eval too)
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: Any = None):  # fmt: skip
@@ -527,7 +591,8 @@ class _UlyssesTrainer:
         loss = loss.detach()
         if prediction_loss_only:
             return loss, None, None
-        return loss, _gather_seq(logits, sb.layout, self._du_dims), inputs.get("labels")
+        S = inputs["input_ids"].shape[1]  # (shard_batch's padding columns dropped)
+        return loss, _gather_seq(logits, sb.layout, self._du_dims)[:, :S], inputs.get("labels")
 
     # ------------------------------------------------------------------------------------------
     # files

@@ -100,33 +100,6 @@ def _slice_values(model: nn.Module, sb: ShardedBatch, chunk_tokens: int | None, 
     return values
 
 
-def _at_least_sp(batch: Any, sp: int) -> Any:
-    """``batch`` with padding columns appended (mask 0, label ``-100``) when its ``S < sp``
-    columns would leave a rank an empty slice; a longer batch is returned as it is. No real
-    token changes (causal attention never reads a later column, padding is never attended to,
-    and its labels are ignored)."""
-    ids = batch["input_ids"]
-    rows, length = ids.shape
-    if length >= sp:
-        return batch
-    extra = sp - length
-    mask = batch.get("attention_mask")
-    mask = torch.ones_like(ids) if mask is None else mask
-    labels = batch.get("labels")
-    labels = ids.clone() if labels is None else labels
-    out = {
-        "input_ids": F.pad(ids, (0, extra), value=0),
-        "attention_mask": F.pad(mask, (0, extra), value=0),
-        "labels": F.pad(labels, (0, extra), value=-100),
-    }
-    pos = batch.get("position_ids")
-    if pos is not None:
-        pos = pos.expand(rows, length)
-        more = pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)
-        out["position_ids"] = torch.cat([pos, more], 1)
-    return out
-
-
 def token_rows(
     model: nn.Module,
     batch: Any,
@@ -146,8 +119,8 @@ def token_rows(
             :func:`~dtensor_ulysses.hf.shard_batch` takes them; every sp rank of a dp group
             passes the same rows.
         mesh: the ``("dp", "sp")`` mesh, or its :class:`~dtensor_ulysses.parallel.ParallelDims`
-            bound to it. A batch of fewer than ``sp`` columns is padded to ``sp`` (masked, no
-            labels), so that no rank holds an empty slice.
+            bound to it. A batch whose cut would leave a rank no token is padded at the end
+            (masked, no labels; :func:`~dtensor_ulysses.hf.shard_batch`).
         chunk_tokens: logit rows at a time (default ``min(2048, B * s)``).
         stats: also the per-token statistics (no gradient).
         **model_kwargs: more keyword arguments of the model's forward.
@@ -160,14 +133,14 @@ def token_rows(
     """
     S = batch["input_ids"].shape[1]
     dims = ParallelDims.of(mesh)
-    sb = shard_batch(_at_least_sp(batch, dims.sp), dims, count_valid=False)
+    sb = shard_batch(batch, dims, count_valid=False)
     local = _slice_values(model, sb, chunk_tokens, stats, model_kwargs)
     sizes = sb.layout.seq_sizes
     if len(sizes) == 1:
         return local, sb
     lo = sb.layout.offset(dims.sp_rank)
     pad = (0, 0) if stats else ()
-    # zeros outside this rank's slice (and no columns past S: the padding added above)
+    # zeros outside this rank's slice (and no columns past S: shard_batch's padding)
     full = F.pad(local, (*pad, lo, sum(sizes) - lo - local.shape[1]))[:, :S]
     return all_reduce_sum(full, dims.sp_mesh.get_group()), sb
 
@@ -184,7 +157,7 @@ def sequence_logps(
     sp ranks' slices), on every rank of the sp group; differentiable (see the module
     docstring). Arguments as :func:`token_rows`; one all-reduce of ``B`` floats."""
     dims = ParallelDims.of(mesh)
-    sb = shard_batch(_at_least_sp(batch, dims.sp), dims, count_valid=False)
+    sb = shard_batch(batch, dims, count_valid=False)
     local_B = _slice_values(model, sb, chunk_tokens, False, model_kwargs).sum(1)
     if len(sb.layout.seq_sizes) == 1:
         return local_B

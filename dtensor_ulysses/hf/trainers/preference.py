@@ -96,11 +96,15 @@ class _SlicedLM:
         )  # fmt: skip
         rows = rows[:, :-1]  # TRL's rows: position t scores token t + 1
         mask = labels[:, 1:] != -100
+        # contiguous [B, S - 1] values, for the policy and the reference alike: TRL sums them
+        # per row, and a sum over a strided view (a column of [B, S, K]) may add in another
+        # order, so equal weights (step 1) would give unequal sums and a broken tie
         if not self.stats:
-            return FusedCausalLMOutput(log_probs=rows, label_mask=mask)
+            return FusedCausalLMOutput(log_probs=rows.contiguous(), label_mask=mask)
+        logps, entropy, mean_logits, top1 = (rows[..., k].contiguous() for k in range(4))
         return FusedCausalLMOutput(
-            log_probs=rows[..., 0], entropy=rows[..., 1], mean_logits=rows[..., 2],
-            is_top1=rows[..., 3] > 0.5, label_mask=mask,
+            log_probs=logps, entropy=entropy, mean_logits=mean_logits, is_top1=top1 > 0.5,
+            label_mask=mask,
         )  # fmt: skip
 
 

@@ -143,6 +143,85 @@ def _refuse_batch_keys(inputs: dict, read: set[str], dropped: set[str], who: str
         )
 
 
+# TRL's SFTTrainer, tokenizing with assistant_only_loss=True a row that has no assistant token
+_TRL_NO_ASSISTANT = "assistant_only_loss=True`, but at least one example has no assistant tokens"
+
+
+def _chat_rows_without_assistant(datasets: dict[str, Any]) -> tuple[list[str], int, bool]:
+    """``(the first 5 named, how many, whether a chat dataset was read)``: the rows of
+    ``datasets`` (``{"train_dataset": ..., "eval_dataset": ...}``, an eval dict included) whose
+    ``messages`` have no assistant turn; a dataset TRL does not tokenize (it has
+    ``input_ids``) is not read. Read in batches of the ``messages`` column alone."""
+    found: list[str] = []
+    total, looked = 0, False
+    for key, data in datasets.items():
+        parts = data.items() if isinstance(data, dict) else [("", data)]
+        for sub, ds in parts:
+            columns = getattr(ds, "column_names", None) or ()
+            if "messages" not in columns or "input_ids" in columns or not hasattr(ds, "iter"):
+                continue
+            where, looked, i = (f"{key}[{sub!r}]" if sub else key), True, 0
+            for batch in ds.select_columns(["messages"]).iter(batch_size=1024):
+                for messages in batch["messages"]:
+                    roles = [m.get("role") for m in messages or () if isinstance(m, dict)]
+                    if "assistant" not in roles:
+                        total += 1
+                        if len(found) < 5:
+                            found.append(f"{where} row {i}")
+                    i += 1
+    return found, total, looked
+
+
+def _no_assistant_refusal(found: list[str], total: int) -> UnsupportedTrainerError:
+    more = f" and {total - len(found)} more" if total > len(found) else ""
+    return UnsupportedTrainerError(
+        f"assistant_only_loss=True trains on assistant tokens only, and {total} chat row(s) "
+        f"have no assistant turn ({', '.join(found)}{more}): there is nothing to learn in "
+        f"them; drop them (dataset.filter) or set assistant_only_loss=False"
+    )
+
+
+def _refuse_rows_without_assistant(args: Any, datasets: dict[str, Any]) -> None:
+    """Refuse chat rows without an assistant turn under ``assistant_only_loss=True`` before
+    TRL tokenizes them. TRL raises a ``RuntimeError`` for them while rank 0 tokenizes first and
+    the other ranks wait at a barrier, so a refusal raised there by rank 0 alone would leave
+    the others a connection-closed traceback; here every rank reads the same rows and refuses
+    alike, naming them."""
+    if not getattr(args, "assistant_only_loss", False):
+        return
+    found, total, _ = _chat_rows_without_assistant(datasets)
+    if total:
+        raise _no_assistant_refusal(found, total)
+
+
+# TRL's SFTTrainer, tokenizing with assistant_only_loss=True a row that has no assistant token
+_TRL_NO_ASSISTANT = "assistant_only_loss=True`, but at least one example has no assistant tokens"
+
+
+def _rows_without_assistant(
+    error: RuntimeError, datasets: dict[str, Any]
+) -> UnsupportedTrainerError | None:
+    """TRL's ``RuntimeError`` for chat rows without an assistant token, when the rows were not
+    read before (:func:`_refuse_rows_without_assistant`) or all have an assistant turn, as one
+    refusal with the reason; ``None`` for any other error (raise it as it is)."""
+    if _TRL_NO_ASSISTANT not in str(error):
+        return None
+    found, total, looked = _chat_rows_without_assistant(datasets)
+    if total:
+        return _no_assistant_refusal(found, total)
+    if looked:
+        return UnsupportedTrainerError(
+            "assistant_only_loss=True: every chat row has an assistant turn, but the "
+            "tokenizer's chat template gives no assistant mask (no {% generation %} markers); "
+            "add them to the template or set assistant_only_loss=False"
+        )
+    return UnsupportedTrainerError(
+        "assistant_only_loss=True: a chat row has no assistant token (no assistant turn, or a "
+        "chat template without {% generation %} markers); drop such rows or set "
+        "assistant_only_loss=False"
+    )
+
+
 def _refuse_args(args: Any, sp: int, *, own_loss: bool = False) -> None:
     """The training arguments with_ulysses cannot make exact; ``own_loss``: a trainer family
     whose mixin checks its own ``loss_type``."""
