@@ -142,7 +142,7 @@ def comm(spec: dict) -> dict:
 
 def _kinds(counter: Any, group_name: str) -> list[str]:
     """The kinds of collective on the group, FSDP2's weight all-gathers left out (at dp = 1
-    the sp group is also FSDP2's)."""
+    the sp group spans the world, as FSDP2's does)."""
     return sorted({c.kind for c in counter.calls if c.group_name == group_name} - {"all_gather"})
 
 
