@@ -68,6 +68,7 @@ chunk, ``P`` pairs, ``N = B * s`` positions of the slice.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -462,7 +463,9 @@ def _distill_step(student, teacher, batch, optimizer, scheduler, *, group, sp_gr
     entropy: list[torch.Tensor] = []
 
     def head(hs_BsD: torch.Tensor, ws_VD: torch.Tensor, labels_Bs: torch.Tensor):
-        with torch.no_grad():  # TRL's order: the teacher after the student's backbone
+        with torch.no_grad(), warnings.catch_warnings():  # TRL's order: after the student's
+            # backbone; its output is the final norm's (a view): no backward hook to lose
+            warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view")
             ht_BsD = teacher(batch.input_ids, batch.position_ids, layout=batch.layout,
                              labels=labels_Bs, head_fn=_hidden_head)  # fmt: skip
         _reshard(teacher)  # its root would stay gathered (a forward without backward)
