@@ -5,14 +5,15 @@ trace owns a fake process group) and records the longest sequence with zero slac
 trainer's 10% headroom, the device peak and the host bytes per rank. The target rows are the
 recipes of docs/how-to/million-tokens.md; the ablation rows drop one feature at a time from the
 8x H100 recipe, so the table says what each feature buys; the host row bounds the 8x H100
-recipe by 128 GiB of host memory per rank; the post-training rows trace the DPO and GRPO steps
-(``--step dpo|grpo``, ``dtensor_ulysses/memtrace/steps.py``) on the same recipe, the length per
-row. CPU only; 4 to 12 minutes a row on a 2-core machine (the post-training rows: more).
+recipe by 128 GiB of host memory per rank; the post-training rows trace the DPO, GRPO and
+distillation steps (``--step dpo|grpo|distill``, ``dtensor_ulysses/memtrace/steps.py``) on the
+same recipe, the length per row. CPU only; 4 to 12 minutes a row on a 2-core machine (the
+post-training rows: more).
 
     python -m benchmarks.trace_max_seq                      # every row
     python -m benchmarks.trace_max_seq --rows targets       # the three target rows only
     python -m benchmarks.trace_max_seq --rows h100x8 host   # rows or groups by name
-    python -m benchmarks.trace_max_seq --rows post          # the DPO and GRPO rows
+    python -m benchmarks.trace_max_seq --rows post          # the DPO, GRPO, distillation rows
 
 Writes ``benchmarks/results/trace_max_seq.json`` after every row (rows run again replace their
 old entry; the others are kept), with ``figures``: every documented number by name. The docs
@@ -63,13 +64,16 @@ ROWS: dict[str, tuple[str, list[str], int | None]] = {
                    [*EIGHT, "--step", "dpo", "--beta", "0.1"], None),
     "h100x8_grpo": ("8x H100, GRPO (G = 8 rollouts of one prompt, frozen reference, beta 0.04)",
                     [*EIGHT, "--step", "grpo", "--generations", "8", "--beta", "0.04"], None),
+    "h100x8_distill": ("8x H100, on-policy distillation (one row, a frozen teacher of the same "
+                       "size, beta 1: reverse KL)", [*EIGHT, "--step", "distill", "--beta", "1"],
+                       None),
 }  # fmt: skip
 GROUPS = {
     "all": list(ROWS),
     "targets": ["h100x8", "h100x1", "h200x1"],
     "ablation": [n for n in ROWS if "_without_" in n],
     "host": ["h100x8_host128"],
-    "post": ["h100x8_dpo", "h100x8_grpo"],
+    "post": ["h100x8_dpo", "h100x8_grpo", "h100x8_distill"],
 }
 
 

@@ -73,7 +73,8 @@ class TraceCase:
     extrapolate_from: int | None = None
     gpu: str = "h100"
     device: str = "cuda"  # "cpu": the step as the trainer runs it on a CPU (fp32, gloo)
-    # the step traced: "sft" (the trainer's), "dpo" or "grpo" (dtensor_ulysses.memtrace.steps)
+    # the step traced: "sft" (the trainer's), "dpo", "grpo" or "distill"
+    # (dtensor_ulysses.memtrace.steps)
     # or "vl" (memtrace.vision_step), with its options (beta, generations, num_iterations:
     # StepSpec's fields; images, image_patches, vision_layers, vision_hidden for "vl")
     step: str = "sft"
@@ -84,7 +85,8 @@ class TraceCase:
 
     @property
     def rows(self) -> int:
-        """Rows of one dp rank's micro-batch: 1 (SFT), 2 (a DPO pair), ``G`` (GRPO)."""
+        """Rows of one dp rank's micro-batch: 1 (SFT, distillation), 2 (a DPO pair), ``G``
+        (GRPO)."""
         if self.step == "dpo":
             return 2
         if self.step == "grpo":
@@ -251,6 +253,8 @@ def report(case: TraceCase, *, traced: Any = None, breakdown: int = 0) -> dict[s
             + (
                 "no vision tower"
                 if case.step == "vl"
+                else "no teacher weights, no frozen forward, no divergence"
+                if case.step == "distill"
                 else "no reference weights, no frozen forwards"
             )
             + "); "

@@ -136,11 +136,13 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
         "CPU: fp32, gloo; checked against a real run by `trace-check`)",
     )  # fmt: skip
     p.add_argument(
-        "--step", default="sft", choices=("sft", "dpo", "grpo", "vl"),
+        "--step", default="sft", choices=("sft", "dpo", "grpo", "distill", "vl"),
         help="the step traced: sft (the trainer's), dpo (policy on a chosen and a rejected row "
         "of --seq-len tokens each, a frozen reference model, TRL's sigmoid loss), grpo "
         "(--generations rows of --seq-len prompt+completion tokens; reference when --beta > 0, "
-        "old-policy log-probs when --num-iterations > 1; TRL's dapo loss) or vl (a "
+        "old-policy log-probs when --num-iterations > 1; TRL's dapo loss), distill (on-policy "
+        "distillation: a student row of --seq-len prompt+completion tokens, a frozen teacher of "
+        "the same preset, TRL's chunked generalized JSD) or vl (a "
         "vision-language SFT step: each rank of the sp group encodes its share of --images "
         "whole images through a ViT-like tower, the features are all-gathered and merged at the "
         "row's first images x patches tokens; a 'vision' phase)",
@@ -148,7 +150,7 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--beta", type=float, default=None,
         help="dpo: the temperature (default 0.1); grpo: the KL coefficient (default 0: no "
-        "reference model)",
+        "reference model); distill: the divergence, 0 forward KL to 1 reverse KL (default 1)",
     )  # fmt: skip
     p.add_argument(
         "--generations", type=int, default=None, metavar="G",
@@ -187,9 +189,9 @@ def _step_options(a: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
     given = {k: getattr(a, k) for k in ("beta", "generations", "num_iterations", *VL_OPTIONS)}
     given = {k: v for k, v in given.items() if v is not None}
     allowed = {"sft": (), "dpo": ("beta",), "grpo": ("beta", "generations", "num_iterations"),
-               "vl": VL_OPTIONS}  # fmt: skip
+               "distill": ("beta",), "vl": VL_OPTIONS}  # fmt: skip
     grpo = "grpo (--generations and --num-iterations are GRPO's)"
-    owner = {"beta": "dpo or grpo", "generations": grpo, "num_iterations": grpo,
+    owner = {"beta": "dpo, grpo or distill", "generations": grpo, "num_iterations": grpo,
              **dict.fromkeys(VL_OPTIONS, "vl")}  # fmt: skip
     wrong = [k for k in given if k not in allowed[a.step]]
     if wrong:
@@ -202,6 +204,11 @@ def _step_options(a: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
             raise ValueError(f"--{k.replace('_', '-')} {given[k]} must be >= 1")
     if given.get("beta", 0) < 0:
         raise ValueError(f"--beta {given['beta']} must be >= 0 (e.g. 0.1 for DPO, 0.04 for GRPO)")
+    if a.step == "distill" and given.get("beta", 0) > 1:
+        raise ValueError(
+            f"--beta {given['beta']}: distillation's beta is in [0, 1] (0 forward KL, 0.5 JSD, "
+            f"1 reverse KL)"
+        )
     if given.get("generations", 1) < 1:
         raise ValueError(f"--generations {given['generations']} must be >= 1 (TRL's default 8)")
     if given.get("num_iterations", 1) < 1:

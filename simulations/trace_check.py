@@ -64,7 +64,7 @@ class CheckConfig:
     seq_lens: tuple[int, int]
     features: dict[str, Any] = field(default_factory=dict)
     tolerance: float = 0.03  # |real / traced - 1| held; see CONFIGS for the wider one
-    step: str = "sft"  # the step: "sft" (the trainer's), "dpo" or "grpo" (memtrace.steps)
+    step: str = "sft"  # "sft" (the trainer's), "dpo", "grpo" or "distill" (memtrace.steps)
     step_options: dict[str, Any] = field(default_factory=dict)  # StepSpec's other fields
 
     def label(self) -> str:
@@ -98,6 +98,12 @@ CONFIGS = (
     # the DPO step (memtrace/steps.py): a chosen and a rejected row, the policy's forward and
     # backward, the frozen reference's forward while the policy's graph is alive (TRL's order)
     CheckConfig("dpo", 1, False, (1024, 4096), step="dpo"),
+    # the distillation step (memtrace/steps.py): the student's forward and backward, the frozen
+    # teacher's forward inside its loss, TRL's chunked divergence. Both lengths fill TRL's
+    # [4096, 32768] float32 tile buffers' rows (4096 positions at least), so the buffers cancel
+    # in the growth: the tiny model's 272-column vocabulary writes a sliver of each row, and the
+    # kernel counts only written pages where the trace (like CUDA) counts the allocation
+    CheckConfig("distill", 1, False, (4096, 8192), step="distill"),
 )
 # checked on request (``--config grpo``), not by default (nor by the test): the GRPO step with
 # every part (the old policy's and the reference's log-probabilities, 4 completions)

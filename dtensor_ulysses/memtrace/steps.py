@@ -1,8 +1,9 @@
-"""The preference (DPO) and RL (GRPO) training steps of the built-in model, as the tracer runs them.
+"""The preference (DPO), RL (GRPO) and distillation training steps of the built-in model, as the
+tracer runs them.
 
 The memory tracer (:func:`dtensor_ulysses.memtrace.trace_train_step`) runs the *real* step under
 fake tensors: for supervised fine-tuning that is the trainer's
-:func:`dtensor_ulysses.train.train_step`; for the two post-training losses it is the step
+:func:`dtensor_ulysses.train.train_step`; for the three post-training losses it is the step
 functions here, written on the built-in model (``du.parallelize``: Ulysses, checkpointing, FSDP2
 and every memory feature) as ``du.hf.with_ulysses`` runs TRL's trainers on a transformers
 model: the same tensors, in the same order.
@@ -21,14 +22,35 @@ model: the same tensors, in the same order.
   row's advantage, the KL term ``exp(r - l) - (r - l) - 1``, summed over valid tokens and divided
   by their global count (each token counted once over dp x sp), backward, clipping, AdamW.
 
+* :func:`distill_step` (TRL's ``DistillationTrainer``, on-policy distillation): one
+  prompt+completion row per dp rank. The student's forward to its final hidden states; inside
+  its output head's forward (the head's weight gathered, as TRL runs the whole loss inside the
+  student's forward), the teacher's forward without gradients to its final hidden states, the
+  teacher resharded and its output head gathered whole (TRL's ``full_tensor`` of a sharded
+  head), then TRL's chunked generalized Jensen-Shannon divergence
+  (``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``: both heads projected in tiles
+  of ``4096 x 32768`` logits, never ``[B, s, V]``; its backward recomputes the tiles); the
+  divergence, entropy and token count summed over sp, the loss divided by the global count of
+  scored tokens; backward, clipping, AdamW. TRL is imported when the step runs. On a GPU, TRL
+  projects only the scored positions (copies of both models' hidden states), folds the tiles
+  with Triton kernels and projects with float32-output matmuls into its tile buffers; none of
+  these allocates. A fake tensor can neither run Triton nor size a masked selection, so the
+  CUDA trace (``cuda=True``) copies every position (all are scored in the traced row) and
+  replaces the five torch helpers that stand for them on a CPU (``_project``,
+  ``_addmm_fp32``, the three tile folds), which make float32 copies and tile temporaries
+  there, by ones that do nothing (:func:`_gpu_divergence`): it counts the allocations of
+  TRL's own forward and backward (tile buffers, per-token statistics, the float32 gradient
+  accumulators, each tile's gradient in the compute dtype), computing no values. The CPU trace
+  (``cuda=False``) runs TRL's torch path as a CPU run does.
+
 The vision-language step (``kind="vl"``) is in :mod:`dtensor_ulysses.memtrace.vision_step`;
 :class:`StepSpec` carries its images and tower (``vision``).
 
-The reference model is a second copy of the architecture, built and sharded by the same
-``build`` (Ulysses + FSDP2 over ``dp x sp``), with ``requires_grad`` off: no gradients and no
-optimizer state, and its shards in the compute dtype (bf16 on a GPU: no master weights to
-keep; :func:`reference_model`); its FSDP2 units are resharded after its forward (its output
-head keeps its gathered weight after a forward otherwise, as the policy's does for its
+The reference model (the teacher, for distillation) is a second copy of the architecture, built and
+sharded by the same ``build`` (Ulysses + FSDP2 over ``dp x sp``), with ``requires_grad`` off: no
+gradients and no optimizer state, and its shards in the compute dtype (bf16 on a GPU: no master
+weights to keep; :func:`reference_model`); its FSDP2 units are resharded after its forward (its
+output head keeps its gathered weight after a forward otherwise, as the policy's does for its
 backward).
 
 Per-token log-probabilities come from the library's tiled primitive
@@ -40,12 +62,14 @@ at a time, forward and backward, as the tiled loss. The per-row sums go over the
 
 Legend: ``B`` rows of this rank's micro-batch (2 for a DPO pair: chosen, rejected; ``G`` for
 GRPO), ``s`` this rank's slice of each row, ``D`` model dim, ``V`` vocabulary, ``C`` rows of a
-chunk, ``P`` pairs.
+chunk, ``P`` pairs, ``N = B * s`` positions of the slice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +92,7 @@ __all__ = [
     "StepSpec",
     "batch_token_logps",
     "dpo_loss",
+    "distill_step",
     "dpo_step",
     "grpo_step",
     "grpo_token_loss",
@@ -76,7 +101,7 @@ __all__ = [
     "step_runner",
 ]
 
-STEP_KINDS = ("sft", "dpo", "grpo", "vl")
+STEP_KINDS = ("sft", "dpo", "grpo", "distill", "vl")
 DEFAULT_CHUNK_TOKENS = 4096  # rows of logits at a time when the model has no loss_chunk_tokens
 
 
@@ -85,10 +110,11 @@ class StepSpec:
     """Which training step is traced, and its loss's options.
 
     Attributes:
-        kind: ``"sft"`` (the trainer's step), ``"dpo"``, ``"grpo"`` or ``"vl"`` (a
-            vision-language SFT step, :mod:`dtensor_ulysses.memtrace.vision_step`).
+        kind: ``"sft"`` (the trainer's step), ``"dpo"``, ``"grpo"``, ``"distill"`` or
+            ``"vl"`` (a vision-language SFT step, :mod:`dtensor_ulysses.memtrace.vision_step`).
         beta: DPO's temperature (default 0.1, TRL's), GRPO's KL coefficient (default 0.0, TRL's:
-            no reference model).
+            no reference model), distillation's divergence (0 forward KL, 0.5 JSD, 1 reverse KL:
+            default 1.0, TRL's; the bytes do not depend on it).
         generations: GRPO's completions per prompt ``G``: the rows of a dp rank's micro-batch.
         num_iterations: GRPO's updates per generation batch (> 1: old-policy log-probabilities
             are computed before the step, without gradients).
@@ -121,23 +147,30 @@ class StepSpec:
             raise ValueError(f"num_iterations={self.num_iterations} must be >= 1 (TRL's default 1)")
         if self.beta is not None and self.beta < 0:
             raise ValueError(f"beta={self.beta} must be >= 0")
+        if self.kind == "distill" and self.beta is not None and self.beta > 1:
+            raise ValueError(
+                f"beta={self.beta}: distillation's beta is in [0, 1] (0 forward KL, 0.5 JSD, "
+                f"1 reverse KL)"
+            )
 
     @property
     def loss_beta(self) -> float:
-        """``beta`` or the trainer's default (DPO 0.1, GRPO 0.0)."""
+        """``beta`` or the trainer's default (DPO 0.1, GRPO 0.0, distillation 1.0)."""
         if self.beta is not None:
             return self.beta
-        return 0.1 if self.kind == "dpo" else 0.0
+        return {"dpo": 0.1, "distill": 1.0}.get(self.kind, 0.0)
 
     @property
     def rows(self) -> int:
-        """Rows of one dp rank's micro-batch: 1 (SFT), 2 (a DPO pair), ``G`` (GRPO)."""
-        return {"sft": 1, "dpo": 2, "grpo": self.generations, "vl": 1}[self.kind]
+        """Rows of one dp rank's micro-batch: 1 (SFT, distillation), 2 (a DPO pair), ``G``
+        (GRPO)."""
+        return {"sft": 1, "dpo": 2, "grpo": self.generations, "distill": 1, "vl": 1}[self.kind]
 
     @property
     def has_reference(self) -> bool:
-        """A reference model is loaded: DPO always, GRPO when ``beta > 0``."""
-        return self.kind == "dpo" or (self.kind == "grpo" and self.loss_beta > 0)
+        """A reference model is loaded: DPO always, GRPO when ``beta > 0``, distillation's
+        teacher always."""
+        return self.kind in ("dpo", "distill") or (self.kind == "grpo" and self.loss_beta > 0)
 
     @property
     def has_old_policy(self) -> bool:
@@ -153,6 +186,10 @@ class StepSpec:
             v = self.vision
             out.update(images=v.images, image_patches=v.image_patches, vision_layers=v.layers,
                        vision_hidden=v.hidden)  # fmt: skip
+            return out
+        if self.kind == "distill":
+            out.update(beta=self.loss_beta, teacher="the same preset, frozen",
+                       loss="generalized JSD (TRL's chunked divergence)")  # fmt: skip
             return out
         out.update(beta=self.loss_beta, reference_model=self.has_reference)
         if self.kind == "grpo":
@@ -337,6 +374,123 @@ def grpo_step(
 
 
 # ----------------------------------------------------------------------------------------------
+# on-policy distillation
+# ----------------------------------------------------------------------------------------------
+def _head_weight(net: torch.nn.Module) -> torch.Tensor:
+    """The output head's weight ``[V, D]`` (the embedding's when tied), whole: a sharded one is
+    gathered (TRL's ``full_tensor`` of a head outside its module's forward)."""
+    output: Any = getattr(net, "output", None)
+    holder: Any = output if output is not None else net.tok_embeddings
+    weight: torch.Tensor = holder.weight
+    full = getattr(weight, "full_tensor", None)
+    return full() if callable(full) else weight
+
+
+# TRL's CPU stand-ins, in trl/kernels/chunked_divergence.py, for what allocates nothing on a
+# GPU: the projection and gradient matmuls (float32 output into existing buffers) and the tile
+# folds (Triton kernels that write the tiles and per-token statistics in place)
+_GPU_IN_PLACE = ("_project", "_addmm_fp32", "_stats_tile", "_jsd_tile", "_backward_tile")
+
+
+def _nothing(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _gpu_divergence() -> Iterator[None]:
+    """TRL's chunked divergence allocating what its GPU path allocates (for the tracer's fake
+    tensors: no values are computed; see the module docstring).
+
+    Raises:
+        ValueError: TRL's kernel module lacks one of the helpers (it changed since TRL 1.16).
+    """
+    import trl.kernels.chunked_divergence as cd
+
+    missing = [n for n in _GPU_IN_PLACE if not callable(getattr(cd, n, None))]
+    if missing:
+        raise ValueError(
+            f"trl.kernels.chunked_divergence has no {', '.join(missing)} (changed since TRL "
+            f"1.16): trace the distillation step with device='cpu', or update "
+            f"dtensor_ulysses/memtrace/steps.py"
+        )
+    saved = {n: getattr(cd, n) for n in _GPU_IN_PLACE}
+    for n in _GPU_IN_PLACE:
+        setattr(cd, n, _nothing)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(cd, n, fn)
+
+
+def _hidden_head(h_BsD: torch.Tensor, weight_VD: torch.Tensor, labels_Bs: torch.Tensor):
+    """A ``head_fn`` that returns the final hidden states (a backbone's output)."""
+    return h_BsD
+
+
+def distill_step(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    group: dist.ProcessGroup | None = None,
+    sp_group: dist.ProcessGroup | None = None,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+    cuda: bool = False,
+    grad_clip: float = 1.0,
+) -> PostTrainStepResult:
+    """One step of on-policy distillation (TRL's ``DistillationTrainer`` as ``du.hf`` runs it)
+    on this rank's slice of ``B`` prompt+completion rows; positions whose label is not
+    ``IGNORE_INDEX`` are scored (see the module docstring). ``group``: the ``dp x sp`` ranks
+    (the global count of scored positions), ``sp_group``: this rank's sp group; ``cuda``: the
+    divergence allocating as on a GPU, for fake tensors only (it computes no values,
+    :func:`_gpu_divergence`)."""
+    with _gpu_divergence() if cuda else contextlib.nullcontext():
+        return _distill_step(student, teacher, batch, optimizer, scheduler, group=group,
+                             sp_group=sp_group, beta=beta, temperature=temperature, cuda=cuda,
+                             grad_clip=grad_clip)  # fmt: skip
+
+
+def _distill_step(student, teacher, batch, optimizer, scheduler, *, group, sp_group, beta,
+                  temperature, cuda, grad_clip) -> PostTrainStepResult:  # fmt: skip
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    valid_N = (batch.labels != IGNORE_INDEX).reshape(-1)
+    n_valid = global_valid_tokens(batch.labels, group)
+    entropy: list[torch.Tensor] = []
+
+    def head(hs_BsD: torch.Tensor, ws_VD: torch.Tensor, labels_Bs: torch.Tensor):
+        with torch.no_grad(), warnings.catch_warnings():  # TRL's order: after the student's
+            # backbone; its output is the final norm's (a view): no backward hook to lose
+            warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view")
+            ht_BsD = teacher(batch.input_ids, batch.position_ids, layout=batch.layout,
+                             labels=labels_Bs, head_fn=_hidden_head)  # fmt: skip
+        _reshard(teacher)  # its root would stay gathered (a forward without backward)
+        wt_VD = _head_weight(teacher).to(ht_BsD.dtype)
+        hs_ND, ht_ND = hs_BsD.reshape(-1, hs_BsD.shape[-1]), ht_BsD.reshape(-1, ht_BsD.shape[-1])
+        if cuda:  # TRL on a GPU projects h[valid]: a copy of each (every position scored here)
+            hs_ND, ht_ND = hs_ND.clone(), ht_ND.clone()
+        div_N, ent_N = ChunkedDivergenceFunction.apply(
+            hs_ND, ws_VD, None, ht_ND, wt_VD, None, beta, temperature, 1.0, None, 1.0, None
+        )
+        entropy.append(ent_N.masked_fill(~valid_N, 0).sum())
+        return div_N.masked_fill(~valid_N, 0)
+
+    div_N = student(batch.input_ids, batch.position_ids, layout=batch.layout,
+                    labels=batch.labels, head_fn=head)  # fmt: skip
+    div_sum = div_N.sum()
+    # the trainer's one all-reduce over sp: [divergence, entropy, count] (its gradient passes)
+    count = valid_N.sum().to(torch.float64)
+    sums = all_reduce_sum(torch.stack([div_sum.double(), entropy[0].double(), count]), sp_group)
+    loss = sums[0].to(div_sum.dtype) / n_valid
+    grad_norm = _finish(student, optimizer, scheduler, loss, grad_clip)
+    return PostTrainStepResult(float(loss.detach()), grad_norm)
+
+
+# ----------------------------------------------------------------------------------------------
 # one step of a kind, for the tracer and for the real run it is checked against
 # ----------------------------------------------------------------------------------------------
 def step_runner(
@@ -348,11 +502,13 @@ def step_runner(
     mesh: Any,
     *,
     grad_clip: float = 1.0,
+    cuda: bool = False,
 ) -> Callable[[Batch], Any]:
     """``run(batch)``: one step of ``spec``'s kind on this rank's slice ``batch`` (the trainer's
     :func:`~dtensor_ulysses.train.train_step` for SFT; GRPO's advantages are ones: their values
     do not change the bytes). ``mesh``: the ``("dp", "sp")`` mesh, or its
-    :class:`~dtensor_ulysses.parallel.ParallelDims` bound to it."""
+    :class:`~dtensor_ulysses.parallel.ParallelDims` bound to it; ``cuda``: distillation's
+    divergence as on a GPU (:func:`distill_step`)."""
     from dtensor_ulysses.parallel import ParallelDims
     from dtensor_ulysses.train import train_step
 
@@ -370,6 +526,14 @@ def step_runner(
         sp_group, dp = dims.sp_mesh.get_group(), dims.dp
         return lambda b: dpo_step(policy, reference, b, optimizer, scheduler, sp_group=sp_group,
                                   dp=dp, beta=spec.loss_beta, grad_clip=grad_clip)  # fmt: skip
+
+    if spec.kind == "distill":
+        if reference is None:
+            raise ValueError("a distillation step needs a teacher model")
+        sp_group = dims.sp_mesh.get_group()
+        return lambda b: distill_step(policy, reference, b, optimizer, scheduler, group=group,
+                                      sp_group=sp_group, beta=spec.loss_beta, cuda=cuda,
+                                      grad_clip=grad_clip)  # fmt: skip
 
     def grpo(b: Batch) -> PostTrainStepResult:
         advantages_B = torch.ones(b.input_ids.shape[0])

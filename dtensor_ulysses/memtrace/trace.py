@@ -41,16 +41,19 @@ forward and backward, until the gradient of the final norm's output exists), ``b
 (blocks, gradient reduction, clipping) and ``optimizer`` (the step and ``zero_grad``). Each
 phase's device peak, with its composition, is reported; the step's peak is their maximum.
 
-**Post-training steps** (``step="dpo"`` or ``"grpo"``, :mod:`dtensor_ulysses.memtrace.steps`):
-the same model and features, with the DPO or GRPO step in place of ``train_step`` (a chosen and
-a rejected row, or ``G`` rollouts, per dp rank). A reference model, when the step has one, is
-built by the same ``build`` (sharded alike), frozen, its shards in bf16 on CUDA; its weights
-are in ``parameters`` from the start. Forwards without gradients add phases: ``reference``
-(its blocks, ``reference/head`` its output head) and ``old_policy`` (GRPO with
-``num_iterations > 1``: the policy without gradients), each cut per block like ``forward``, so
-the extrapolation in depth holds for them too. The policy's output head is ``loss``, its
-forward and its backward (which starts the step's backward): in a DPO step the reference runs
-between the two, and what is alive while the head's chunks are recomputed is the loss phase's.
+**Post-training steps** (``step="dpo"``, ``"grpo"`` or ``"distill"``,
+:mod:`dtensor_ulysses.memtrace.steps`): the same model and features, with the DPO, GRPO or
+distillation step in place of ``train_step`` (a chosen and a rejected row, ``G`` rollouts, or
+one prompt+completion row, per dp rank). A reference model (distillation's teacher), when the
+step has one, is built by the same ``build`` (sharded alike), frozen, its shards in bf16 on
+CUDA; its weights are in ``parameters`` from the start. Forwards without gradients add phases:
+``reference`` (its blocks, ``reference/head`` its output head), ``teacher`` (the same for
+distillation's teacher, which runs inside the student's ``loss`` phase; the divergence after
+it is ``loss`` again) and ``old_policy`` (GRPO with ``num_iterations > 1``: the policy without
+gradients), each cut per block like ``forward``, so the extrapolation in depth holds for them
+too. The policy's output head is ``loss``, its forward and its backward (which starts the
+step's backward): in a DPO step the reference runs between the two, and what is alive while the
+head's chunks are recomputed is the loss phase's.
 
 **The vision-language step** (``step="vl"`` with a
 :class:`~dtensor_ulysses.memtrace.vision_step.VisionSpec`,
@@ -119,8 +122,10 @@ __all__ = [
 
 # every phase a traced step can have (GRPO's old policy and the reference model run without
 # gradients; a DPO step runs its reference after the policy's forward, TRL's order; a
-# vision-language step encodes its share of the images, ``vision``, before the decoder)
-PHASES = ("old_policy", "reference", "vision", "forward", "loss", "backward", "optimizer")
+# distillation step runs its teacher inside the student's loss; a vision-language step encodes
+# its share of the images, ``vision``, before the decoder)
+PHASES = ("old_policy", "reference", "vision", "forward", "loss", "teacher", "backward",
+          "optimizer")  # fmt: skip
 TRACE_DEVICES = ("cuda", "cpu")
 
 
@@ -287,7 +292,9 @@ def trace_train_step(
             per dp rank), ``"dpo"`` (:func:`~dtensor_ulysses.memtrace.steps.dpo_step`: a
             chosen and a rejected row of ``seq_len`` tokens each, a reference model) or
             ``"grpo"`` (:func:`~dtensor_ulysses.memtrace.steps.grpo_step`: ``G``
-            prompt+completion rows of ``seq_len`` tokens, a reference when ``beta > 0``) or
+            prompt+completion rows of ``seq_len`` tokens, a reference when ``beta > 0``),
+            ``"distill"`` (:func:`~dtensor_ulysses.memtrace.steps.distill_step`: one
+            prompt+completion row of ``seq_len`` tokens, a teacher of the same preset) or
             ``"vl"`` (:func:`~dtensor_ulysses.memtrace.vision_step.vl_step`: one row whose
             first ``images x image_patches`` tokens are image tokens, a vision tower).
         options: the recipe traced, as one :class:`~dtensor_ulysses.plan.ParallelOptions`
@@ -301,7 +308,7 @@ def trace_train_step(
     Raises:
         NotImplementedError: a requested feature is not in the trainer.
         TraceUnavailable: this torch lacks the private APIs.
-        ValueError: ``device`` is neither ``"cuda"`` nor ``"cpu"``; a DPO or GRPO step of a
+        ValueError: ``device`` is neither ``"cuda"`` nor ``"cpu"``; a post-training step of a
             preset the built-in model does not build (a hybrid); both ``options`` and keyword
             features.
     """
@@ -351,7 +358,11 @@ def trace_train_step(
                     frozen = torch.bfloat16 if device == "cuda" else None  # no master copy
                     ref_net = build(cfg, mesh, cpu, init=False)[0]
                     reference = reference_model(ref_net, frozen)
-                    hooks += _phase_hooks(reference, None, rec, offload_params, "reference")
+                    phase = "teacher" if spec.kind == "distill" else "reference"
+                    hooks += _phase_hooks(reference, None, rec, offload_params, phase)
+                    if spec.kind == "distill":  # back in the student's loss: the divergence
+                        hooks.append(reference.register_forward_hook(
+                            lambda _m, _a, _o: tl.mark("loss")))  # fmt: skip
                 tower = None
                 if spec.vision is not None:  # the vision-language step
                     tower, run, more = _vision_runner(spec.vision, cfg, dims, net, optimizer,
@@ -360,7 +371,7 @@ def trace_train_step(
                     warm = max(warm, -(-spec.vision.image_tokens // sp) * sp)
                 else:
                     run = step_runner(spec, net, reference, optimizer, scheduler, dims,
-                                      grad_clip=cfg.grad_clip)  # fmt: skip
+                                      grad_clip=cfg.grad_clip, cuda=device == "cuda")  # fmt: skip
                 run(rank0_batch(warm, sp, spec.rows))
                 _classify_states(net, optimizer, tl, offload_params)
                 if tower is not None:

@@ -401,13 +401,16 @@ def test_generation_and_other_loss_trainers_refused():
 
     with pytest.raises(UnsupportedTrainerError, match="AsyncGRPOTrainer.*generation"):
         with_ulysses(AsyncGRPOTrainer, sp=2)
-    with pytest.raises(UnsupportedTrainerError, match="DistillationTrainer computes its own loss"):
-        with_ulysses(trl.DistillationTrainer, sp=2)
+    from trl.experimental.orpo import ORPOTrainer
+
+    with pytest.raises(UnsupportedTrainerError, match="ORPOTrainer computes its own loss"):
+        with_ulysses(ORPOTrainer, sp=2)
     # the families with a mixin of their own (tests/hf/test_preference.py, test_reward.py,
-    # test_rl.py)
+    # test_rl.py, test_distill.py)
     for cls, mixin in ((trl.DPOTrainer, "_UlyssesDPO"), (trl.KTOTrainer, "_UlyssesKTO"),
                        (trl.RewardTrainer, "_UlyssesReward"), (trl.GRPOTrainer, "_UlyssesRL"),
-                       (trl.RLOOTrainer, "_UlyssesRL")):  # fmt: skip
+                       (trl.RLOOTrainer, "_UlyssesRL"),
+                       (trl.DistillationTrainer, "_UlyssesDistillation")):  # fmt: skip
         assert mixin in [c.__name__ for c in with_ulysses(cls, sp=2).__mro__]
     with pytest.raises(ValueError, match=r"unknown with_ulysses option\(s\)"):
         with_ulysses(trl.SFTTrainer, sp=2, tiled=True)

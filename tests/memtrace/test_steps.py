@@ -1,11 +1,13 @@
-"""The DPO and GRPO steps the tracer runs (``memtrace/steps.py``) are the losses they claim.
+"""The DPO, GRPO and distillation steps the tracer runs (``memtrace/steps.py``) are the losses
+they claim.
 
 One process, the tiny built-in model in float64 (no parallelism: ``sp_group=None``), the head
 tiled in chunks of 7 rows: each step's loss and its update (SGD with lr 1, no clipping: the new
 weights are the old ones minus the gradient) against an independent computation from full
-``[B, S, V]`` logits in float64 (``log_softmax`` gathered at the labels) and autograd. The
-library's log-probability primitive computes its logits in float32 (as on a GPU), hence the
-float32 tolerances.
+``[B, S, V]`` logits in float64 (``log_softmax`` gathered at the labels; for distillation the
+student's and the teacher's full distributions and the divergence written out) and autograd.
+The library's log-probability primitive and TRL's chunked divergence compute their logits in
+float32 (as on a GPU), hence the float32 tolerances.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import torch.nn.functional as F
 
 from dtensor_ulysses.data import full_batch
 from dtensor_ulysses.data.batch import IGNORE_INDEX
-from dtensor_ulysses.memtrace.steps import StepSpec, dpo_step, grpo_step, sequence_logps
+from dtensor_ulysses.memtrace.steps import (
+    StepSpec,
+    distill_step,
+    dpo_step,
+    grpo_step,
+    sequence_logps,
+)
 from dtensor_ulysses.models import build_model, set_tiling
 
 S = 24
@@ -145,15 +153,53 @@ def test_grpo_step_is_trl_dapo_loss(models, beta, old_shift):
     _assert_updated(policy, expect)
 
 
+@pytest.mark.parametrize("beta,temperature", [(0.0, 1.0), (0.5, 0.7), (1.0, 1.0)])
+def test_distill_step_is_trl_generalized_jsd(models, beta, temperature):
+    pytest.importorskip("trl")
+    policy, teacher = models
+    policy = copy.deepcopy(policy)
+    b = _batch(2, 4)
+    valid = b.labels != IGNORE_INDEX
+    with torch.no_grad():
+        t_logp = torch.log_softmax(teacher(b.input_ids, b.position_ids).double() / temperature, -1)
+
+    def loss_fn(m):  # TRL's mixture (1 - beta) p_student + beta p_teacher, per scored position
+        s_logp = torch.log_softmax(m(b.input_ids, b.position_ids).double() / temperature, -1)
+        kl_t = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # KL(teacher || student)
+        kl_s = (s_logp.exp() * (s_logp - t_logp)).sum(-1)  # KL(student || teacher)
+        if beta == 0.0:
+            per = kl_t
+        elif beta == 1.0:
+            per = kl_s
+        else:
+            log_m = torch.logaddexp(s_logp + torch.log(torch.tensor(1 - beta)),
+                                    t_logp + torch.log(torch.tensor(beta)))  # fmt: skip
+            per = beta * (t_logp.exp() * (t_logp - log_m)).sum(-1) + (1 - beta) * (
+                s_logp.exp() * (s_logp - log_m)
+            ).sum(-1)
+        return (per * valid).sum() / valid.sum()
+
+    expect, loss = _sgd_step(policy, loss_fn)
+    opt, sched = _optim(policy)
+    out = distill_step(policy, teacher, b, opt, sched, beta=beta, temperature=temperature,
+                       grad_clip=0)  # fmt: skip
+    assert out.loss == pytest.approx(loss, rel=1e-5)
+    _assert_updated(policy, expect)
+    assert not any(p.grad is not None for p in teacher.parameters())
+
+
 def test_step_spec_checks_and_defaults():
     assert StepSpec("dpo").rows == 2 and StepSpec("dpo").has_reference
     assert StepSpec("dpo").loss_beta == 0.1 and StepSpec("grpo").loss_beta == 0.0
     g = StepSpec("grpo", generations=4)
     assert g.rows == 4 and not g.has_reference and not g.has_old_policy
     assert StepSpec("grpo", beta=0.04, num_iterations=2).has_old_policy
+    d = StepSpec("distill")
+    assert d.rows == 1 and d.has_reference and d.loss_beta == 1.0 and not d.has_old_policy
     for bad, match in (({"kind": "ppo"}, "ppo"), ({"kind": "grpo", "generations": 0}, "G >= 1"),
                        ({"kind": "grpo", "num_iterations": 0}, "num_iterations"),
-                       ({"kind": "dpo", "beta": -1}, "beta")):  # fmt: skip
+                       ({"kind": "dpo", "beta": -1}, "beta"),
+                       ({"kind": "distill", "beta": 1.5}, r"in \[0, 1\]")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             StepSpec(**bad)
 
@@ -170,5 +216,9 @@ def test_cli_trace_step_bad_input(capsys):
     assert "--generations 0" in capsys.readouterr().err
     assert main([*base, "--step", "dpo", "--beta", "-1"]) == 2
     assert "--beta -1" in capsys.readouterr().err
+    assert main([*base, "--step", "distill", "--beta", "2"]) == 2
+    assert "in [0, 1]" in capsys.readouterr().err
+    assert main([*base, "--step", "distill", "--generations", "4"]) == 2
+    assert "GRPO's" in capsys.readouterr().err
     assert main(["trace", "--model", "qwen3.5-9b", "--seq-len", "8192", "--step", "dpo"]) == 2
     assert "hybrid" in capsys.readouterr().err

@@ -43,6 +43,10 @@ assert dpo.peak_phase != "reference", dpo.phases
 grpo = mt.trace_train_step("tiny", 1024, step=mt.StepSpec("grpo", generations=2))
 assert grpo.phases["forward"].by_category["parameters"] == 4 * m.n_params  # beta 0: none
 assert "reference" not in grpo.phases and grpo.step["rows_per_dp_rank"] == 2, grpo.step
+# distillation: a teacher of the same preset (bf16 shards), its forward inside the student's loss
+dist = mt.trace_train_step("tiny", 1024, step="distill")
+assert dist.phases["forward"].by_category["parameters"] == 6 * m.n_params, dist.phases
+assert list(dist.phases) == ["forward", "loss", "teacher", "backward", "optimizer"], dist.phases
 try:
     mt.trace_train_step("tiny", S, device="tpu")
 except ValueError as e:
@@ -106,7 +110,8 @@ def test_cli_trace_device_cpu_json(started):
 @pytest.mark.timeout(900)
 def test_real_cpu_step_peak_growth_matches_trace():
     # the real step in fresh processes (glibc mmap for >= 64 KiB, VmHWM) against the CPU trace:
-    # plain, checkpointing + tiled loss and MLP, head chunks at sp=2, offloaded activations;
+    # plain, checkpointing + tiled loss and MLP, head chunks at sp=2, offloaded activations, the
+    # DPO and the distillation steps;
     # two processes at a time (each reads only its own VmHWM), the GPU trace (below) beside them
     plain = trace_check.CONFIGS[0]
     code = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
+from dtensor_ulysses.hf.trainers.distillation import _UlyssesDistillation
 from dtensor_ulysses.hf.trainers.preference import _UlyssesDPO, _UlyssesKTO
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError, _refusals_in_one_line
 from dtensor_ulysses.hf.trainers.reward import _UlyssesReward
@@ -29,6 +30,7 @@ _FAMILIES: dict[str, type] = {
     "RewardTrainer": _UlyssesReward,
     "GRPOTrainer": _UlyssesRL,
     "RLOOTrainer": _UlyssesRL,
+    "DistillationTrainer": _UlyssesDistillation,
 }
 
 
@@ -37,7 +39,8 @@ def with_ulysses(
     cls: type, sp: int, options: ParallelOptions | None = None, **keywords: Any
 ) -> type:
     """A subclass of ``cls`` (``transformers.Trainer``, TRL ``SFTTrainer``, ``DPOTrainer``,
-    ``KTOTrainer`` or a subclass of one) that trains with Ulysses sequence parallelism of
+    ``KTOTrainer``, ``RewardTrainer``, ``GRPOTrainer``, ``RLOOTrainer``, ``DistillationTrainer``
+    or a subclass of one) that trains with Ulysses sequence parallelism of
     degree ``sp`` on FSDP2.
 
     ``with_ulysses(SFTTrainer, sp=4, options=ParallelOptions(activation_checkpointing=True))``
@@ -65,8 +68,10 @@ def with_ulysses(
 
     Raises:
         UnsupportedTrainerError: a trainer whose inputs come from generation or whose loss is
-            not the token cross entropy without a family mixin (DPO and KTO have theirs:
-            :mod:`~dtensor_ulysses.hf.trainers.preference`).
+            not the token cross entropy without a family mixin (:data:`_FAMILIES`: DPO and KTO,
+            :mod:`~dtensor_ulysses.hf.trainers.preference`; reward; GRPO and RLOO,
+            :mod:`~dtensor_ulysses.hf.trainers.rl`; on-policy distillation,
+            :mod:`~dtensor_ulysses.hf.trainers.distillation`).
         ValueError: bad ``sp``; an unknown keyword, both an object and keywords, a field
             the trainer does not apply, or a combination the one ``check`` refuses.
     """
@@ -83,9 +88,10 @@ def with_ulysses(
     if generation:
         raise UnsupportedTrainerError(
             f"{cls.__name__} ({generation[0]}) builds its training inputs by generation, which "
-            f"with_ulysses makes exact for GRPOTrainer and RLOOTrainer only (rollouts on whole "
-            f"prompts, shared by the sp group); supported: transformers.Trainer, "
-            f"trl.SFTTrainer{''.join(', trl.' + n for n in _FAMILIES)} (and subclasses)"
+            f"with_ulysses makes exact for GRPOTrainer, RLOOTrainer and DistillationTrainer only "
+            f"(rollouts on whole prompts, shared by the sp group); supported: "
+            f"transformers.Trainer, trl.SFTTrainer{''.join(', trl.' + n for n in _FAMILIES)} "
+            f"(and subclasses)"
         )
     family = next((n for n in names if n in _FAMILIES), None)
     is_trl = any(c.__module__.split(".")[0] == "trl" for c in cls.__mro__)
