@@ -3,8 +3,8 @@ the same step on every rank, saved through the Trainer's own checkpointing, and 
 
 Three real launches at once (2 CPU ranks, gloo, sp=2, ``tests/hf/stop_script.py``: a tiny Llama
 under ``with_ulysses(transformers.Trainer)``, a constant learning rate, ``save_strategy="no"``),
-each signalled once its step 2 is logged: torchrun SIGKILLed (its workers' launcher is gone), SIGTERM to
-torchrun's process group (a scheduler), SIGINT to it (a terminal's Ctrl-C). Each: one
+each signalled once its step 2 is logged: torchrun SIGKILLed (its workers' launcher is gone),
+SIGTERM to torchrun's process group (a scheduler), SIGINT to it (a terminal's Ctrl-C). Each: one
 ``preempted:`` line naming the stop and the step, ``output_dir/checkpoint-N`` of that step
 (``trainer_state.json`` at step N), status 75 on every rank (recorded through
 ``DTENSOR_ULYSSES_EXIT_DIR``), no worker left, no step logged after N; then
