@@ -87,8 +87,8 @@ Runs torchrun with the same arguments, and adds what a long run needs from its l
   * the exit status is the workers' own when they agree: 75 pre-empted (checkpointed, rerun
     with --resume), 2 bad input, 3 a non-finite step, 74 a checkpoint could not be written
     (plain torchrun exits 1 for all of them);
-  * a first Ctrl-C stops every worker after the same step with its checkpoint (75); a second
-    Ctrl-C kills torchrun and every worker at once, without waiting for the checkpoint.
+  * a first Ctrl-C stops every worker after the same step with its checkpoint (75);
+    a second Ctrl-C kills torchrun and every worker at once, without waiting for the checkpoint.
 
 The script may also be a with_ulysses training script (python -m dtensor_ulysses.launch
 --nproc-per-node 4 train_sft.py ...): it stops the same way, with the Trainer's checkpoint.
