@@ -68,7 +68,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+# torch is imported where it is used: the launcher's command line runs without it
 
 __all__ = [
     "ESCALATE_AFTER_S",
@@ -111,6 +111,8 @@ _REFUSAL = "_du_refusal"  # the attribute that marks an exception as a refusal (
 
 
 def _rank() -> int:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK") or 0)
@@ -293,6 +295,7 @@ def agreed_stop(device: Any = "cpu", group: Any = None) -> str | None:
     call it on every rank of the group alike. The largest code wins (the launcher's loss, then
     the largest signal number), so every rank names the same stop."""
     import torch
+    import torch.distributed as dist
 
     with _STOPS.lock:
         local = _code(_STOPS.received[0]) if _STOPS.received else 0
@@ -402,6 +405,8 @@ def leave_together(code: int, rank: int, *, grace: bool = True) -> int:
     already printed, or a stop every rank agreed on): no barrier, since peers may never reach
     it.
     """
+    import torch.distributed as dist
+
     if dist.is_initialized():
         if code == 0:
             dist.barrier()
@@ -498,6 +503,8 @@ def leave_together_at_exit(*, barrier: bool = True) -> None:
 
 
 def _leave_at_exit() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         together = _AT_EXIT.barrier and not _AT_EXIT.failed
         leave_together(0 if together else 1, dist.get_rank())

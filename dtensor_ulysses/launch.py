@@ -57,10 +57,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 from dtensor_ulysses._exit import EXIT_DIR_ENV, LAUNCHER_ENV, exit_process
 
 __all__ = [
@@ -99,6 +95,9 @@ _TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
 
 def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, coll_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -146,6 +145,8 @@ def run_local_world(
         RuntimeError: a rank raised (its traceback is in the message).
         TimeoutError: the deadline passed.
     """
+    import torch.multiprocessing as mp  # here: the launcher's command line runs without torch
+
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; use world_size >= 1")
     with tempfile.TemporaryDirectory(prefix="du-world-") as tmp:
