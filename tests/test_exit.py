@@ -216,7 +216,7 @@ with catch_stop_signals():
     os.kill(os.getpid(), signal.SIGINT)  # ... and torchrun's, within the second
     time.sleep(0.3)
     print("first press:", stop_signal_received(), _STOPS.received, flush=True)
-    time.sleep(1.0)
+    time.sleep(2.0)
     os.kill(os.getpid(), second)  # a second press
     time.sleep(30)
 print("not stopped", flush=True)

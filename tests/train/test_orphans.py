@@ -12,7 +12,7 @@ model with checkpoints, signalled once step 2 is logged:
   only the first gets SIGUSR1 (schedulers warn only the batch shell's node);
 * Ctrl-C: SIGINT to torchrun's group and to each worker (a terminal whose foreground group
   holds the workers too: every worker gets it twice, from the terminal and from torchrun);
-* Ctrl-C twice: SIGINT to torchrun's group, and again 2 s later, while the ranks are held in
+* Ctrl-C twice: SIGINT to torchrun's group, and again 3 s later, while the ranks are held in
   the stop (the test hook ``DTENSOR_ULYSSES_TEST_SLOW_STOP_S``: a long checkpoint write).
 
 In every case but the last: every rank stops after the same step, that step's checkpoint is
@@ -53,7 +53,7 @@ _CASES = {
     "ctrl_c": ("ctrl_c", signal.SIGINT),
     "ctrl_c_twice": ("ctrl_c_twice", signal.SIGINT),
 }
-SECOND_AFTER_S = 2.0  # the second Ctrl-C, this long after the first
+SECOND_AFTER_S = 3.0  # the second Ctrl-C, this long after the first
 HELD_S = 60  # how long the ranks are held in the stop, waiting for their checkpoint (test hook)
 
 
