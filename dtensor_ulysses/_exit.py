@@ -111,9 +111,8 @@ _REFUSAL = "_du_refusal"  # the attribute that marks an exception as a refusal (
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # never imported here: a signal may ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK") or 0)
 
@@ -143,17 +142,19 @@ def _arrived(signum: int, when: float) -> None:
         if not _STOPS.depth:
             return
         first = _STOPS.first_interrupt
-        if first is not None and name in ("SIGINT", "SIGTERM") and when - first >= ESCALATE_AFTER_S:
+        # a second press; copies of the first one (the terminal's, torchrun's) come sooner
+        if name in ("SIGINT", "SIGTERM") and first is not None and when - first >= ESCALATE_AFTER_S:
             _interrupt_now()
-        if name == "SIGINT" and first is None:
+        announce = name == "SIGINT" and first is None
+        if announce:
             _STOPS.first_interrupt = when
-            if _rank() == 0:
-                _say(
-                    "interrupted (Ctrl-C): every rank stops after the current step and writes "
-                    "its checkpoint; press Ctrl-C again to stop at once without it"
-                )
         if name not in _STOPS.received:
             _STOPS.received.append(name)
+    if announce and _rank() == 0:
+        _say(
+            "interrupted (Ctrl-C): every rank stops after the current step and writes its "
+            "checkpoint; press Ctrl-C again to stop at once without it"
+        )
 
 
 def _interrupt_now() -> None:
