@@ -1,7 +1,8 @@
 """What the checkpoint manifest costs: CRC-32 time against the checkpoint write and load.
 
-One process writes a checkpoint of about ``--gib`` GiB (a stack of linear layers and its AdamW
-state, fp32: 12 bytes per parameter across the ``.distcp`` file) with the trainer's own
+One process writes a checkpoint of at least ``--gib`` GiB (a stack of linear layers and its
+AdamW state, fp32: 12 bytes per parameter across the ``.distcp`` file; whole layers, so a
+little more) with the trainer's own
 :func:`dtensor_ulysses.train.checkpoint.save` (DCP, the small files, then the manifest, then
 the rename), then loads it with :func:`~dtensor_ulysses.train.checkpoint.load` (every byte
 checked against the manifest, then DCP reads through the safe reader). Separately, over the same
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -38,9 +40,9 @@ from dtensor_ulysses.train import manifest
 
 
 def _model(gib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
-    params = int(gib * 2**30 / 12)  # weights + two AdamW moments, fp32
+    params = math.ceil(gib * 2**30 / 12)  # weights + two AdamW moments, fp32
     width = min(2048, int((params / 4) ** 0.5))  # at least 4 layers
-    layers = max(1, round(params / (width * width)))
+    layers = max(1, math.ceil(params / (width * width)))  # whole layers: at least gib
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.randn(2, width)).sum().backward()
@@ -85,6 +87,7 @@ def measure(gib: float, repeats: int, where: str) -> dict:
     write_s = save_s - checksum_s  # the save without its manifest
     return {
         "bytes": size,
+        "requested_gib": gib,
         "gib": round(size / 2**30, 3),
         "save_s": round(save_s, 3),
         "write_without_manifest_s": round(write_s, 3),
@@ -99,7 +102,7 @@ def measure(gib: float, repeats: int, where: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gib", type=float, default=1.0, help="checkpoint size (GiB), about")
+    ap.add_argument("--gib", type=float, default=1.0, help="checkpoint size (GiB), at least")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     ap.add_argument("--json", default=None)

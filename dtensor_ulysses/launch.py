@@ -17,9 +17,15 @@ its whole process group:
   is killed, torchrun gets SIGTERM (Linux);
 * the exit status is the workers' own when they agree (75: pre-empted, checkpointed; 2: bad
   input; 3: a non-finite step), where torchrun alone would exit 1 for all of them;
-* a second Ctrl-C (SIGINT at least :data:`ESCALATE_AFTER_S` after the first) does not wait
-  for the checkpoint: it says so and kills torchrun and every worker at once (SIGKILL); the
-  newest complete checkpoint is kept.
+* a first Ctrl-C is forwarded like the other signals (every worker stops after the same step
+  with its checkpoint: status 75); a second Ctrl-C (SIGINT at least :data:`ESCALATE_AFTER_S`
+  after the first) does not wait for the checkpoint: it says so and kills torchrun and every
+  worker at once (SIGKILL); the newest complete checkpoint is kept;
+* a closed stderr (``2>&1 | tee log`` after ``tee`` died) never stops the relay of torchrun's
+  output: it goes to ``/dev/null`` from then on.
+
+Any script torchrun runs can be launched this way, a ``with_ulysses`` training script included
+(its ranks stop the same way, through the Trainer's own checkpoint).
 
 :func:`run_local_world` is for code that wants a small CPU world
 from inside Python — a test, a notebook cell, ``python -m simulations validate`` — and wants each
@@ -51,11 +57,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from dtensor_ulysses._exit import exit_process
+from dtensor_ulysses._exit import EXIT_DIR_ENV, LAUNCHER_ENV, exit_process
 
 __all__ = [
     "ESCALATE_AFTER_S",
@@ -72,7 +74,6 @@ __all__ = [
 # multiprocessing.set_forkserver_preload names once: a world starts in a fraction of a second; the
 # test suite uses it). Either way each process gets the caller's environment as it is at the call.
 WORLD_START_ENV = "DTENSOR_ULYSSES_WORLD_START"
-EXIT_DIR_ENV = "DTENSOR_ULYSSES_EXIT_DIR"  # where each worker leaves its exit status (rank{r})
 FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
 SHUTDOWN_TIMEOUT_S = 600  # torchrun's wait for its workers after a signal (its default: 30)
 ESCALATE_AFTER_S = 1.0  # a second SIGINT this long after the first kills (closer: one press)
@@ -86,8 +87,13 @@ Runs torchrun with the same arguments, and adds what a long run needs from its l
   * a signal to this process or to its process group reaches torchrun once; SIGTERM, SIGUSR1,
     SIGINT and SIGHUP are forwarded, and torchrun gets SIGTERM if this process is killed;
   * the exit status is the workers' own when they agree: 75 pre-empted (checkpointed, rerun
-    with --resume), 2 bad input, 3 a non-finite step, 74 a checkpoint could not be written;
-  * a second Ctrl-C kills torchrun and every worker at once, without waiting for the checkpoint.
+    with --resume), 2 bad input, 3 a non-finite step, 74 a checkpoint could not be written
+    (plain torchrun exits 1 for all of them);
+  * a first Ctrl-C stops every worker after the same step with its checkpoint (75);
+    a second Ctrl-C kills torchrun and every worker at once, without waiting for the checkpoint.
+
+The script may also be a with_ulysses training script (python -m dtensor_ulysses.launch
+--nproc-per-node 4 train_sft.py ...): it stops the same way, with the Trainer's checkpoint.
 
 torchrun's own options: python -m torch.distributed.run --help
 """
@@ -100,6 +106,9 @@ def _entry(
     if os.environ != env:  # forked from a server started earlier: the caller's environment now
         os.environ.clear()
         os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -150,6 +159,8 @@ def run_local_world(
         RuntimeError: a rank raised (its traceback is in the message).
         TimeoutError: the deadline passed.
     """
+    import torch.multiprocessing as mp  # here: the launcher's command line runs without torch
+
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; use world_size >= 1")
     method = os.environ.get(WORLD_START_ENV) or "spawn"
@@ -199,6 +210,7 @@ def _torchrun_env(exit_dir: str) -> dict[str, str]:
     env["PET_SIGNALS_TO_HANDLE"] = ",".join(dict.fromkeys([*have, *_TORCHRUN_SIGNALS]))
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     env[EXIT_DIR_ENV] = exit_dir
+    env[LAUNCHER_ENV] = str(os.getpid())
     return env
 
 
@@ -229,11 +241,9 @@ def _descendants(pid: int) -> list[int]:
 
 def _kill_all(pid: int) -> None:
     """The second Ctrl-C: SIGKILL torchrun (``pid``) and every process below it, and say so."""
-    print(
-        "launch: second interrupt: killing torchrun and its workers now (SIGKILL), without "
-        "waiting for their checkpoint; the newest complete checkpoint is kept",
-        file=sys.stderr,
-        flush=True,
+    _write_stderr(
+        b"launch: second interrupt: killing torchrun and its workers now (SIGKILL), without "
+        b"waiting for their checkpoint; the newest complete checkpoint is kept\n"
     )
     for target in [*_descendants(pid), pid]:  # workers first: they would outlive torchrun
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -259,29 +269,38 @@ class _StderrRelay:
         return any(name.startswith("rank") for name in os.listdir(self.exit_dir))
 
     def _run(self) -> None:
-        out = sys.stderr.buffer
-        for line in iter(self.stream.readline, b""):
+        for line in iter(self.stream.readline, b""):  # read to the end, whatever happens to ours
             starts = line.startswith(b"Traceback (most recent call last):")
             if self.held or (starts and self._workers_done()):
                 self.held.append(line)
                 continue
-            out.write(line)
-            out.flush()
+            _write_stderr(line)
 
     def join(self) -> None:
         self.thread.join(timeout=30)
 
     def finish(self, *, preempted: bool) -> None:
         if preempted and self.held:
-            print(
+            _write_stderr(
                 "launch: every worker stopped pre-empted (status 75, checkpointed); torchrun's "
-                f"own report of that stop ({len(self.held)} lines) is omitted",
-                file=sys.stderr,
-                flush=True,
+                f"own report of that stop ({len(self.held)} lines) is omitted\n".encode()
             )
         elif self.held:
-            sys.stderr.buffer.write(b"".join(self.held))
-            sys.stderr.buffer.flush()
+            _write_stderr(b"".join(self.held))
+
+
+def _write_stderr(data: bytes) -> None:
+    """Write to our stderr; once it is closed (its reader gone: ``2>&1 | tee`` after ``tee``
+    died), point it at /dev/null, so that relaying torchrun's output never stops (a full pipe
+    would block torchrun and its workers)."""
+    try:
+        sys.stderr.buffer.write(data)
+        sys.stderr.buffer.flush()
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stderr.fileno())
+            os.close(null)
 
 
 def _workers_status(exit_dir: str) -> int | None:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dtensor_ulysses._exit import leave_together_at_exit
 from dtensor_ulysses._torch_private import flatten_mesh
 from dtensor_ulysses.plan.splits import DP_AXIS as DP
 from dtensor_ulysses.plan.splits import RING_AXIS as RING
@@ -311,6 +312,10 @@ def init_mesh(
 
     Initializes the default process group from the torchrun environment if needed: NCCL on CUDA
     (with gloo for CPU tensors), gloo on CPU. On CUDA each process is pinned to ``cuda:LOCAL_RANK``.
+    At interpreter exit the groups are destroyed while the interpreter is intact and torch's C++
+    static destructors are skipped, keeping the script's exit status
+    (:func:`~dtensor_ulysses._exit.leave_together_at_exit`): a script that ends normally does
+    not abort in gloo's teardown.
 
     Args:
         dp: data-parallel degree (number of different sequences per step).
@@ -342,6 +347,7 @@ def init_mesh(
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timeout)
     dims = ParallelDims.resolve(dist.get_world_size(), dp, sp, ring)
+    leave_together_at_exit(barrier=False)  # the gloo teardown that can abort (see _exit.py)
     return init_device_mesh(device_type, dims.shape, mesh_dim_names=dims.axis_names)
 
 

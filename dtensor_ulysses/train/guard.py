@@ -13,22 +13,23 @@ Before anything is built (called by ``validate``):
 
 While training (called by the loop, every rank alike):
 
-* :func:`catch_stop_signals`: SIGTERM and SIGUSR1 (what SLURM and Kubernetes send before
-  killing a job) only set a flag; :meth:`RunGuard.stop_requested` all-reduces it at each step
-  boundary, so every rank stops after the same step, writes the checkpoint and leaves with
-  :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again, with ``--resume``). Under a launcher
-  (torchrun) it also starts a watcher thread that raises the same flag when the launcher is
-  gone (this worker's parent process changed: plain ``torchrun`` ended at once by SIGUSR1, which
-  it does not handle, or SIGKILLed by the OOM killer), so its workers stop the same way instead
-  of training on, orphaned; on other nodes the all-reduce stops the ranks whose launcher lives;
+* :meth:`RunGuard.stop_requested`: the stop requests that
+  :func:`~dtensor_ulysses._exit.catch_stop_signals` records (SIGTERM, SIGUSR1 and a first
+  Ctrl-C only set a flag; a launcher that died raises the same flag; a second Ctrl-C stops at
+  once), all-reduced at each step boundary, so every rank stops after the same step, writes
+  the checkpoint and leaves with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again, with
+  ``--resume``); on other nodes the all-reduce stops the ranks whose launcher lives;
 * :meth:`RunGuard.check_finite`: a non-finite loss or gradient norm stops the run at that step
-  with :data:`EXIT_NONFINITE` (3), naming the newest intact checkpoint and how to resume;
+  with :data:`EXIT_NONFINITE` (3), naming the newest checkpoint that passes its checks and how
+  to resume;
 * :meth:`RunGuard.heartbeat`: under torchrun, each rank keeps its last step and peak memory in
   its torchelastic error file, so when a rank dies by a signal (the kernel's OOM killer sends
   SIGKILL) torchrun's failure summary shows the rank, the signal and that peak.
 
-Test hook: ``DTENSOR_ULYSSES_TEST_NAN_AT_STEP=N`` (read only here) fills one parameter with NaN
-before step ``N`` (1-based), a real non-finite step through the model.
+Test hooks (read only here): ``DTENSOR_ULYSSES_TEST_NAN_AT_STEP=N`` fills one parameter with
+NaN before step ``N`` (1-based), a real non-finite step through the model;
+``DTENSOR_ULYSSES_TEST_SLOW_STOP_S=T`` makes the ranks wait ``T`` seconds once they agree to
+stop, before the stop's checkpoint (a long checkpoint write, for a second Ctrl-C to arrive in).
 """
 
 from __future__ import annotations
@@ -37,15 +38,20 @@ import contextlib
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from dtensor_ulysses._exit import write_rank_note
+from dtensor_ulysses._exit import (
+    EXIT_PREEMPTED,
+    LAUNCHER_GONE,
+    SINGLE_PROCESS_ENV,
+    agreed_stop,
+    describe_stop,
+    shell_status,
+    write_rank_note,
+)
 from dtensor_ulysses.train import checkpoint as ckpt
 from dtensor_ulysses.train.cli import TrainConfig, UsageError
 from dtensor_ulysses.train.metrics import _fmt_bytes
@@ -56,28 +62,24 @@ __all__ = [
     "EXIT_PREEMPTED",
     "LAUNCHER_GONE",
     "NAN_HOOK_ENV",
+    "SLOW_STOP_ENV",
     "SINGLE_PROCESS_ENV",
     "GuardStop",
     "NonFiniteStep",
     "Preempted",
     "RunGuard",
-    "catch_stop_signals",
     "check_compile_backend",
     "check_numbers",
     "check_targets",
     "clear_rank_note",
     "note_building",
     "note_refusal",
-    "record_exit_status",
-    "stop_signal_received",
     "prepare_cuda_allocator",
 ]
 
 EXIT_NONFINITE = 3
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the user is invited to retry
 NAN_HOOK_ENV = "DTENSOR_ULYSSES_TEST_NAN_AT_STEP"
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
-SINGLE_PROCESS_ENV = "DTENSOR_ULYSSES_SINGLE_PROCESS"  # set by main without a launcher
+SLOW_STOP_ENV = "DTENSOR_ULYSSES_TEST_SLOW_STOP_S"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,76 +282,6 @@ def prepare_cuda_allocator(cfg: TrainConfig) -> TrainConfig:
 # ----------------------------------------------------------------------------------------------
 # while training
 # ----------------------------------------------------------------------------------------------
-_received: list[str] = []  # names of the stop signals received while catch_stop_signals is on
-_depth: list[int] = []  # nesting of catch_stop_signals
-LAUNCHER_GONE = "launcher gone"  # in _received: this worker's launcher (its parent) died
-_LAUNCHER_GONE_CODE = 256  # above every signal number, so it wins the all-reduce
-LAUNCHER_POLL_S = 0.5
-_watching: list[threading.Thread] = []
-
-
-def _on_stop_signal(signum, frame) -> None:
-    _received.append(signal.Signals(signum).name)
-
-
-def _code(name: str) -> int:
-    return _LAUNCHER_GONE_CODE if name == LAUNCHER_GONE else int(signal.Signals[name])
-
-
-def _name(code: int) -> str:
-    return LAUNCHER_GONE if code == _LAUNCHER_GONE_CODE else signal.Signals(code).name
-
-
-def _watch_launcher() -> None:
-    """Under torchrun (not a single process): start, once, a daemon thread that adds
-    :data:`LAUNCHER_GONE` to the received stop signals when this process's parent changes."""
-    if _watching or "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get(SINGLE_PROCESS_ENV):
-        return
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(LAUNCHER_POLL_S)
-            if os.getppid() != parent:
-                if _depth and LAUNCHER_GONE not in _received:
-                    _received.append(LAUNCHER_GONE)
-                return
-
-    thread = threading.Thread(target=watch, name="du-launcher-watch", daemon=True)
-    thread.start()
-    _watching.append(thread)
-
-
-@contextlib.contextmanager
-def catch_stop_signals() -> Iterator[None]:
-    """While inside, SIGTERM and SIGUSR1 only set a flag (the loop stops at the next step
-    boundary); the previous handlers come back on leaving. A no-op outside the main thread."""
-    previous = {}
-    if not _depth:  # a nested use (main's, then train's) keeps what was received before
-        _received.clear()
-    _depth.append(1)
-    _watch_launcher()
-    try:
-        for name in STOP_SIGNALS:
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                previous[sig] = signal.signal(sig, _on_stop_signal)
-    except ValueError:  # not the main thread: signals cannot be caught here
-        pass
-    try:
-        yield
-    finally:
-        _depth.pop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def stop_signal_received() -> bool:
-    """Whether a stop signal (or the launcher's loss) was recorded by the last
-    :func:`catch_stop_signals` (torchrun's SIGTERM to a rank that is leaving anyway)."""
-    return bool(_received)
-
-
 class GuardStop(Exception):
     """The run stopped on purpose; ``main`` reports it and exits with :attr:`exit_code`."""
 
@@ -392,6 +324,7 @@ class RunGuard:
         hook = os.environ.get(NAN_HOOK_ENV)
         self.nan_at = int(hook) if hook else None
         self.stop_signal: str | None = None
+        self.resumed_from: Path | None = None  # the checkpoint this run loaded (set by the loop)
         self.skipped = 0  # steps skipped as non-finite (--skip-nonfinite)
         self.nan_backup: tuple | None = None  # the hook's poisoned tensor and its values
         clear_for_overwrite(cfg, rank)
@@ -449,45 +382,41 @@ class RunGuard:
         path, _ = ckpt.select_resume(self.cfg.checkpoint_dir)
         if path is None:
             return (
-                f"No intact checkpoint in {self.cfg.checkpoint_dir!r}: the run restarts from step 0"
+                f"No checkpoint in {self.cfg.checkpoint_dir!r} passes its checks: the run "
+                f"restarts from step 0"
             )
         step = int(ckpt.read_meta(path)["step"])
-        return (
-            f"The newest intact checkpoint is {path} (step {step}): continue from it with the "
-            f"same command plus --resume"
+        hint = (
+            f"The newest checkpoint that passes its checks (files, sizes, checksums) is {path} "
+            f"(step {step}): continue from it with the same command plus --resume"
         )
+        if self.resumed_from is not None and Path(self.resumed_from) == path:
+            hint += (
+                f" (this run started from it: if the step fails again after it, its weights may "
+                f"be the cause, since a checkpoint changed and resealed passes the checks too; "
+                f"move {path} aside to resume from an older one)"
+            )
+        return hint
 
     def stop_requested(self) -> bool:
-        """Whether any rank received a stop signal; a collective over all ranks (the largest
-        signal number wins, so every rank names the same one), so call it on every rank at
-        every step boundary."""
-        import torch
-        import torch.distributed as dist
-
-        local = _code(_received[0]) if _received else 0
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([local], dtype=torch.int32, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            local = int(flag.item())
-        self.stop_signal = _name(local) if local else None
-        return local > 0
+        """Whether any rank received a stop signal (or lost its launcher); a collective over all
+        ranks (:func:`~dtensor_ulysses._exit.agreed_stop`: every rank names the same stop), so
+        call it on every rank at every step boundary."""
+        self.stop_signal = agreed_stop(self.device)
+        if self.stop_signal is not None and os.environ.get(SLOW_STOP_ENV):
+            time.sleep(float(os.environ[SLOW_STOP_ENV]))  # the test hook: a long checkpoint
+        return self.stop_signal is not None
 
     def preempted(self, step: int) -> Preempted:
         """The stop after ``step``, its checkpoint written (when the run checkpoints)."""
-        what = f"{self.stop_signal or 'a stop signal'} received"
-        if self.stop_signal == LAUNCHER_GONE:
-            what = (
-                "a rank's launcher (torchrun) is gone (ended by a signal it does not handle, "
-                "such as SIGUSR1, or SIGKILLed)"
-            )
         if self.cfg.checkpoint_dir:
             where = Path(self.cfg.checkpoint_dir) / f"step_{step:08d}"
             saved = f"checkpoint {where} written; continue with the same command plus --resume"
         else:
             saved = "no --checkpoint-dir, so nothing was saved"
         return Preempted(
-            f"{what}: stopped after step {step} of {self.cfg.steps}; {saved} "
-            f"(exit status {EXIT_PREEMPTED})"
+            f"{describe_stop(self.stop_signal)}: stopped after step {step} of {self.cfg.steps}; "
+            f"{saved} ({shell_status(EXIT_PREEMPTED)})"
         )
 
     def heartbeat(self, record: dict) -> None:

@@ -63,7 +63,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_ulysses._exit import leave_together
+from dtensor_ulysses._exit import (
+    catch_stop_signals,
+    leave_together,
+    protect_output,
+    record_exit_status,
+    stop_signal_received,
+)
 from dtensor_ulysses.attention.kernels import describe_kernels, model_kernels
 from dtensor_ulysses.data import Batch
 from dtensor_ulysses.parallel import global_valid_tokens
@@ -76,13 +82,10 @@ from dtensor_ulysses.train.guard import (
     SINGLE_PROCESS_ENV,
     GuardStop,
     RunGuard,
-    catch_stop_signals,
     clear_rank_note,
     note_building,
     note_refusal,
     prepare_cuda_allocator,
-    record_exit_status,
-    stop_signal_received,
 )
 from dtensor_ulysses.train.metrics import StepLogger, truncate_after
 from dtensor_ulysses.train.resume import checkpoint_meta, load_checkpoint, save_checkpoint
@@ -185,7 +188,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     A step with an evaluation (``--eval-every``, and the last step with ``--eval-data``) also
     holds ``eval_loss``, ``eval_perplexity`` and ``eval_tokens``.
     """
-    with catch_stop_signals():  # SIGTERM / SIGUSR1: stop after the step, checkpointed
+    with catch_stop_signals():  # SIGTERM / SIGUSR1 / Ctrl-C: stop after the step, checkpointed
         return _train(cfg)[0]
 
 
@@ -255,6 +258,8 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
     records = []
     saved = start if cfg.resume else None
     guard = RunGuard(cfg, rank, device)  # stop signals, non-finite steps, --overwrite
+    guard.resumed_from = path
+    t_start = time.perf_counter()
     model.train()
     for step in range(start, cfg.steps):
         guard.before_step(step + 1, model)
@@ -296,7 +301,26 @@ def _train(cfg: TrainConfig) -> tuple[list[dict], torch.nn.Module]:
         save_checkpoint(cfg, cfg.steps, model, optimizer, scheduler, meta)
     if spec.export is not None:
         spec.export(cfg, model)
+    if rank == 0:
+        print(_closing_line(cfg, start, records, time.perf_counter() - t_start), flush=True)
     return records, model
+
+
+def _closing_line(cfg: TrainConfig, start: int, records: list[dict], seconds: float) -> str:
+    """The run's last line: what it trained and what it wrote where."""
+    what = [f"done: steps {start}->{cfg.steps} in {seconds:.0f} s"]
+    if records:
+        what.append(f"last loss {records[-1]['loss']:.4f}")
+    if cfg.checkpoint_dir:
+        final = Path(cfg.checkpoint_dir) / f"step_{cfg.steps:08d}"
+        what.append(f"checkpoint {final} (continue with --resume and a larger --steps)")
+    else:
+        what.append("no checkpoint (no --checkpoint-dir)")
+    if cfg.metrics_file:
+        what.append(f"metrics {cfg.metrics_file} (one JSON row per step)")
+    if cfg.save_hf:
+        what.append(f"transformers model {cfg.save_hf}")
+    return " | ".join(what)
 
 
 def _free_port() -> int:
@@ -305,10 +329,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_AFTER_CLOSED_OUTPUT = (
+    "its lines are dropped from here on; each step's record still goes to --metrics-file (if "
+    "given), and a stop still ends in its checkpoint"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status: 0 done, 2 bad input, 3 a non-finite
     loss or gradient norm, 74 a checkpoint could not be written (a full disk), 75 preempted
-    (SIGTERM or SIGUSR1; checkpointed), 1 anything else.
+    (SIGTERM, SIGUSR1, a first Ctrl-C, or the launcher gone; checkpointed), 130 a second Ctrl-C
+    (stopped at once), 1 anything else.
 
     Only a :class:`UsageError` becomes one ``error:`` line (from rank 0); any other exception is
     a bug or an environment failure and prints its full traceback on the rank where it happened.
@@ -317,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()), **{SINGLE_PROCESS_ENV: "1"})  # fmt: skip
     rank = int(os.environ["RANK"])
-    with catch_stop_signals():  # from the start: a signal while building stops after step 1
+    # from the start: a signal while building stops after step 1; a closed stdout or stderr
+    # (`| tee` gone) never ends the run
+    with catch_stop_signals(), protect_output(_AFTER_CLOSED_OUTPUT):
         code = _main(argv, rank)
     record_exit_status(code, rank)
     # a refusal on a rank that torchrun already told to stop (its SIGTERM, caught above while

@@ -132,9 +132,11 @@ def check(
         _, crcs = _crcs(root / name)
         for i, (got, want) in enumerate(zip(crcs, files[name]["crc32"])):
             if got != want:
+                size = files[name]["size"]
+                end = min((i + 1) * CHUNK_BYTES, size)
                 return (
-                    f"{name} does not match its checksum (bytes {i * CHUNK_BYTES} to "
-                    f"{(i + 1) * CHUNK_BYTES} changed since it was written)"
+                    f"{name} does not match its checksum (bytes {i * CHUNK_BYTES} to {end} of "
+                    f"its {size} changed since it was written)"
                 )
         if len(crcs) != len(files[name]["crc32"]):
             return f"{name} does not match its checksum (chunk count)"

@@ -79,6 +79,10 @@ def three_checkpoints(tmp_path_factory) -> Path:
     written = re.findall(r"^checkpoint step (\d+) written to (\S+)", res.stdout, re.M)
     assert [int(s) for s, _ in written] == [1, 2, 3], res.stdout[-2000:]
     assert "pack-docs off" in res.stdout, "the header says whether packing is on"
+    last = res.stdout.strip().splitlines()[-1]  # the closing line: what was written where
+    assert re.fullmatch(rf"done: steps 0->3 in \d+ s \| last loss \d+\.\d{{4}} \| checkpoint "
+                        rf"{ck / 'step_00000003'} \(continue with --resume and a larger "
+                        rf"--steps\)", last), last  # fmt: skip
     return ck
 
 

@@ -280,31 +280,38 @@ def _gone(pid: int) -> bool:
         return True
 
 
-# (how the job is launched, the signal, sent to the launcher's pid alone or to its group)
+# (how the job is launched, the signal, sent to the launcher's pid alone or to its group; the
+# groups of `launch ... | tee log`: tee dies with the group, rank 0's stdout has no reader)
 _STOPS = {
     "launch_usr1_pid": ("launch", signal.SIGUSR1, "pid"),
-    "launch_usr1_group": ("launch", signal.SIGUSR1, "group"),
+    "launch_tee_usr1_group": ("launch_tee", signal.SIGUSR1, "group"),
     "launch_term_pid": ("launch", signal.SIGTERM, "pid"),
-    "launch_term_group": ("launch", signal.SIGTERM, "group"),
+    "launch_tee_term_group": ("launch_tee", signal.SIGTERM, "group"),
+    "launch_ctrl_c_group": ("launch", signal.SIGINT, "group"),
     "torchrun_usr1_rank1": ("torchrun", signal.SIGUSR1, "rank1"),
 }
+_PIPE_JOB = str(Path(__file__).with_name("pipe_job.py"))
 
 
 @pytest.mark.timeout(500)
 def test_preempt_then_resume_equals_straight_run(tmp_path):
-    """SIGUSR1 and SIGTERM to ``python -m dtensor_ulysses.launch``, to its pid alone and to its
-    process group (as SLURM's batch-script trap and Kubernetes send them), and SIGUSR1 to one
-    torchrun worker: every rank stops after the same step, the checkpoint of that step is
-    written, no worker is left running, the status is 75 (the launcher's own; torchrun's
-    summary names the workers' 75); resuming gives the straight run's losses bit for bit, and a
-    resumed run drops the metrics rows logged past its checkpoint (a crash leaves them; planted
-    here). The straight run is made afterwards, as long as the stops need (the schedule does not
-    depend on ``--steps``), so how fast the jobs run cannot matter."""
+    """SIGUSR1 and SIGTERM to ``python -m dtensor_ulysses.launch``, to its pid alone and to the
+    process group of ``launch ... | tee log`` (as SLURM's batch-script trap, ``scancel
+    --signal`` and Kubernetes send them; ``tee`` dies with the group), a Ctrl-C (SIGINT to the
+    launcher's group), and SIGUSR1 to one torchrun worker: every rank stops after the same step,
+    the checkpoint of that step is written, one ``preempted:`` line, no worker is left running,
+    the status is 75 (the launcher's own; torchrun's summary names the workers' 75); a closed
+    stdout is noticed once and costs nothing; resuming gives the straight run's losses bit for
+    bit, and a resumed run drops the metrics rows logged past its checkpoint (a crash leaves
+    them; planted here). The straight run is made afterwards, as long as the stops need (the
+    schedule does not depend on ``--steps``), so how fast the jobs run cannot matter."""
     procs, workers = {}, {}
     for how, (launcher, _, _) in _STOPS.items():
         args = [*COMMON, "--steps", "1000", "--checkpoint-dir", str(tmp_path / how),
                 "--metrics-file", str(tmp_path / f"{how}.jsonl")]  # fmt: skip
-        cmd = _launch_cmd(args) if launcher == "launch" else _cmd(args)
+        cmd = _launch_cmd(args) if launcher.startswith("launch") else _cmd(args)
+        if launcher == "launch_tee":
+            cmd = [sys.executable, _PIPE_JOB, str(tmp_path / f"{how}.log"), *cmd]
         procs[how] = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True,
                                       start_new_session=True)  # fmt: skip
@@ -331,8 +338,10 @@ def test_preempt_then_resume_equals_straight_run(tmp_path):
     for how, (_, stderr) in outs.items():
         launcher, sig, _ = _STOPS[how]
         label = f"{how}: rc={procs[how].returncode}\n{stderr[-3000:]}"
-        m = re.search(r"^preempted: (SIG\w+) received: stopped after step (\d+) of 1000; "
-                      r"checkpoint (\S+) written", stderr, re.M)  # fmt: skip
+        lines = re.findall(r"^preempted: .*$", stderr, re.M)
+        assert len(lines) == 1, label
+        m = re.match(r"preempted: (SIG\w+)(?: \(Ctrl-C\))? received: stopped after step (\d+) of "
+                     r"1000; checkpoint (\S+) written", lines[0])  # fmt: skip
         assert m and m.group(1) == sig.name, label
         stop = int(m.group(2))
         assert sorted(_losses(tmp_path / f"{how}.jsonl")) == list(range(1, stop + 1)), label
@@ -340,8 +349,12 @@ def test_preempt_then_resume_equals_straight_run(tmp_path):
         assert _written(ck) == [f"step_{stop:08d}"], label
         left = [pid for pid in workers[how].values() if not _gone(pid)]
         assert not left, f"workers {left} still running; {label}"
-        if launcher == "launch":
+        if launcher == "launch_tee":  # its stdout closed: noticed once, every step recorded
+            assert len(re.findall(r"^warning: rank 0: stdout is closed", stderr, re.M)) == 1, label
+            assert "BrokenPipeError" not in stderr, label
+        if launcher.startswith("launch"):
             assert procs[how].returncode == EXIT_PREEMPTED, label
+            assert lines[0].endswith("(exit status 75)"), label
             assert "Traceback" not in stderr, label  # torchrun's report: one line instead
             assert "launch: every worker stopped pre-empted (status 75" in stderr, label
         else:  # torchrun's own status is 1; its summary names the workers' status and the stop
@@ -394,7 +407,9 @@ def test_injected_nan_stops_at_that_step(tmp_path):
     assert re.search(rf"exitcode\s*: {EXIT_NONFINITE} ", res.stderr), label
     [error] = _errors(res.stderr)
     assert re.match(r"error: step 3: non-finite loss nan", error), label
-    assert f"newest intact checkpoint is {ck / 'step_00000002'} (step 2)" in error, label
+    assert (f"newest checkpoint that passes its checks (files, sizes, checksums) is "
+            f"{ck / 'step_00000002'} (step 2): continue from it") in error, label  # fmt: skip
+    assert "this run started from it" not in error, label
     assert "--resume" in error, label
     assert sorted(_losses(m)) == [1, 2], "the NaN step must not be logged as a step"
     assert _written(ck) == ["step_00000001", "step_00000002"], "the NaN state must not be saved"

@@ -1,13 +1,26 @@
 """Plain ``torchrun`` (no ``dtensor_ulysses.launch`` wrapper) cannot lose a run's work.
 
-Four launches run at once, each a real torchrun job of 2 CPU ranks (gloo) training the tiny
-model with checkpoints: SIGUSR1 to torchrun's pid (torchrun does not handle it and dies at once,
-as when a scheduler warns the batch shell), SIGTERM to torchrun's pid (torchrun forwards it),
-SIGKILL of torchrun (as the OOM killer does), and two torchrun agents (``--nnodes 2``, a c10d
-rendezvous on localhost, one rank each) of which only the first gets SIGUSR1 (schedulers warn
-only the batch shell's node). In every case: every rank stops after the same step, that step's
-checkpoint is written, every rank's status is 75 (each records it: ``DTENSOR_ULYSSES_EXIT_DIR``),
-no worker is left, and resuming gives the straight run's losses exactly.
+Six launches run at once, each a real torchrun job of 2 CPU ranks (gloo) training the tiny
+model with checkpoints, signalled once step 2 is logged:
+
+* SIGUSR1 and SIGTERM to the process group of ``torchrun ... | tee log`` (what ``scancel
+  --signal`` and many schedulers do): ``tee`` dies with the group, so rank 0's stdout has no
+  reader; torchrun dies at once on SIGUSR1 (it does not handle it: its workers see their
+  launcher go) and forwards SIGTERM;
+* SIGKILL of torchrun (as the OOM killer does);
+* two torchrun agents (``--nnodes 2``, a c10d rendezvous on localhost, one rank each) of which
+  only the first gets SIGUSR1 (schedulers warn only the batch shell's node);
+* Ctrl-C: SIGINT to torchrun's group and to each worker (a terminal whose foreground group
+  holds the workers too: every worker gets it twice, from the terminal and from torchrun);
+* Ctrl-C twice: SIGINT to torchrun's group, and again 3 s later, while the ranks are held in
+  the stop (the test hook ``DTENSOR_ULYSSES_TEST_SLOW_STOP_S``: a long checkpoint write).
+
+In every case but the last: every rank stops after the same step, that step's checkpoint is
+written, one ``preempted:`` line, every rank's status is 75 (each records it:
+``DTENSOR_ULYSSES_EXIT_DIR``), no worker is left, and resuming gives the straight run's losses
+exactly; a closed stdout costs nothing (one ``warning:`` line; the metrics file has every step).
+Twice: every rank ends at once with status 130 without that checkpoint, and resuming from the
+newest complete one gives the straight run's losses exactly.
 """
 
 from __future__ import annotations
@@ -24,18 +37,24 @@ from pathlib import Path
 
 import pytest
 
-from dtensor_ulysses.train.guard import EXIT_PREEMPTED
+from dtensor_ulysses._exit import EXIT_INTERRUPTED
+from dtensor_ulysses.train.guard import EXIT_PREEMPTED, SLOW_STOP_ENV
 from tests.train.test_faults import ROOT, _cmd, _env, _run_all, _worker_pids
 from tests.train.test_guard import COMMON, _gone, _losses, _wait_for_step, _written
 from tests.train.test_train import _descendants
 
-# how the job is launched, and what reaches the first torchrun
+PIPE_JOB = str(Path(__file__).with_name("pipe_job.py"))
+# how the job is launched, and what reaches it
 _CASES = {
-    "usr1": ("standalone", signal.SIGUSR1),
-    "term": ("standalone", signal.SIGTERM),
+    "tee_usr1": ("tee", signal.SIGUSR1),
+    "tee_term": ("tee", signal.SIGTERM),
     "kill": ("standalone", signal.SIGKILL),
     "two_agents_usr1": ("two_agents", signal.SIGUSR1),
+    "ctrl_c": ("ctrl_c", signal.SIGINT),
+    "ctrl_c_twice": ("ctrl_c_twice", signal.SIGINT),
 }
+SECOND_AFTER_S = 3.0  # the second Ctrl-C, this long after the first
+HELD_S = 60  # how long the ranks are held in the stop, waiting for their checkpoint (test hook)
 
 
 def _port() -> int:
@@ -51,6 +70,19 @@ def _agents_cmds(args: list[str]) -> list[list[str]]:
     return [[*cmd, *args], [*cmd, *args]]
 
 
+def _stop(case: str, agent: subprocess.Popen, workers: list[int]) -> float:
+    """Send the case's stop to the job; returns when its last signal went."""
+    how, sig = _CASES[case]
+    if how in ("standalone", "two_agents"):
+        agent.send_signal(sig)  # the first torchrun only
+    else:
+        os.killpg(agent.pid, sig)  # start_new_session: the job (and tee) lead their group
+    if how == "ctrl_c":
+        for pid in workers:
+            os.kill(pid, sig)
+    return time.monotonic()
+
+
 @pytest.mark.timeout(600)
 def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_path):
     procs: dict[str, list[subprocess.Popen]] = {}
@@ -59,8 +91,14 @@ def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_
         exits.mkdir()
         args = [*COMMON, "--steps", "1000", "--checkpoint-dir", str(tmp_path / case),
                 "--metrics-file", str(tmp_path / f"{case}.jsonl")]  # fmt: skip
-        env = _env(DTENSOR_ULYSSES_EXIT_DIR=str(exits))
-        cmds = [_cmd(args)] if how == "standalone" else _agents_cmds(args)
+        extra = {}
+        if how == "ctrl_c_twice":
+            args += ["--checkpoint-every", "2"]
+            extra[SLOW_STOP_ENV] = str(HELD_S)
+        env = _env(DTENSOR_ULYSSES_EXIT_DIR=str(exits), **extra)
+        cmds = [_cmd(args)] if how != "two_agents" else _agents_cmds(args)
+        if how == "tee":
+            cmds = [[sys.executable, PIPE_JOB, str(tmp_path / f"{case}.log"), *cmds[0]]]
         procs[case] = []
         for cmd in cmds:
             procs[case].append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -69,18 +107,27 @@ def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_
             if how == "two_agents":
                 time.sleep(1.0)  # the first agent hosts the rendezvous
     workers: dict[str, list[int]] = {}
+    second: dict[str, float] = {}
     try:
         deadline = time.monotonic() + 300
         for case, agents in procs.items():
             _wait_for_step(tmp_path / f"{case}.jsonl", agents[0], 2, deadline)
             workers[case] = [pid for a in agents for pid in _worker_pids(a.pid).values()]
             assert len(workers[case]) == 2, (case, workers[case])
-            agents[0].send_signal(_CASES[case][1])  # the first torchrun only
-        outs = {c: [a.communicate(timeout=200) for a in agents] for c, agents in procs.items()}
-        deadline = time.monotonic() + 60
-        while any(not _gone(p) for pids in workers.values() for p in pids):
-            assert time.monotonic() < deadline, "workers still running 60 s after the stop"
-            time.sleep(0.2)
+            _stop(case, agents[0], workers[case])
+        time.sleep(SECOND_AFTER_S)
+        second["ctrl_c_twice"] = _stop("ctrl_c_twice", procs["ctrl_c_twice"][0], [])
+        gone_by: dict[str, float] = {}
+        deadline = time.monotonic() + 120
+        while len(gone_by) < len(workers):
+            for case, pids in workers.items():
+                if case not in gone_by and all(_gone(p) for p in pids):
+                    gone_by[case] = time.monotonic()
+            assert time.monotonic() < deadline, (
+                f"workers still running: {set(workers) - set(gone_by)}"
+            )
+            time.sleep(0.1)
+        outs = {c: [a.communicate(timeout=120) for a in agents] for c, agents in procs.items()}
     finally:
         for agents in procs.values():
             for a in agents:
@@ -95,24 +142,44 @@ def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_
     for case, streams in outs.items():
         stderr = "\n".join(err for _, err in streams)
         label = f"{case}:\n{stderr[-4000:]}"
-        m = re.search(r"^preempted: (.*): stopped after step (\d+) of 1000; checkpoint (\S+) "
-                      r"written", stderr, re.M)  # fmt: skip
-        assert m, label
         how, sig = _CASES[case]
-        gone = m.group(1).startswith("a rank's launcher (torchrun) is gone")
-        if sig == signal.SIGTERM:
-            assert m.group(1) == "SIGTERM received", label
-        elif how == "standalone":  # torchrun died at once: its workers saw their launcher go
-            assert gone, label
-        else:  # the second torchrun loses the rendezvous store the first one hosted and
-            # SIGTERMs its worker; whichever a step boundary sees first is named
-            assert gone or m.group(1) == "SIGTERM received", label
-        stop = int(m.group(2))
         statuses = sorted((p.name, p.read_text()) for p in (tmp_path / f"{case}.exit").iterdir())
-        assert statuses == [("rank0", str(EXIT_PREEMPTED)), ("rank1", str(EXIT_PREEMPTED))], (
-            statuses, label)  # fmt: skip
-        assert _written(tmp_path / case) == [f"step_{stop:08d}"], label
-        assert sorted(_losses(tmp_path / f"{case}.jsonl")) == list(range(1, stop + 1)), label
+        logged = sorted(_losses(tmp_path / f"{case}.jsonl"))
+        if how == "ctrl_c_twice":  # at once, without the stop's checkpoint
+            code = str(EXIT_INTERRUPTED)
+            assert statuses == [("rank0", code), ("rank1", code)], (statuses, label)
+            assert gone_by[case] - second[case] < HELD_S / 2, (gone_by[case] - second[case], label)
+            assert len(re.findall(r"^interrupted: a second Ctrl-C: stopped at once", stderr,
+                                  re.M)) == 1, label  # fmt: skip
+            assert "preempted:" not in stderr, label
+            newest = int(_written(tmp_path / case)[-1][5:])
+            assert _written(tmp_path / case) == [f"step_{s:08d}" for s in range(2, newest + 1, 2)]
+            stop = newest
+        else:
+            lines = re.findall(r"^preempted: .*$", stderr, re.M)
+            assert len(lines) == 1, label
+            m = re.match(r"preempted: (.*): stopped after step (\d+) of 1000; checkpoint (\S+) "
+                         r"written", lines[0])  # fmt: skip
+            assert m, label
+            gone = m.group(1).startswith("a rank's launcher (torchrun) is gone")
+            if sig == signal.SIGTERM:
+                assert m.group(1) == "SIGTERM received", label
+            elif sig == signal.SIGINT:
+                assert m.group(1) == "SIGINT (Ctrl-C) received", label
+                assert "exit status 75 on every rank; plain torchrun itself exits 1" in lines[0]
+            elif how == "two_agents":  # the second torchrun loses the rendezvous store the
+                # first one hosted and SIGTERMs its worker; whichever a step boundary sees first
+                assert gone or m.group(1) == "SIGTERM received", label
+            else:  # torchrun died at once: its workers saw their launcher go
+                assert gone, label
+            stop = int(m.group(2))
+            assert statuses == [("rank0", str(EXIT_PREEMPTED)), ("rank1", str(EXIT_PREEMPTED))], (
+                statuses, label)  # fmt: skip
+            assert _written(tmp_path / case) == [f"step_{stop:08d}"], label
+            assert logged == list(range(1, stop + 1)), label
+        if how == "tee":  # the closed stdout: noticed once, the steps' records all kept
+            assert len(re.findall(r"^warning: rank 0: stdout is closed", stderr, re.M)) == 1, label
+            assert "BrokenPipeError" not in stderr, label
         stops[case] = stop
         resume_jobs.append(([*COMMON, "--steps", str(stop + 2), "--resume", "--checkpoint-dir",
                              str(tmp_path / case), "--metrics-file",
@@ -124,8 +191,9 @@ def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_
     a = _losses(tmp_path / "a.jsonl")
     for (case, stop), res in zip(stops.items(), resumed):
         assert res.returncode == 0, (case, res.stderr[-3000:])
-        got = {**_losses(tmp_path / f"{case}.jsonl"), **_losses(tmp_path / f"{case}.b.jsonl")}
-        assert sorted(got) == list(range(1, stop + 3)), (case, sorted(got))
+        b = _losses(tmp_path / f"{case}.b.jsonl")
+        assert sorted(b) == [stop + 1, stop + 2], (case, sorted(b))
+        got = {**_losses(tmp_path / f"{case}.jsonl"), **b}
         assert got == {s: a[s] for s in got}, f"{case}: resumed losses differ from the straight run"
 
 

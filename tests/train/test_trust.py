@@ -229,10 +229,64 @@ def test_damage_found_while_loading_with_nothing_older_is_one_error(tmp_path, ca
     cfg = TrainConfig(checkpoint_dir=str(tmp_path / "ck"), resume=True)
     with pytest.raises(UsageError) as info:
         load_checkpoint(cfg, good, *_fresh())
+    size = (good / "__0_0.distcp").stat().st_size  # one chunk: the range is the whole file
+    assert size < manifest.CHUNK_BYTES
     assert re.fullmatch(
         rf"--resume: checkpoint {good} is damaged \(__0_0\.distcp does not match its checksum "
-        r"\(bytes 0 to 67108864 changed since it was written\)\) and no older intact checkpoint "
-        r"is left in '.*'\. Restore it from a copy, or delete the damaged directories to start "
-        r"over without --resume",
+        rf"\(bytes 0 to {size} of its {size} changed since it was written\)\) and no older "
+        r"intact checkpoint is left in '.*'\. Restore it from a copy, or delete the damaged "
+        r"directories to start over without --resume",
         str(info.value),
     ), str(info.value)
+
+
+def test_a_checksum_mismatch_names_the_changed_bytes_of_the_file(tmp_path, monkeypatch):
+    """The range in the message is the changed chunk's, cut at the end of the file: chunks of
+    1000 bytes (the constant patched), a file of 2500 bytes, one byte changed in each chunk."""
+    monkeypatch.setattr(manifest, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(manifest, "_READ_BYTES", 300)
+    f = tmp_path / "x.bin"
+    f.write_bytes(bytes(range(250)) * 10)
+    files = manifest.checksum(tmp_path, ["x.bin"])
+    assert files["x.bin"]["size"] == 2500 and len(files["x.bin"]["crc32"]) == 3
+    for at, (lo, hi) in ((10, (0, 1000)), (1500, (1000, 2000)), (2499, (2000, 2500))):
+        data = bytearray(f.read_bytes())
+        data[at] ^= 0xFF
+        f.write_bytes(bytes(data))
+        assert manifest.check(tmp_path, files) == (
+            f"x.bin does not match its checksum (bytes {lo} to {hi} of its 2500 changed since "
+            f"it was written)"
+        )
+        data[at] ^= 0xFF
+        f.write_bytes(bytes(data))
+    assert manifest.check(tmp_path, files) is None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_non_finite_hint_never_calls_a_checkpoint_intact(tmp_path):
+    """A checkpoint changed and resealed passes every check, loads, and may be what makes the
+    next step non-finite: the stop's hint names it as the newest checkpoint that passes its
+    checks and, when this run started from it, says so and how to take an older one."""
+    from dtensor_ulysses.train.cli import TrainConfig
+    from dtensor_ulysses.train.guard import NonFiniteStep, RunGuard
+
+    good = _tiny_checkpoint(tmp_path / "ck")
+    data = bytearray((good / "__0_0.distcp").read_bytes())
+    data[-300:-236] = b"\x07" * 64  # bytes of a tensor changed, then the manifest resealed
+    (good / "__0_0.distcp").write_bytes(bytes(data))
+    gadgets.reseal(good)
+    assert ckpt.verify(good) is None
+    cfg = TrainConfig(checkpoint_dir=str(tmp_path / "ck"), steps=9)
+    for resumed_from, caveat in ((None, False), (good, True)):
+        guard = RunGuard(cfg, 0, "cpu")
+        guard.resumed_from = resumed_from
+        with pytest.raises(NonFiniteStep) as info:
+            guard.check_finite(8, float("nan"), 1.0)
+        text = str(info.value)
+        assert "intact" not in text, text
+        assert (
+            f"The newest checkpoint that passes its checks (files, sizes, checksums) is "
+            f"{good} (step 7): continue from it with the same command plus --resume"
+        ) in text
+        assert ("this run started from it" in text) is caveat, text
+        assert (f"move {good} aside to resume from an older one" in text) is caveat, text

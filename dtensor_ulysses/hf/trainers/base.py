@@ -65,6 +65,10 @@ What the returned subclass does on ``P = dp x sp`` ranks:
 * **Files**: ``save_model`` / checkpoints write the files of a single-process run (full weights
   gathered one by one to rank 0, full optimizer state keyed by parameter name); resume reads
   them on every rank, each keeping its shard.
+* **Stops**: SIGTERM, SIGUSR1, Ctrl-C and a launcher that died end ``train()`` after the same
+  step on every rank, with that step saved as a Trainer checkpoint (``output_dir/checkpoint-N``,
+  resumable with ``resume_from_checkpoint``), then the process with status 75; a second Ctrl-C
+  stops at once (:mod:`~dtensor_ulysses.hf.trainers._stops`).
 
 Why FSDP2 is applied directly and not through accelerate's FSDP2 plugin: the plugin shards over
 the whole world with gradients *averaged* and wraps by its own policy; exactness needs summed
@@ -122,7 +126,7 @@ from dtensor_ulysses.hf.models.vision import (
     refuse_video,
     vision_model_inputs,
 )
-from dtensor_ulysses.hf.trainers import _accel, _state
+from dtensor_ulysses.hf.trainers import _accel, _state, _stops
 from dtensor_ulysses.hf.trainers.refusals import (
     UnsupportedTrainerError,
     _refusals_in_one_line,
@@ -349,6 +353,12 @@ class _UlyssesTrainer:
         _refuse_attention_dropout(self.model, self.args)  # a model TRL loaded from its name
         self.model = self.model_wrapped = self._du_parallelize(self.model)
         _announce(self)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock ``train``; a stop signal, Ctrl-C or a dead launcher ends it after the same
+        step on every rank with the Trainer's checkpoint, and the process with status 75
+        (:mod:`~dtensor_ulysses.hf.trainers._stops`)."""
+        return _stops.train_until_stopped(self, super().train, *args, **kwargs)  # type: ignore[misc]
 
     # ------------------------------------------------------------------------------------------
     # construction

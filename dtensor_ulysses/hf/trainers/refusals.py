@@ -2,8 +2,9 @@
 
 Every refusal is an :class:`UnsupportedTrainerError` (or the model routing's
 :class:`~dtensor_ulysses.hf.UnsupportedModelError`) whose message names the setting and the fix;
-under a launch it ends the process with one ``error:`` line from rank 0
-(:func:`_refusals_in_one_line`) instead of a traceback from every rank.
+under a launch it ends the process with one ``error:`` line from rank 0 instead of a traceback
+from every rank: this module decides what is a refusal (:func:`_refusals_in_one_line`), and
+:func:`dtensor_ulysses._exit.mark_refusal` how the process then leaves.
 """
 
 from __future__ import annotations
@@ -11,18 +12,12 @@ from __future__ import annotations
 import functools
 import linecache
 import os
-import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dtensor_ulysses._exit import (
-    exit_process,
-    leave_together,
-    write_rank_note,
-)
+from dtensor_ulysses._exit import mark_refusal
 from dtensor_ulysses.hf.models.routing import (
     UnsupportedModelError,
     attention_dropout,
@@ -62,8 +57,10 @@ def _is_refusal(e: BaseException) -> bool:
 
 def _refusals_in_one_line(fn: Any) -> Any:
     """Decorate ``fn`` so that a refusal it raises, if nothing catches it, ends the process with
-    one ``error:`` line printed by rank 0 alone (status 2, the message also in torchrun's failure
-    summary) instead of a traceback from every rank. In-process (no launcher) it is raised."""
+    one ``error:`` line printed by rank 0 alone (status 2 on every rank, the message also in
+    torchrun's failure summary; the shell sees 1 under plain torchrun, 2 under
+    ``python -m dtensor_ulysses.launch``) instead of a traceback from every rank. The exception
+    itself is unchanged: a caller may catch it."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -71,39 +68,10 @@ def _refusals_in_one_line(fn: Any) -> Any:
             return fn(*args, **kwargs)
         except ValueError as e:
             if _is_refusal(e):
-                e._du_refusal = True  # type: ignore[attr-defined]
-                _install_refusal_hook()
+                mark_refusal(e)  # left uncaught: one line, status 2 (see _exit.py)
             raise
 
     return wrapper
-
-
-def _install_refusal_hook() -> None:
-    """Wrap ``sys.excepthook`` (once): an uncaught refusal leaves as :func:`_leave_refused`
-    says; anything else goes to the previous hook (its traceback)."""
-    if getattr(sys.excepthook, "_du_refusals", False):
-        return
-    previous = sys.excepthook
-
-    def hook(kind: type, value: BaseException, tb: Any) -> None:
-        if not getattr(value, "_du_refusal", False):
-            return previous(kind, value, tb)
-        _leave_refused(value)
-
-    hook._du_refusals = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
-def _leave_refused(e: BaseException) -> None:
-    """Rank 0 prints ``error: <message>`` on one line; every rank writes the message where
-    torchrun's failure summary shows it; the other ranks wait for rank 0 to end the job
-    (:func:`~dtensor_ulysses._exit.leave_together`); all leave with status 2."""
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK") or 0)
-    text = " ".join(str(e).split())
-    write_rank_note(f"{type(e).__name__}: {text}")
-    if rank == 0:
-        print(f"error: {text}", file=sys.stderr, flush=True)
-    exit_process(leave_together(2, rank))
 
 
 def _single_process_launch(who: str, sp: int) -> str:
