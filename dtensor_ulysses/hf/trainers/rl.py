@@ -59,16 +59,23 @@ explicit ``generation_batch_size``).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.hf.batch import shard_batch
+from dtensor_ulysses.hf.models.vision import (
+    is_vision_language,
+    vision_family,
+    vision_model_inputs,
+)
+from dtensor_ulysses.hf.trainers import _state
 from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
+from dtensor_ulysses.hf.trainers.logps import _at_least_sp
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError, _refusals_in_one_line
 from dtensor_ulysses.hf.trainers.rollouts import _dp_gather_same, _patched, _Rollouts
 from dtensor_ulysses.plan.splits import DP_AXIS, SP_AXIS
@@ -93,6 +100,8 @@ class _UlyssesRL(_Rollouts):
     accelerator: Any
     ref_model: Any
     reward_funcs: list
+    _pending_extra_logs: Any
+    _pending_metrics: Any
 
     @_refusals_in_one_line
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -106,29 +115,51 @@ class _UlyssesRL(_Rollouts):
         super().__init__(*args, **kwargs)
         # the stock trainer's own rule for gradient accumulation (the shared mixin set its own)
         self.__dict__.pop("loss_is_scaled_for_ga", None)
+        hf: Any = _state.base_model(self.model)
+        if is_vision_language(hf) and vision_family(hf) != "qwen":
+            raise UnsupportedTrainerError(
+                f"with_ulysses({_user_class(type(self))}): vision-language rollouts run for "
+                f"Qwen2.5-VL and Qwen3-VL (images as patch grids); "
+                f"{hf.config.model_type} is not covered"
+            )
         if getattr(self, "ref_model", None) is not None:
             self.ref_model = self._du_parallelize_reference(self.ref_model)  # type: ignore[attr-defined]
-        # reward models run whole on sp rank 0 of each group: on this rank's device (the shared
-        # accelerator places no model itself; FSDP2 places the sharded ones)
+        # reward models run whole on the rank that owns the rollouts: on this rank's device (the
+        # shared accelerator places no model itself; FSDP2 places the sharded ones)
         for func in self.reward_funcs:
             if isinstance(func, nn.Module):
                 func.to(self.accelerator.device)
-        self._du_seed_as_stock_rank()
+        multi_turn = any(getattr(self, k, None) for k in ("tools", "environment_factories",
+                                                          "rollout_func"))  # fmt: skip
+        self._du_init_rollouts(multi_turn=multi_turn)
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any,
                            completion_ids_list: Any) -> torch.Tensor:  # fmt: skip
-        """The reward functions on sp rank 0 only; the rewards broadcast over sp, then gathered
-        over dp as the stock trainer gathers them over its ranks."""
+        """The reward functions on the rank that owns each rollout (its environment is there),
+        on its rollouts only; the rewards (and what the functions logged) exchanged over sp,
+        then gathered over dp as the stock trainer gathers them over its ranks."""
         device = self.accelerator.device
-        if self._du_mesh.get_local_rank(SP_AXIS) == 0:
-            with _patched(self._du_trl_module(), "gather", lambda t: t):
+        lo, hi = self._du_own_rows(len(prompts))
+        if hi > lo:
+            with self._du_owned_rollouts(lo, hi), _patched(self._du_trl_module(), "gather",
+                                                            lambda t: t):  # fmt: skip
                 local = super()._calculate_rewards(  # type: ignore[misc]
-                    inputs, prompts, completions, completion_ids_list
+                    inputs[lo:hi], prompts[lo:hi], completions[lo:hi], completion_ids_list[lo:hi]
                 )
         else:
-            local = torch.zeros(len(prompts), len(self.reward_funcs), device=device)
+            local = torch.zeros(0, len(self.reward_funcs), device=device)
         if self._du_sp > 1:
-            dist.broadcast(local, src=self._du_sp_root(), group=self._du_sp_group())
+            parts = self._du_sp_gather_object((local.cpu(), dict(self._pending_extra_logs),
+                                               dict(self._pending_metrics), hi - lo))  # fmt: skip
+            local = torch.cat([p[0] for p in parts]).to(device)
+            extra: dict[str, list] = {}
+            for column in sorted({c for p in parts for c in p[1]}):
+                extra[column] = [v for p in parts for v in p[1].get(column, [None] * p[3])]
+            metrics: dict[str, list] = {}
+            for name in sorted({m for p in parts for m in p[2]}):
+                metrics[name] = [v for p in parts for v in p[2].get(name, [])]
+            self._pending_extra_logs = defaultdict(list, extra)
+            self._pending_metrics = defaultdict(list, metrics)
         return _dp_gather_same(local, self._du_mesh[DP_AXIS].get_group())
 
     # ------------------------------------------------------------------------------------------
@@ -137,13 +168,15 @@ class _UlyssesRL(_Rollouts):
     def _get_per_token_logps_and_entropies(
         self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         logits_to_keep: int, batch_size: int | None = None, compute_entropy: bool = False,
-        compute_aux_loss: bool = False, **extra: Any,
+        compute_aux_loss: bool = False, pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None, num_images: list[int] | None = None,
+        mm_token_type_ids: torch.Tensor | None = None, **extra: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         used = sorted(k for k, v in extra.items() if v is not None)
         if used or compute_aux_loss:
             raise UnsupportedTrainerError(
-                f"with_ulysses: the RL log-probabilities take text rows only; got "
-                f"{used or ['compute_aux_loss']}"
+                f"with_ulysses: the RL log-probabilities take text rows and Qwen-VL images "
+                f"only; got {used or ['compute_aux_loss']}"
             )
         mesh, group = self._du_mesh, self._du_sp_group()
         me = mesh.get_local_rank(SP_AXIS)
@@ -151,23 +184,33 @@ class _UlyssesRL(_Rollouts):
         step = batch_size or B
         logps, entropies = [], []
         for lo in range(0, B, step):
-            ids_BS = input_ids[lo : lo + step]
-            mask_BS = attention_mask[lo : lo + step]
+            hi = min(lo + step, B)
+            ids_BS = input_ids[lo:hi]
+            mask_BS = attention_mask[lo:hi]
             labels_BS = ids_BS.masked_fill(mask_BS == 0, -100)
             labels_BS[:, :-logits_to_keep] = -100  # only completion tokens are scored
-            sb = shard_batch({"input_ids": ids_BS, "labels": labels_BS,
-                              "attention_mask": mask_BS}, mesh, count_valid=False)  # fmt: skip
+            rows = _at_least_sp({"input_ids": ids_BS, "labels": labels_BS,
+                                 "attention_mask": mask_BS}, self._du_sp)  # fmt: skip
+            Sp = rows["input_ids"].shape[1]  # S, or sp when the rows are shorter (padding)
+            if mm_token_type_ids is not None:
+                rows["mm_token_type_ids"] = F.pad(mm_token_type_ids[lo:hi], (0, Sp - S))
+            if pixel_values is not None:
+                rows.update(_image_rows(pixel_values, image_grid_thw, num_images, lo, hi))
+            sb = shard_batch(rows, mesh, count_valid=False)
+            if pixel_values is not None or mm_token_type_ids is not None:
+                call = vision_model_inputs(rows, sb)  # the full rows: sliced after the merge
+            else:
+                call = dict(input_ids=sb.input_ids, position_ids=sb.position_ids,
+                            ulysses_layout=sb.layout)  # fmt: skip
             with self.accelerator.autocast():
-                out = model(input_ids=sb.input_ids, position_ids=sb.position_ids,
-                            ulysses_layout=sb.layout, shift_labels=sb.labels,
-                            fused_lm_head=True)  # fmt: skip
+                out = model(**call, shift_labels=sb.labels, fused_lm_head=True)
             left = sb.layout.offset(me)
-            right = S - left - sb.input_ids.shape[1]
+            right = Sp - left - sb.input_ids.shape[1]
             # [B, S]: the log-probability at t is that of token t + 1 (the shifted labels)
-            full_BS = all_reduce_sum(F.pad(out.log_probs.float(), (left, right)), group)
+            full_BS = all_reduce_sum(F.pad(out.log_probs.float(), (left, right)), group)[:, :S]
             logps.append(full_BS[:, -logits_to_keep - 1 : -1])
             if compute_entropy:
-                ent_BS = all_reduce_sum(F.pad(out.entropy.float(), (left, right)), group)
+                ent_BS = all_reduce_sum(F.pad(out.entropy.float(), (left, right)), group)[:, :S]
                 entropies.append(ent_BS[:, -logits_to_keep - 1 : -1])
         return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None)
 
@@ -235,26 +278,39 @@ def _dp_generation_batch(args: Any, sp: int) -> None:
     args.generation_batch_size = batch
 
 
+def _user_class(cls: type) -> str:
+    """The name of the class the user passed to :func:`with_ulysses` (the last base)."""
+    return cls.__bases__[-1].__name__
+
+
+def _image_rows(pixel_values: torch.Tensor, image_grid_thw: Any, num_images: list[int] | None,
+                lo: int, hi: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Rows ``lo:hi``'s images of a Qwen-VL batch (TRL's cut: each image's ``t*h*w`` patch
+    rows, ``num_images`` per row)."""
+    if image_grid_thw is None or num_images is None:
+        raise UnsupportedTrainerError(
+            "with_ulysses: vision-language rollouts need image_grid_thw and num_images (Qwen-VL "
+            "images as patch grids)"
+        )
+    first, last = sum(num_images[:lo]), sum(num_images[:hi])
+    patches = image_grid_thw.prod(-1).tolist()
+    p0, p1 = sum(patches[:first]), sum(patches[:last])
+    return {"pixel_values": pixel_values[p0:p1], "image_grid_thw": image_grid_thw[first:last]}
+
+
 def _refuse_rl(cls: type, bound: dict, sp: int) -> None:
     """One line per refused feature, before anything is loaded."""
     args = bound.get("args")
-    name = cls.__name__
+    name = _user_class(cls)
     problems = []
-    for key, why in (
-        ("tools", "tool calling (multi-turn rollouts whose tool outputs are spliced in)"),
-        ("environment_factory", "environments (multi-turn rollouts)"),
-        ("rollout_func", "a custom rollout_func (its generation runs outside with_ulysses)"),
-    ):
-        if bound.get(key):
-            problems.append(f"{key}: {why}")
-    processing = bound.get("processing_class")
-    if processing is not None and hasattr(processing, "image_processor"):
-        problems.append("a vision-language processor: vision-language rollouts are not supported")
     if args is not None:
         for key, why in (
             ("use_vllm", "vLLM generation: no GPU test covers it here yet; use use_vllm=False"),
             ("use_transformers_continuous_batching",
-             "continuous batching generates without the FSDP2 synced steps; set it to False"),
+             "transformers' continuous batching (use_transformers_paged is its deprecated name) "
+             "schedules and samples every request of a rank in one engine, not per rollout, so "
+             "its rollouts would change with sp, and its paged cache is not covered by the "
+             "tests; set it to False (with_ulysses splits each round over the sp group)"),
             ("sync_ref_model", "sync_ref_model: the sharded reference is not re-synced"),
             ("use_adaptive_entropy", "an adaptive entropy bonus is not covered by the tests"),
         ):  # fmt: skip
