@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # prompts of unequal lengths (left padding), a rule reward on the completion text
 PROMPTS = [
@@ -27,8 +29,8 @@ GRAD_PARAMS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.wei
                "model.layers.1.mlp.down_proj.weight", "lm_head.weight")  # fmt: skip
 _LORA = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.default.weight"
 LORA_GRAD_PARAMS = (_LORA.format(0, "q_proj", "A"), _LORA.format(1, "v_proj", "B"))
-VL_GRAD_PARAMS = ("model.visual.blocks.0.attn.qkv.weight",
-                  "model.language_model.layers.0.self_attn.q_proj.weight", "lm_head.weight")  # fmt: skip
+VL_GRAD_PARAMS = ("model.visual.blocks.0.attn.qkv.weight", "lm_head.weight",
+                  "model.language_model.layers.0.self_attn.q_proj.weight")  # fmt: skip
 
 
 def save_reward_model(directory: Path, tok_dir: str) -> str:
@@ -188,7 +190,7 @@ def build(spec: dict) -> Any:
         common["loss_type"] = spec.get("loss_type", "grpo")
         for k in ("importance_sampling_level", "num_iterations", "mask_truncated_completions",
                   "top_entropy_quantile", "steps_per_generation", "entropy_coef",
-                  "max_tool_calling_iterations"):  # fmt: skip
+                  "max_tool_calling_iterations", "shuffle_dataset"):  # fmt: skip
             if k in spec:
                 common[k] = spec[k]
     else:
@@ -244,12 +246,21 @@ EVAL_LOGGED = ("eval_loss", "eval_reward", "eval_rewards/reward_the/mean", "eval
 
 
 def run(spec: dict) -> dict:
-    """Train 3 steps; the logged history, the advantages' stats and a few full gradients."""
+    """Train ``steps`` steps (default 3); the logged history, the advantages' stats, a few full
+    gradients, each round's completions, tool masks and advantages. ``capacity``: the memory
+    preflight's capacity override (a small one: the weights gathered layer by layer)."""
+    from dtensor_ulysses.plan import CAPACITY_ENV
+
     if spec.get("count"):
         os.environ["DU_RL_COUNT"] = spec["count"]
-    trainer = build(spec)
-    trainer.train()
-    os.environ.pop("DU_RL_COUNT", None)
+    if spec.get("capacity"):
+        os.environ[CAPACITY_ENV] = spec["capacity"]
+    try:
+        trainer = build(spec)
+        trainer.train()
+    finally:
+        os.environ.pop("DU_RL_COUNT", None)
+        os.environ.pop(CAPACITY_ENV, None)
     hist = [h for h in trainer.state.log_history if "loss" in h]
     out: dict = {k: [h.get(k) for h in hist] for k in LOGGED}
     adv = list(trainer._logs["advantages"])
@@ -265,16 +276,33 @@ def run(spec: dict) -> dict:
 
 
 def comm(spec: dict) -> dict:
-    """The collectives of one rollout-and-score and of one log-prob pass, counted on the sp
-    group (:class:`~dtensor_ulysses.debug.CommCounter`)."""
+    """The collectives of a round (rollouts, rewards; the second round: FSDP2 has set up in the
+    first) and of one log-prob pass (:class:`~dtensor_ulysses.debug.CommCounter`), and the
+    closed form of the round's weight gathers: one all-gather per FSDP2 unit of its padded
+    shard (``ceil(rows / world)`` rows of each parameter, float32)."""
+    from torch.distributed.fsdp import FSDPModule
+
     from dtensor_ulysses.debug import CommCounter
+    from dtensor_ulysses.parallel import flatten_dp_sp
 
     trainer = build(spec)
     trainer.model.train()
-    batch = next(iter(trainer.get_train_dataloader()))
-    group = trainer._du_mesh["sp"].get_group()
-    with CommCounter() as score:
-        out = trainer._generate_and_score_completions(batch)
+    batches = iter(trainer.get_train_dataloader())
+    sp_group = trainer._du_mesh["sp"].get_group()
+    dp_group = trainer._du_mesh["dp"].get_group()
+    flat = flatten_dp_sp(trainer._du_mesh).get_group()
+    trainer._generate_and_score_completions(next(batches))
+    with CommCounter() as rnd:
+        out = trainer._generate_and_score_completions(next(batches))
+    units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+    world = dist.get_world_size()
+    shard_bytes = 0
+    for u in units:
+        own = {id(p) for m in u.modules() if m is not u and isinstance(m, FSDPModule)
+               for p in m.parameters()}  # fmt: skip
+        for p in u.parameters():
+            if id(p) not in own:
+                shard_bytes += -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * 4
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     C = out["completion_ids"].shape[1]
@@ -283,9 +311,30 @@ def comm(spec: dict) -> dict:
                                                    compute_entropy=True)  # fmt: skip
     return {
         "rows": list(ids.shape),
-        "score_broadcasts": score.count("broadcast", group),
-        "logps_all_reduce": [logps.count("all_reduce", group), logps.bytes("all_reduce", group)],
-    }
+        "round_sp": [rnd.count("all_gather", sp_group), rnd.count(None, sp_group)],
+        "round_flat": [rnd.count("all_gather", flat), rnd.bytes("all_gather", flat),
+                       rnd.count(None, flat)],
+        "round_other": rnd.count() - sum(rnd.count(None, g) for g in (sp_group, dp_group, flat)),
+        "units": len(units),
+        "unit_bytes": shard_bytes,
+        "logps_all_reduce": [logps.count("all_reduce", sp_group),
+                             logps.bytes("all_reduce", sp_group)],
+    }  # fmt: skip
+
+
+def refused(spec: dict) -> dict:
+    """The message of the refusal building the trainer raises."""
+    from dtensor_ulysses.hf import UnsupportedTrainerError
+    from dtensor_ulysses.plan import CAPACITY_ENV
+
+    os.environ[CAPACITY_ENV] = spec["capacity"]
+    try:
+        build(spec)
+    except UnsupportedTrainerError as e:
+        return {"error": str(e)}
+    finally:
+        os.environ.pop(CAPACITY_ENV, None)
+    raise AssertionError("the trainer was built")
 
 
 def run_specs(rank: int, world: int, specs: list) -> list:
@@ -294,7 +343,14 @@ def run_specs(rank: int, world: int, specs: list) -> list:
     os.environ.setdefault("MASTER_PORT", "29513")
     os.environ["RANK"] = str(rank)
     torch.set_num_threads(1)
-    results = [comm(spec) if spec.get("comm") else run(spec) for spec in specs]
+    results = []
+    for spec in specs:
+        t = time.perf_counter()
+        if spec.get("refused"):
+            results.append(refused(spec))
+        else:
+            results.append(comm(spec) if spec.get("comm") else run(spec))
+        results[-1]["seconds"] = time.perf_counter() - t
     return results if rank == 0 else [None] * len(results)
 
 
@@ -302,6 +358,6 @@ def counts(path: str) -> dict[int, list[list[int]]]:
     """The counting reward's calls per rank: ``{rank: [[completions, longest], ...]}``."""
     p = Path(path)
     out: dict[int, list[list[int]]] = {}
-    for f in sorted(p.parent.glob(p.name + ".*")):
+    for f in sorted(p.parent.glob(p.name + ".[0-9]*")):  # not the agents' files (.agent.*)
         out[int(f.suffix[1:])] = [json.loads(x) for x in f.read_text().splitlines()]
     return out

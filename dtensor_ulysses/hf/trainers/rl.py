@@ -189,8 +189,13 @@ class _UlyssesRL(_Rollouts):
             mask_BS = attention_mask[lo:hi]
             labels_BS = ids_BS.masked_fill(mask_BS == 0, -100)
             labels_BS[:, :-logits_to_keep] = -100  # only completion tokens are scored
+            # the right padding joins its row's document (causal attention never reads it for
+            # a real token): rows with the same prompt get the same layout, so their values
+            # agree bit for bit, as in the stock forward (ties at top_entropy_quantile's
+            # quantile stay ties)
             rows = _at_least_sp({"input_ids": ids_BS, "labels": labels_BS,
-                                 "attention_mask": mask_BS}, self._du_sp)  # fmt: skip
+                                 "attention_mask": mask_BS.cummax(1).values},
+                                self._du_sp)  # fmt: skip
             Sp = rows["input_ids"].shape[1]  # S, or sp when the rows are shorter (padding)
             if mm_token_type_ids is not None:
                 rows["mm_token_type_ids"] = F.pad(mm_token_type_ids[lo:hi], (0, Sp - S))
@@ -198,7 +203,9 @@ class _UlyssesRL(_Rollouts):
                 rows.update(_image_rows(pixel_values, image_grid_thw, num_images, lo, hi))
             sb = shard_batch(rows, mesh, count_valid=False)
             if pixel_values is not None or mm_token_type_ids is not None:
-                call = vision_model_inputs(rows, sb)  # the full rows: sliced after the merge
+                # the full rows (sliced after the merge), the stock mask for M-RoPE's positions
+                mask = F.pad(mask_BS, (0, Sp - S))
+                call = vision_model_inputs({**rows, "attention_mask": mask}, sb)
             else:
                 call = dict(input_ids=sb.input_ids, position_ids=sb.position_ids,
                             ulysses_layout=sb.layout)  # fmt: skip
