@@ -5,53 +5,57 @@ sp rank's piece, ``C`` the completion length (``logits_to_keep``).
 
 The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the same dp index:
 
-* **Rollouts outside the sequence split.** Every rank of an sp group reads the same prompts (the
-  data is sharded by dp rank) and draws from the same random stream (seeded with
-  ``seed + dp rank``, as the stock rank ``dp rank`` is), and every rank generates: the model is
-  FSDP2-sharded over ``dp x sp``, so each decoding step all-gathers every layer and all ranks
-  must take part. Generation runs the model's own attention on the full prompts
-  (:func:`~dtensor_ulysses.hf.models.routing.plain_attention`) with ``synced_gpus`` on, so that a dp
-  group whose completions end early keeps stepping (no hang on unequal lengths). sp rank 0's
-  completions are then broadcast over the sp group (one small object broadcast), so the group
-  trains on one set of rollouts even where two ranks' samplers could diverge. Cost: each rank
-  holds the KV cache of its dp group's rollouts and a gathered layer at a time; the decoding
-  compute is repeated on the sp ranks of a group.
-* **Rewards once per completion per dp group.** The reward functions run on sp rank 0 only;
-  their ``[B, n_funcs]`` rewards are broadcast over sp and gathered over dp (the stock trainer
-  gathers them over its ranks), so advantages are computed once per dp group from the same
-  numbers the stock trainer sees.
+* **Rollouts once per sp group** (:mod:`~dtensor_ulysses.hf.trainers.rollouts`): each rank of an
+  sp group makes its ``1/sp`` share of the group's rollouts with the weights gathered once per
+  round, tools, environments and a ``rollout_func`` included, and the shares are exchanged;
+  decoding that does not depend on the split (greedy; each rollout sampled from its own seeded
+  generator) makes the stock rank's rollouts.
+* **Rewards once per completion per dp group, on the rollout's owner.** Each rank scores its own
+  rollouts (an environment's ``get_reward`` and a reward function's ``environments`` are there),
+  with TRL's own ``_calculate_rewards``; the ``[r, n_funcs]`` rewards (and what the functions
+  logged with ``log_extra`` / ``log_metric``) are exchanged over sp, then gathered over dp as the
+  stock trainer gathers them over its ranks, so advantages are computed from the numbers the
+  stock trainer sees. A function is called once per share (``log_metric``'s values are averaged
+  over the calls, as over the stock ranks).
 * **Everything the stock trainer reduces over its ranks is reduced over dp** (its
   ``accelerator.gather`` / ``reduce`` / ``num_processes`` / ``process_index`` and TRL's
   ``gather`` / ``gather_object`` inside the step), since the sp ranks of a group are replicas of
   one stock rank there.
-* **Log-probabilities on the sharded sequence.** Each prompt+completion row is cut by
-  :func:`~dtensor_ulysses.hf.shard_batch` (labels shifted over the full row first, padding as
-  documents, global positions ``0..S-1`` as the stock forward uses); the policy, old policy and
-  reference models run this rank's slice, and TRL's own fused head returns the per-token
-  log-probabilities (and entropies) of the slice in chunks, never ``[B, s, V]`` logits (TRL's
-  head, not :func:`~dtensor_ulysses.hf.trainers.logps.token_rows`' plain one: GRPO's
-  log-probabilities are those of the logits divided by the sampling temperature, with the model's
-  logit scale and softcap). The
-  ``[B, S]`` rows of every slice are summed over sp
+* **Log-probabilities on the sharded sequence.** Each prompt+completion row (a multi-turn row
+  with its tool results, a vision-language row with its images) is cut by
+  :func:`~dtensor_ulysses.hf.shard_batch` after the rollout (labels shifted over the full row
+  first, left padding as its own document, global positions ``0..S-1`` as the stock forward
+  uses; the right padding joins its row's document: causal attention never reads it for a real
+  token, and rows with the same prompt get the same layout, so their values agree bit for bit
+  as in the stock forward); a row shorter than sp is padded to sp columns (masked, no label),
+  so a rank may hold only padding. Qwen2.5-VL / Qwen3-VL take the full rows and their images
+  (each image encoded on one rank of the sp group, the decoder sliced after the merge:
+  :mod:`~dtensor_ulysses.hf.models.vision`). The policy, old policy and reference models run
+  this rank's slice, and TRL's own fused head returns the per-token log-probabilities (and
+  entropies) of the slice in chunks, never ``[B, s, V]`` logits (TRL's head, not
+  :func:`~dtensor_ulysses.hf.trainers.logps.token_rows`' plain one: GRPO's log-probabilities
+  are those of the logits divided by the sampling temperature, with the model's logit scale and
+  softcap). The ``[B, S]`` rows of every slice are summed over sp
   (:func:`~dtensor_ulysses.comm.all_reduce_sum`: forward all-reduce, the gradient of this rank's
-  slice passes through) so that each rank holds the completion's
-  ``[B, C]`` log-probabilities; the stock loss (ratios, clipping, KL, entropy masks, every
-  ``loss_type`` and ``importance_sampling_level``) then runs unchanged on them. Each token's
-  gradient flows through the one rank that computed it, so the normalisations count every
-  token once (``top_entropy_quantile < 1`` compares entropies with a quantile of them: tokens
-  tied there, equal to round-off, can be split differently); the returned loss keeps its value
-  and carries ``1/dp`` of its gradient (FSDP2 sums gradients over dp x sp, where DDP averages
-  over dp).
+  slice passes through; each value comes from one rank and zeros, so every rank holds the same
+  bits) so that each rank holds the completion's ``[B, C]`` log-probabilities; the stock loss
+  (ratios, clipping, KL, the tool mask, the top-entropy mask, every ``loss_type`` and
+  ``importance_sampling_level``) then runs unchanged on them. ``top_entropy_quantile < 1``
+  takes the quantile of entropies every rank agrees on bit for bit (gathered over dp as the
+  stock ranks gather them). Each token's gradient flows through the one rank that computed it,
+  so the normalisations count every token once; the returned loss keeps its value and carries
+  ``1/dp`` of its gradient (FSDP2 sums gradients over dp x sp, where DDP averages over dp).
 * **The reference model** (``beta > 0``) is loaded by the stock trainer and prepared like the
   policy (Ulysses on every attention layer, ``fully_shard`` over dp x sp), without gradients;
   ``beta = 0`` loads none; with a PEFT adapter it is the policy with the adapter disabled, as in
   the stock trainer.
 
-Refused at construction, with the reason: tool calling, environments and ``rollout_func``
-(multi-turn), vLLM generation (no GPU test here yet), transformers' continuous batching,
-vision-language processors, the adaptive entropy bonus, a router (MoE) auxiliary loss and
-``sync_ref_model``. Evaluation runs the stock trainer's ``prediction_step`` (rollouts and loss
-as in training). The generation batch is
+Refused at construction, with the reason: vLLM generation (no GPU test here yet), transformers'
+continuous batching (``use_transformers_paged``: its engine samples every request of a rank
+from one stream, not per rollout), vision-language families other than Qwen2.5-VL / Qwen3-VL,
+the adaptive entropy bonus, a router (MoE) auxiliary loss, ``sync_ref_model``, and multi-turn
+rollouts whose weights cannot be gathered once per round. Evaluation runs the stock trainer's
+``prediction_step`` (rollouts and loss as in training). The generation batch is
 ``per_device_train_batch_size x dp x steps_per_generation`` (the config resolves it over all
 ``dp x sp`` processes; it is re-resolved over dp, so set ``steps_per_generation``, not an
 explicit ``generation_batch_size``).

@@ -662,13 +662,16 @@ class _Rollouts:
                                            device=self.accelerator.device))  # fmt: skip
                 self._du_root_ready = True
             reshard = {}
+            # transformers' generate steps every rank in sync (synced_gpus) for a module
+            # fully_shard marked as managed: only while layers are gathered per step
+            managed = hf.__dict__.get("_is_fsdp_managed_module")
+            hf._is_fsdp_managed_module = self._du_gathering == "layer"
             if self._du_gathering == "round":
                 for m in units:  # every unit all-gathered once, kept until the round ends
                     reshard[m] = _torch_private.fsdp_reshards_after_forward(m)
                     m.set_reshard_after_forward(False, recurse=False)
                     m.unshard()
             else:  # the root for the round, each layer per step: every rank steps in sync
-                hf._is_fsdp_managed_module = True
                 root.unshard()
             try:
                 yield
@@ -679,7 +682,10 @@ class _Rollouts:
                         m.set_reshard_after_forward(reshard[m], recurse=False)
                 else:
                     root.reshard()
+                if managed is None:
                     del hf._is_fsdp_managed_module
+                else:
+                    hf._is_fsdp_managed_module = managed
 
 
 def _compute_bytes(model: Any) -> int:
