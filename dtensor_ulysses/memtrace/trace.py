@@ -117,7 +117,8 @@ __all__ = [
 # every phase a traced step can have (GRPO's old policy and the reference model run without
 # gradients; a DPO step runs its reference after the policy's forward, TRL's order; a
 # vision-language step encodes its share of the images, ``vision``, before the decoder)
-PHASES = ("old_policy", "reference", "vision", "forward", "loss", "backward", "optimizer")
+PHASES = ("generate", "old_policy", "reference", "vision", "forward", "loss", "backward",
+          "optimizer")  # fmt: skip
 TRACE_DEVICES = ("cuda", "cpu")
 
 
@@ -339,7 +340,7 @@ def trace_train_step(
                     warm = max(warm, -(-spec.vision.image_tokens // sp) * sp)
                 else:
                     run = step_runner(spec, net, reference, optimizer, scheduler, mesh,
-                                      grad_clip=cfg.grad_clip)  # fmt: skip
+                                      grad_clip=cfg.grad_clip, mark=tl.mark)  # fmt: skip
                 run(rank0_batch(warm, sp, spec.rows))
                 _classify_states(net, optimizer, tl, offload_params)
                 if tower is not None:
