@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from dtensor_ulysses import _torch_private
+from dtensor_ulysses._torch_private import fsdp_param_dtype, fsdp_reshards_after_forward
 from dtensor_ulysses.hf.models.causal_lm import config_head_dim
 from dtensor_ulysses.hf.models.routing import plain_attention
 from dtensor_ulysses.hf.trainers import _state
@@ -668,7 +668,7 @@ class _Rollouts:
             hf._is_fsdp_managed_module = self._du_gathering == "layer"
             if self._du_gathering == "round":
                 for m in units:  # every unit all-gathered once, kept until the round ends
-                    reshard[m] = _torch_private.fsdp_reshards_after_forward(m)
+                    reshard[m] = fsdp_reshards_after_forward(m)
                     m.set_reshard_after_forward(False, recurse=False)
                     m.unshard()
             else:  # the root for the round, each layer per step: every rank steps in sync
@@ -691,7 +691,7 @@ class _Rollouts:
 def _compute_bytes(model: Any) -> int:
     """Bytes per element the policy generates in: FSDP2's mixed-precision parameter dtype,
     else the parameters'."""
-    dtype = _torch_private.fsdp_param_dtype(model) or next(iter(model.parameters())).dtype
+    dtype = fsdp_param_dtype(model) or next(iter(model.parameters())).dtype
     return torch.empty((), dtype=dtype).element_size()
 
 
