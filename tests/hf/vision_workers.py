@@ -444,7 +444,7 @@ def example_run(rank: int, world: int, out_dir: str) -> dict:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29515")
-    path = Path(__file__).resolve().parent.parent / "examples" / "vlm_trainer.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "vlm_trainer.py"
     spec = importlib.util.spec_from_file_location("vlm_trainer_example", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
