@@ -315,11 +315,13 @@ class _Rollouts:
         self._du_rounds: dict[tuple, int] = {}
         mode, why = self._du_choose_gathering()
         if mode == "layer" and multi_turn:
+            fix = ("set ds3_gather_for_generation=True" if not self._du_gather_requested()
+                   else "use more ranks (smaller shards), a smaller generation batch or "
+                        "max_completion_length")  # fmt: skip
             raise UnsupportedTrainerError(
                 f"multi-turn rollouts (tools, environments, rollout_func) need the weights "
                 f"gathered once per round (each sp rank makes its own number of generation "
-                f"calls), but: {why}; use more ranks (smaller shards), a smaller generation "
-                f"batch or max_completion_length, or set ds3_gather_for_generation=True"
+                f"calls), but: {why}; {fix}"
             )
         self._du_gathering = mode
         if dist.get_rank() == 0:
@@ -354,7 +356,7 @@ class _Rollouts:
         if ref is not None:
             resident += nbytes(ref.parameters()) // world
         cfg = hf.config.get_text_config()
-        rows = self.args.per_device_train_batch_size * self.args.steps_per_generation
+        rows = self.args.per_device_train_batch_size * getattr(self.args, "steps_per_generation", 1)
         rows = -(-rows // self._du_sp)
         tokens = int(getattr(self.args, "max_completion_length", 0) or 0)
         kv = kv_cache_bytes(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None)
@@ -364,10 +366,14 @@ class _Rollouts:
                                 layer_weights=(root + 2 * layer) * compute,
                                 kv_cache=kv)  # fmt: skip
 
+    def _du_gather_requested(self) -> bool:
+        """TRL's ``ds3_gather_for_generation`` (default ``True``): gather the weights once."""
+        return bool(getattr(self.args, "ds3_gather_for_generation", True))
+
     def _du_choose_gathering(self) -> tuple[str, str]:
-        requested = bool(getattr(self.args, "ds3_gather_for_generation", True))
         return choose_weight_gathering(self._du_generation_memory(), self.args.device.type,
-                                       requested=requested, headroom=HEADROOM)  # fmt: skip
+                                       requested=self._du_gather_requested(),
+                                       headroom=HEADROOM)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     # the stock step's collectives over dp
@@ -422,7 +428,7 @@ class _Rollouts:
         mode = "train" if self.model.training else "eval"
         step = int(getattr(self.state, "global_step", 0))
         at = (mode, step)
-        if at not in self._du_rounds:
+        if at not in self.__dict__.get("_du_rounds", {}):
             self._du_rounds = {at: 0}
         k = self._du_rounds[at]
         self._du_rounds[at] = k + 1
@@ -481,7 +487,7 @@ class _Rollouts:
                     own.append(None)
                     observations.append(None)
                     continue
-                pool = self._du_env_pool.setdefault(name, [])
+                pool = self.__dict__.setdefault("_du_env_pool", {}).setdefault(name, [])
                 if cursor[name] == len(pool):
                     pool.append(factories[name]())
                 env = pool[cursor[name]]
