@@ -36,7 +36,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 _MARK_RE = re.compile(r"^<!--\s*test(?::\s*(.*?))?\s*-->\s*$")

@@ -194,7 +194,7 @@ def test_single_process_snippets(tmp_path):
     todo = _runnable(lambda s: not s.bash and s.ranks == 0)
     spec = docs.dump(todo, tmp_path / "snippets.json")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_docs_snippets.py"), str(spec)],
+        [sys.executable, str(ROOT / "tests" / "docs" / "snippets.py"), str(spec)],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert proc.returncode == 0, _report(proc)
@@ -208,7 +208,7 @@ def test_multi_rank_snippets(ranks, tmp_path):
     spec = docs.dump(todo, tmp_path / "snippets.json")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(ranks), str(ROOT / "tests" / "_docs_snippets.py"), str(spec)],
+         str(ranks), str(ROOT / "tests" / "docs" / "snippets.py"), str(spec)],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=380,
     )  # fmt: skip
     assert proc.returncode == 0, _report(proc)
@@ -248,7 +248,7 @@ def test_command_flags_exist():
     assert any(c.target[:2] == ["-m", "dtensor_ulysses.demo"] for c in cmds)
     targets = sorted({tuple(c.target) for c in cmds})
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_docs_snippets.py"), "--help-of",
+        [sys.executable, str(ROOT / "tests" / "docs" / "snippets.py"), "--help-of",
          json.dumps([list(t) for t in targets])],
         cwd=ROOT, env=_env(COLUMNS="200"), capture_output=True, text=True, timeout=240,
     )  # fmt: skip
