@@ -23,6 +23,8 @@ __all__ = [
     "dtensor_like",
     "fake_world_classes",
     "flatten_mesh",
+    "fsdp_param_dtype",
+    "fsdp_reshards_after_forward",
     "local_shape_and_offset",
     "tree_flatten",
 ]
@@ -96,3 +98,22 @@ def local_shape_and_offset(param: DTensor) -> tuple[tuple[int, ...], tuple[int, 
         param.shape, param.device_mesh, param.placements
     )
     return tuple(shape), tuple(offset)
+
+
+def fsdp_reshards_after_forward(module: Any) -> bool:
+    """Whether an FSDP2 unit frees its gathered parameters after its forward (its param
+    group's ``post_forward_mesh_info`` is set; the root's is cleared at its lazy init). The
+    public ``set_reshard_after_forward`` sets it; there is no public getter. Checked: 2.11,
+    2.13 (``_get_fsdp_state``, ``_fsdp_param_group``)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return group is not None and group.post_forward_mesh_info is not None
+
+
+def fsdp_param_dtype(model: Any) -> torch.dtype | None:
+    """The mixed-precision parameter dtype FSDP2 computes in for ``model`` (a ``fully_shard``
+    root), ``None`` when it has no policy dtype or is not FSDP2. Checked: 2.11, 2.13
+    (``_get_fsdp_state()._mp_policy``)."""
+    get_state = getattr(model, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    return get_state()._mp_policy.param_dtype

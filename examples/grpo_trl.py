@@ -5,8 +5,14 @@ On CPU with a tiny model built on the spot (``--model DIR`` for a local checkpoi
 
     torchrun --standalone --nproc-per-node 2 examples/grpo_trl.py --sp 2
     torchrun --standalone --nproc-per-node 4 examples/grpo_trl.py --sp 2 --beta 0.04
-    python examples/grpo_trl.py --stock          # the stock trainer on one process: the run
-                                                 # --sp 2 on 2 ranks reproduces (rewards, loss)
+    python examples/grpo_trl.py --stock          # the stock trainer on one process
+    torchrun --standalone --nproc-per-node 2 examples/grpo_trl.py --sp 2 --greedy
+    python examples/grpo_trl.py --stock --greedy # the run above reproduces it (rewards, loss)
+
+With sampling (the default), ``with_ulysses`` draws each completion from its own seeded
+generator (the same rollouts at every sp) where the stock trainer draws a rank's rows from one
+stream: the samples differ, the distribution is the same; greedy decoding gives both the same
+rollouts.
 
 The prompts are little sums ("2 + 3 ="); the reward is a math-style rule: 1 when the first
 number of the completion is the right answer, plus a small bonus for a short completion. A
@@ -59,6 +65,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a local model directory (default: tiny)")
     p.add_argument("--out", default="runs/grpo_trl")
     p.add_argument("--stock", action="store_true", help="the stock trainer (one process)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
     a = p.parse_args()
 
     import torch
@@ -78,6 +85,7 @@ def main() -> None:
         max_completion_length=8, learning_rate=1e-3, beta=a.beta, loss_type=a.loss_type,
         logging_steps=1, bf16=False, report_to=[], save_strategy="no", disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
+        generation_kwargs={"do_sample": False} if a.greedy else None,
     )  # fmt: skip
     trainer_cls = GRPOTrainer
     if not a.stock:

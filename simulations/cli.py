@@ -162,6 +162,12 @@ def _trace_parser(p: argparse.ArgumentParser) -> None:
         "log-probs)",
     )  # fmt: skip
     p.add_argument(
+        "--generation", default=None, choices=("round", "layer"),
+        help="grpo: also trace the rollout round before the step (a 'generate' phase: the "
+        "weights gathered once for the round, or the root and two layers at a time, and the KV "
+        "cache of this rank's ceil(G / sp) rows at --seq-len tokens)",
+    )  # fmt: skip
+    p.add_argument(
         "--images", type=int, default=None, metavar="N",
         help="vl: images in the row of each dp rank (default 4)",
     )  # fmt: skip
@@ -186,13 +192,15 @@ VL_OPTIONS = ("images", "image_patches", "vision_layers", "vision_hidden")  # --
 
 def _step_options(a: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
     """``--step``'s options as ``TraceCase.step_options`` (checked: each belongs to the step)."""
-    given = {k: getattr(a, k) for k in ("beta", "generations", "num_iterations", *VL_OPTIONS)}
+    given = {k: getattr(a, k) for k in ("beta", "generations", "num_iterations", "generation",
+                                        *VL_OPTIONS)}  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
-    allowed = {"sft": (), "dpo": ("beta",), "grpo": ("beta", "generations", "num_iterations"),
+    allowed = {"sft": (), "dpo": ("beta",),
+               "grpo": ("beta", "generations", "num_iterations", "generation"),
                "distill": ("beta",), "vl": VL_OPTIONS}  # fmt: skip
-    grpo = "grpo (--generations and --num-iterations are GRPO's)"
+    grpo = "grpo (--generations, --num-iterations and --generation are GRPO's)"
     owner = {"beta": "dpo, grpo or distill", "generations": grpo, "num_iterations": grpo,
-             **dict.fromkeys(VL_OPTIONS, "vl")}  # fmt: skip
+             "generation": grpo, **dict.fromkeys(VL_OPTIONS, "vl")}  # fmt: skip
     wrong = [k for k in given if k not in allowed[a.step]]
     if wrong:
         flags = ", ".join("--" + k.replace("_", "-") for k in wrong)

@@ -42,6 +42,14 @@ model: the same tensors, in the same order.
   TRL's own forward and backward (tile buffers, per-token statistics, the float32 gradient
   accumulators, each tile's gradient in the compute dtype), computing no values. The CPU trace
   (``cuda=False``) runs TRL's torch path as a CPU run does.
+* :func:`generation_round` (``StepSpec(kind="grpo", generation="round" | "layer")``): before
+  the GRPO step, the memory of the rollout round that made its rows (``du.hf.with_ulysses``'s
+  :mod:`~dtensor_ulysses.hf.trainers.rollouts`): FSDP2's own unshard of every unit (``"round"``:
+  the weights gathered once for the round) or of the root and two decoder layers
+  (``"layer"``: the running one and the prefetched one), and the KV cache of this rank's share
+  of the group's ``G`` rows (``ceil(G / sp)``) at the row's full length, ``2 x [r, S, kv heads,
+  head dim]`` per block in the compute dtype, with one decoding step's ``[r, V]`` float32
+  logits; then resharded (phase ``generate``).
 
 The vision-language step (``kind="vl"``) is in :mod:`dtensor_ulysses.memtrace.vision_step`;
 :class:`StepSpec` carries its images and tower (``vision``).
@@ -78,6 +86,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
+from dtensor_ulysses._torch_private import fsdp_param_dtype
 from dtensor_ulysses.comm import all_reduce_sum
 from dtensor_ulysses.data import Batch
 from dtensor_ulysses.data.batch import IGNORE_INDEX
@@ -94,6 +103,7 @@ __all__ = [
     "dpo_loss",
     "distill_step",
     "dpo_step",
+    "generation_round",
     "grpo_step",
     "grpo_token_loss",
     "reference_model",
@@ -122,6 +132,9 @@ class StepSpec:
         vision: the vision-language step's images and vision tower
             (:class:`~dtensor_ulysses.memtrace.vision_step.VisionSpec`; ``kind="vl"`` only,
             default ``VisionSpec()``).
+        generation: GRPO only: also the rollout round before the step
+            (:func:`generation_round`), its weights gathered ``"round"`` (once) or ``"layer"``
+            (layer by layer); ``None``: the step alone.
     """
 
     kind: str = "sft"
@@ -130,8 +143,16 @@ class StepSpec:
     num_iterations: int = 1
     epsilon: float = 0.2
     vision: VisionSpec | None = None
+    generation: str | None = None
 
     def __post_init__(self) -> None:
+        if self.generation is not None and (
+            self.kind != "grpo" or self.generation not in ("round", "layer")
+        ):
+            raise ValueError(
+                f"generation={self.generation!r}: a rollout round ('round' or 'layer') is "
+                f"traced before a GRPO step only (step={self.kind!r})"
+            )
         if self.kind not in STEP_KINDS:
             raise ValueError(f"step={self.kind!r}: trace one of {', '.join(STEP_KINDS)}")
         if self.vision is not None and self.kind != "vl":
@@ -194,7 +215,8 @@ class StepSpec:
         out.update(beta=self.loss_beta, reference_model=self.has_reference)
         if self.kind == "grpo":
             out.update(generations=self.generations, num_iterations=self.num_iterations,
-                       old_policy_logps=self.has_old_policy, loss_type="dapo")  # fmt: skip
+                       old_policy_logps=self.has_old_policy, loss_type="dapo",
+                       generation=self.generation)  # fmt: skip
         else:
             out["loss_type"] = "sigmoid"
         return out
@@ -373,6 +395,27 @@ def grpo_step(
     return PostTrainStepResult(float(loss.detach()), grad_norm)
 
 
+def generation_round(policy: torch.nn.Module, rows: int, seq_len: int, gathering: str) -> None:
+    """The memory of a rollout round on this rank (see the module docstring): the weights held
+    gathered (``gathering``: ``"round"`` every FSDP2 unit, ``"layer"`` the root and two decoder
+    layers), the KV cache of ``rows`` rows of ``seq_len`` tokens, one decoding step's logits;
+    everything freed and resharded at the end."""
+    units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+    blocks = [m for m in getattr(policy, "layers", []) if isinstance(m, FSDPModule)]
+    others = [m for m in units if m not in blocks]  # the root, the embedding, the head
+    held = units if gathering == "round" else [*others, *blocks[:2]]
+    for m in held:
+        m.unshard()
+    shape: Any = policy.shape
+    dtype = fsdp_param_dtype(policy) or next(iter(policy.parameters())).dtype
+    kv = [torch.empty(2, rows, seq_len, shape.n_kv_heads, shape.head_dim, dtype=dtype)
+          for _ in range(shape.n_layers)]  # fmt: skip
+    logits = torch.empty(rows, shape.vocab_size, dtype=torch.float32)
+    del kv, logits
+    for m in held:
+        m.reshard()
+
+
 # ----------------------------------------------------------------------------------------------
 # on-policy distillation
 # ----------------------------------------------------------------------------------------------
@@ -503,10 +546,12 @@ def step_runner(
     *,
     grad_clip: float = 1.0,
     cuda: bool = False,
+    mark: Callable[[str], None] | None = None,
 ) -> Callable[[Batch], Any]:
     """``run(batch)``: one step of ``spec``'s kind on this rank's slice ``batch`` (the trainer's
     :func:`~dtensor_ulysses.train.train_step` for SFT; GRPO's advantages are ones: their values
-    do not change the bytes). ``mesh``: the ``("dp", "sp")`` mesh, or its
+    do not change the bytes), after its rollout round when ``spec.generation`` is set (marked
+    ``generate:-`` with ``mark``). ``mesh``: the ``("dp", "sp")`` mesh, or its
     :class:`~dtensor_ulysses.parallel.ParallelDims` bound to it; ``cuda``: distillation's
     divergence as on a GPU (:func:`distill_step`)."""
     from dtensor_ulysses.parallel import ParallelDims
@@ -534,8 +579,14 @@ def step_runner(
         return lambda b: distill_step(policy, reference, b, optimizer, scheduler, group=group,
                                       sp_group=sp_group, beta=spec.loss_beta, cuda=cuda,
                                       grad_clip=grad_clip)  # fmt: skip
+    sp = dims.sp
 
     def grpo(b: Batch) -> PostTrainStepResult:
+        if spec.generation is not None:
+            if mark is not None:
+                mark("generate:-")
+            seq_len = b.layout.seq_len
+            generation_round(policy, -(-spec.generations // sp), seq_len, spec.generation)
         advantages_B = torch.ones(b.input_ids.shape[0])
         return grpo_step(policy, reference, b, advantages_B, optimizer, scheduler, group=group,
                          beta=spec.loss_beta, epsilon=spec.epsilon,

@@ -120,11 +120,12 @@ __all__ = [
     "trace_train_step",
 ]
 
-# every phase a traced step can have (GRPO's old policy and the reference model run without
+# every phase a traced step can have (a GRPO step's rollout round, ``generate``, first; GRPO's
+# old policy and the reference model run without
 # gradients; a DPO step runs its reference after the policy's forward, TRL's order; a
 # distillation step runs its teacher inside the student's loss; a vision-language step encodes
 # its share of the images, ``vision``, before the decoder)
-PHASES = ("old_policy", "reference", "vision", "forward", "loss", "teacher", "backward",
+PHASES = ("generate", "old_policy", "reference", "vision", "forward", "loss", "teacher", "backward",
           "optimizer")  # fmt: skip
 TRACE_DEVICES = ("cuda", "cpu")
 
@@ -371,7 +372,8 @@ def trace_train_step(
                     warm = max(warm, -(-spec.vision.image_tokens // sp) * sp)
                 else:
                     run = step_runner(spec, net, reference, optimizer, scheduler, dims,
-                                      grad_clip=cfg.grad_clip, cuda=device == "cuda")  # fmt: skip
+                                      grad_clip=cfg.grad_clip, cuda=device == "cuda",
+                                      mark=tl.mark)  # fmt: skip
                 run(rank0_batch(warm, sp, spec.rows))
                 _classify_states(net, optimizer, tl, offload_params)
                 if tower is not None:

@@ -1,18 +1,21 @@
 """``hf.with_ulysses`` on TRL's ``GRPOTrainer`` and ``RLOOTrainer`` equals the stock trainer at the
-same data parallelism.
+same data parallelism, with rollouts made once per sp group.
 
-A tiny local Llama, a BPE tokenizer trained on the spot, prompts of unequal lengths, two rule
-rewards (one counts its calls; RLOO also a reward model), 3 SGD steps (Adam's first steps turn
-round-off in near-zero gradients into full-size updates) with transformers generation (the
-reward of steps 2 and 3 depends on what the updated policy generates, so the updates are
-checked too). The
-stock trainer at dp = 1 runs in this process, at dp = 2 on 2 spawned gloo ranks; Ulysses runs at
-(dp, sp) = (1, 2) in that same 2-rank world, and at (2, 2) and (1, 4) in one 4-rank world.
-Compared at rtol 1e-4: every logged metric (loss, reward and each reward function's column,
-KL, entropy, clip ratios, completion lengths, grad norm, tokens), the advantages' statistics,
-and the full gradients of four parameters at every step. Many stop tokens make completions of
-unequal lengths, so the dp groups of the 4-rank world finish generating at different steps
-(FSDP2 all-gathers in every decoding step: no hang, under the world's timeout).
+Tiny local models (a Llama over a BPE trained on the spot; a Llama over a byte-level BPE with
+Qwen2.5's chat template for the agents; Qwen2.5-VL and Qwen3-VL with image prompts), 2 SGD steps
+(Adam's first steps turn round-off in near-zero gradients into full-size updates; the second
+step's rollouts come from the updated policy, so the updates are checked too). Decoding that
+does not depend on how a round's rollouts are split over the sp group: greedy, or a
+``rollout_func`` that samples each completion from its own seeded generator (it runs once per
+dp group with the stock rank's prompts). The agents' policy is scripted to call a tool twice
+per rollout (``rl_agents.Script``: greedy decoding follows the script).
+
+The stock trainer at dp = 1 runs in this process, at dp = 2 on 2 spawned gloo ranks; Ulysses
+runs at (dp, sp) = (1, 2) in that 2-rank world, at (2, 2) and (1, 4) in one 4-rank world.
+Compared at rtol 1e-4: every logged metric (loss, rewards and each reward's column, KL,
+entropy, clip ratios, completion lengths, tool-call frequencies, environment rewards, grad
+norm, tokens), every round's completions and tool masks (exactly) and advantages, and the full
+gradients of a few parameters at every step (the vision tower's among them).
 """
 
 from __future__ import annotations
@@ -26,43 +29,73 @@ pytest.importorskip("datasets")
 
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
+from tests.hf import rl_agents as A  # noqa: E402
 from tests.hf import rl_workers as R  # noqa: E402
 from tests.hf import trainer_workers as T  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
-# GRPO with two loss types (one with the KL to a reference model and an entropy bonus), RLOO
-# with its KL reward
+AGENT = dict(agent=True, greedy=True, entropy_coef=0.05, max_completion_length=96,
+             max_tool_calling_iterations=3)  # fmt: skip
+VL = dict(greedy=True, beta=0.05, max_completion_length=4)
+# compared at (1, 2), (2, 2) and (1, 4)
 CASES = {
-    "grpo": dict(kind="grpo", loss_type="grpo", beta=0.0),
-    "dapo_kl": dict(kind="grpo", loss_type="dapo", beta=0.1, entropy_coef=0.05),
-    "rloo": dict(kind="rloo", beta=0.05, reward_model=True),
+    # a rollout_func sampling each completion from its own generator (advantages not zero)
+    "grpo": dict(kind="grpo", loss_type="grpo", beta=0.0, rollout="text"),
+    # transformers generation, split over the sp group: greedy; a reference KL, an entropy bonus
+    "dapo_kl": dict(kind="grpo", loss_type="dapo", beta=0.1, entropy_coef=0.05, greedy=True),
+    "rloo": dict(kind="rloo", beta=0.05, reward_model=True, greedy=True),
+    "tool": dict(kind="grpo", tools=True, **AGENT),
+    # two environment kinds, their own rewards (in order: one kind per step)
+    "env": dict(kind="grpo", env="dict", shuffle_dataset=False, **AGENT),
+    "vl": dict(kind="grpo", vl="qwen2_5_vl", entropy_coef=0.05, **VL),
+    "vl_rloo": dict(kind="rloo", vl="qwen3_vl", **VL),
 }
 # at (1, 2) only: the options that reduce over sequences or over the batch's tokens, gradient
 # accumulation (2 steps per generation), a LoRA adapter (the reference: the adapter disabled),
-# and evaluation (its own rollouts) at step 2.
-# (Not the top-entropy mask: a step function of each token's entropy, whose ties at the quantile,
-# e.g. the first tokens of one prompt's completions, split differently when their entropies
-# differ in the last bit, as the sliced forward's round-off makes them; see docs/how-to.)
+# evaluation (its own rollouts) at step 2 and the top-entropy token mask; one environment kind;
+# the weights gathered layer by layer (a small memory capacity)
 FEATURES = dict(kind="grpo", loss_type="bnpo", beta=0.1, lora=True, num_iterations=2,
                 importance_sampling_level="sequence", mask_truncated_completions=True,
-                eval=True, accumulation=2)  # fmt: skip
+                eval=True, accumulation=2, rollout="text", top_entropy_quantile=0.5)  # fmt: skip
+AT_12 = {
+    "features": FEATURES,
+    "env_single": dict(kind="grpo", env="single", **AGENT),
+    "layer": dict(CASES["dapo_kl"], capacity="1000", rows=8),  # 2 prompts: unequal shares
+}
+# at (1, 4) only: prompt + completion rows of 2 tokens, shorter than sp
+AT_14 = {"short": dict(kind="grpo", short=True, max_completion_length=1, greedy=True,
+                       entropy_coef=0.05, beta=0.1)}  # fmt: skip
+# transformers' sampling (temperature 1): the same rollouts at every sp
+SAMPLED = dict(kind="grpo", loss_type="grpo", beta=0.0)
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
+    from tests.hf import vision_workers as V
+
     root = tmp_path_factory.mktemp("hf_rl")
-    model = str(W.save_model("llama", root / "llama"))
+    W.save_model("llama", root / "llama")
     W.make_tokenizer(root / "tok", " ".join(T.TEXTS) * 5)
+    agent_tok = A.make_tokenizer(root / "agent_tok")
+    A.save_model(root / "agent", len(agent_tok))
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        V.save_model(family, root / family)
     rm = R.save_reward_model(root / "reward_model", str(root / "tok"))
-    return {"root": root, "model": model, "tok": str(root / "tok"), "reward_model": rm}
+    return {"root": root, "reward_model": rm}
 
 
 def _spec(assets, case: str, name: str, per_device: int = 4, **kw) -> dict:
-    out = str(assets["root"] / name)
-    spec = dict(model=assets["model"], tok=assets["tok"], out=out, per_device=per_device)
-    case_kw = dict(FEATURES if case == "features" else CASES[case])
+    root = assets["root"]
+    out = str(root / name)
+    case_kw = dict({**CASES, **AT_12, **AT_14, "sampled": SAMPLED}[case])
+    per_device = case_kw.pop("rows", 4) // (4 // per_device)
+    if case_kw.pop("agent", False):
+        model, tok = root / "agent", root / "agent_tok"
+    else:
+        model, tok = root / case_kw.get("vl", "llama"), root / "tok"
     if case_kw.get("reward_model"):
         case_kw["reward_model"] = assets["reward_model"]
+    spec = dict(model=str(model), tok=str(tok), out=out, per_device=per_device, steps=2)
     return {**spec, **case_kw, "count": out + ".count", **kw}
 
 
@@ -70,44 +103,62 @@ def _spec(assets, case: str, name: str, per_device: int = 4, **kw) -> dict:
 def refs(assets):
     """The stock trainers at dp = 1, in this process."""
     torch.set_num_threads(1)
-    return {case: R.run(_spec(assets, case, f"ref1_{case}")) for case in (*CASES, "features")}
+    cases = [*CASES, *AT_12, *AT_14]
+    return {c: R.run(_spec(assets, c, f"ref1_{c}")) for c in cases}
 
 
 @pytest.fixture(scope="module")
 def world2(assets):
-    """One 2-rank world: the stock trainers at dp = 2, then Ulysses at (dp, sp) = (1, 2)."""
+    """One 2-rank world: the stock trainers at dp = 2, then Ulysses at (dp, sp) = (1, 2);
+    built-in sampling at (2, 1) and (1, 2); a refusal."""
     specs = [_spec(assets, c, f"ref2_{c}", per_device=2) for c in CASES]
-    specs += [_spec(assets, c, f"u12_{c}", sp=2) for c in (*CASES, "features")]
-    specs += [_spec(assets, "grpo", "comm", sp=2, comm=True)]
-    res = run_local_world(R.run_specs, 2, specs, timeout_s=400)[0]
-    n = len(CASES)
+    specs += [_spec(assets, c, f"u12_{c}", sp=2) for c in (*CASES, *AT_12)]
+    specs += [_spec(assets, "sampled", "sampled21", per_device=2, sp=1),
+              _spec(assets, "sampled", "sampled12", sp=2),
+              _spec(assets, "tool", "refused", sp=2, capacity="1000", refused=True)]  # fmt: skip
+    res = run_local_world(R.run_specs, 2, specs, timeout_s=900)[0]
+    n, m = len(CASES), len(CASES) + len(AT_12)
     return {
         "stock_dp2": dict(zip(CASES, res[:n])),
-        "u12": dict(zip((*CASES, "features"), res[n : 2 * n + 1])),
-        "comm": res[-1],
-    }
+        "u12": dict(zip((*CASES, *AT_12), res[n : n + m])),
+        "sampled21": res[-3], "sampled12": res[-2], "refused": res[-1],
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def world4(assets):
-    """One 4-rank world: Ulysses at (2, 2), then at (1, 4)."""
+    """One 4-rank world: Ulysses at (2, 2), then at (1, 4); built-in sampling at both; the
+    collectives of a round at (2, 2)."""
     specs = [_spec(assets, c, f"u22_{c}", per_device=2, sp=2) for c in CASES]
-    specs += [_spec(assets, c, f"u14_{c}", sp=4) for c in CASES]
-    res = run_local_world(R.run_specs, 4, specs, timeout_s=400)[0]
+    specs += [_spec(assets, c, f"u14_{c}", sp=4) for c in (*CASES, *AT_14)]
+    specs += [_spec(assets, "sampled", "sampled22", per_device=2, sp=2),
+              _spec(assets, "sampled", "sampled14", sp=4),
+              _spec(assets, "sampled", "comm", per_device=2, sp=2, comm=True)]  # fmt: skip
+    res = run_local_world(R.run_specs, 4, specs, timeout_s=900)[0]
     n = len(CASES)
-    return {"u22": dict(zip(CASES, res[:n])), "u14": dict(zip(CASES, res[n:]))}
+    return {
+        "u22": dict(zip(CASES, res[:n])),
+        "u14": dict(zip((*CASES, *AT_14), res[n : 2 * n + len(AT_14)])),
+        "sampled22": res[-3], "sampled14": res[-2], "comm": res[-1],
+    }  # fmt: skip
 
 
 def _close(got: dict, ref: dict) -> None:
-    for k in R.LOGGED + ("advantages",):
-        assert len(got[k]) == len(ref[k]) == 3, (k, got[k], ref[k])
+    steps = len(ref["loss"])
+    for k in R.LOGGED + R.AGENT_LOGGED + ("advantages",):
+        assert len(got[k]) == len(ref[k]), (k, got[k], ref[k])
         for a, b in zip(got[k], ref[k]):
             if b is None:
                 assert a is None, (k, got[k], ref[k])
             else:
                 assert a == pytest.approx(b, rel=RTOL, abs=ATOL), (k, got[k], ref[k])
     assert any(x is not None for x in ref["kl"]) == (got["kl"][0] is not None)
-    assert len(got["grads"]) == len(ref["grads"]) == 3
+    assert len(got["rounds"]) == len(ref["rounds"]) >= steps
+    for g, r in zip(got["rounds"], ref["rounds"]):
+        assert g["completion_ids"] == r["completion_ids"]
+        assert g["tool_mask"] == r["tool_mask"]
+        assert g["advantages"] == pytest.approx(r["advantages"], rel=RTOL, abs=ATOL)
+    assert len(got["grads"]) == len(ref["grads"]) == steps
     for step, (g, r) in enumerate(zip(got["grads"], ref["grads"])):
         assert g.keys() == r.keys()
         for name in r:
@@ -121,7 +172,7 @@ def _close(got: dict, ref: dict) -> None:
             assert g[k] == pytest.approx(r[k], rel=RTOL, abs=ATOL), (k, g, r)
 
 
-@pytest.mark.parametrize("case", [*CASES, "features"])
+@pytest.mark.parametrize("case", [*CASES, *AT_12])
 def test_sp2_equals_stock_dp1(case, refs, world2):
     _close(world2["u12"][case], refs[case])
 
@@ -131,43 +182,112 @@ def test_dp2_sp2_equals_stock_dp2(case, world2, world4):
     _close(world4["u22"][case], world2["stock_dp2"][case])
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *AT_14])
 def test_sp4_equals_stock_dp1(case, refs, world4):
     _close(world4["u14"][case], refs[case])
 
 
-def test_rewards_once_per_completion_per_dp_group(assets, world2, world4):
-    """The counting reward runs on sp rank 0 of each dp group only, once per step, on that
-    group's completions: as often as on the stock ranks."""
+def test_the_cases_exercise_what_they_claim(refs):
+    """Tool calls made and masked, environment rewards logged, advantages that are not zero
+    (the sampling rollout_func), rows shorter than sp=4."""
+    tool = refs["tool"]
+    assert tool["tools/call_frequency"] == [A.CALLS] * 2
+    for rnd in tool["rounds"] + refs["env"]["rounds"]:
+        assert all(0 in m and m[0] == 1 for m in rnd["tool_mask"])  # results masked out
+    for kind in ("Calculator", "Tally"):  # a step of each kind
+        assert any(r is not None for r in refs["env"][f"rewards/{kind}/mean"]), kind
+    assert any(abs(a) > 0.1 for rnd in refs["grpo"]["rounds"] for a in rnd["advantages"])
+    for rnd in refs["short"]["rounds"]:
+        assert len(rnd["completion_ids"][0]) == 1  # + a one-token prompt: 2 < sp = 4
+
+
+def test_rollouts_once_per_dp_group(assets, refs, world2, world4):
+    """Every rollout is generated, its tools called and its environment made, reset, stepped
+    and scored, and its rewards computed, once per dp group: over the sp ranks of a group the
+    counts are the stock rank's. Generation rows are split over the group (each rank decodes
+    its share); a rollout_func is called once per dp group (by sp rank 0)."""
+
+    def per_rank(name: str) -> dict[int, dict]:
+        out = {}
+        for rank, lines in A.agent_counts(str(assets["root"] / f"{name}.count")).items():
+            tally: dict = {}
+            for what, info in lines:
+                key = what if what != "generate" else "rows"
+                tally[key] = tally.get(key, 0) + info.get("rows", 1)
+            out[rank] = tally
+        return out
+
+    def summed(counts: dict[int, dict], ranks: list[int]) -> dict:
+        total: dict = {}
+        for r in ranks:
+            for k, v in counts.get(r, {}).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def same(got: dict, stock: dict, sp: int) -> None:
+        # constructions: as many as on the stock rank, plus TRL's probe of each environment
+        # kind (made at construction on every rank) on a rank that owns none of its rollouts
+        made = got.pop("make", 0) - stock.get("make", 0)
+        assert 0 <= made <= (sp - 1) * (2 if case == "env" else 0), (case, made)
+        assert got == {k: v for k, v in stock.items() if k != "make"}, case
+
     for case in CASES:
-        stock1 = R.counts(str(assets["root"] / f"ref1_{case}.count"))
-        stock2 = R.counts(str(assets["root"] / f"ref2_{case}.count"))
-        assert R.counts(str(assets["root"] / f"u12_{case}.count")) == stock1
-        assert R.counts(str(assets["root"] / f"u14_{case}.count")) == stock1
-        u22 = R.counts(str(assets["root"] / f"u22_{case}.count"))
-        assert sorted(u22) == [0, 2]  # sp rank 0 of dp 0 and dp 1
-        assert [u22[0], u22[2]] == [stock2[0], stock2[1]]
+        stock1 = per_rank(f"ref1_{case}")[0]
+        stock2 = per_rank(f"ref2_{case}")
+        same(summed(per_rank(f"u12_{case}"), [0, 1]), stock1, 2)
+        u14 = per_rank(f"u14_{case}")
+        same(summed(u14, [0, 1, 2, 3]), stock1, 4)
+        u22 = per_rank(f"u22_{case}")
+        same(summed(u22, [0, 1]), stock2[0], 2)
+        same(summed(u22, [2, 3]), stock2[1], 2)
+        if case == "grpo":  # the rollout_func: sp rank 0 of each dp group
+            assert sorted(u14) == [0] and sorted(u22) == [0, 2]
+        else:  # the decoding split: every rank decoded a share
+            assert all(u14[r]["rows"] < stock1["rows"] for r in range(4)), (case, u14)
+    assert per_rank("ref1_tool")[0]["tool"] == 2 * 4 * A.CALLS  # 2 steps x 4 rollouts
+    env = per_rank("ref1_env")[0]
+    assert env["reset"] == env["step"] // A.CALLS == env["reward"] == 2 * 4
+    # the counting reward: once per completion per dp group, on the rollout's owner
+    for case in CASES:
+        stock = R.counts(str(assets["root"] / f"ref1_{case}.count"))
+        u14 = R.counts(str(assets["root"] / f"u14_{case}.count"))
+        scored = sum(c for calls in u14.values() for c, _ in calls)
+        assert scored == sum(c for c, _ in stock[0]), case
 
 
-def test_collectives_on_the_sp_group(world2):
-    """Per rollout: one object broadcast of sp rank 0's completions (its size, then its bytes)
-    and one of the rewards, nothing else on the sp group; per log-prob pass: one all-reduce of
-    the ``[B, S]`` float32 rows per quantity (log-probabilities, entropies)."""
-    c = world2["comm"]
+def test_built_in_sampling_is_the_same_at_every_sp(world2, world4):
+    """transformers' sampling (temperature 1) draws each rollout from its own generator: the
+    same rollouts, rewards, loss and gradients at sp = 1, 2 (dp = 2) and sp = 2, 4 (dp = 1)."""
+    _close(world4["sampled22"], world2["sampled21"])
+    _close(world4["sampled14"], world2["sampled12"])
+    adv = [a for rnd in world2["sampled12"]["rounds"] for a in rnd["advantages"]]
+    assert any(abs(a) > 0.1 for a in adv)  # the rollouts differ within a group
+
+
+def test_collectives_of_a_round(world4):
+    """A round at (2, 2): the weights all-gathered once (one all-gather per FSDP2 unit of its
+    padded shard over the 4 ranks, nothing else on that group: nothing per decoding step); on
+    the sp group, the rollouts' exchange and the rewards' exchange (each one
+    ``all_gather_object``: two all-gathers) and nothing else; besides, only the stock step's
+    gathers over dp. A log-prob pass: one all-reduce of the ``[B, S]`` float32 rows per
+    quantity on the sp group."""
+    c = world4["comm"]
+    assert c["round_flat"] == [c["units"], c["unit_bytes"], c["units"]], c
+    assert c["round_sp"] == [4, 4], c
+    assert c["round_other"] == 0, c
     B, S = c["rows"]
-    assert c["score_broadcasts"] == 3, c
     assert c["logps_all_reduce"] == [2, 2 * B * S * 4], c
 
 
-def test_unequal_generation_lengths_across_dp_groups(assets, world4):
-    """The two dp groups of the 4-rank world generated completions of different longest
-    lengths in some step (so one group stopped decoding first) and the world finished."""
-    longest = {
-        rank: [m for _, m in calls]
-        for case in CASES
-        for rank, calls in R.counts(str(assets["root"] / f"u22_{case}.count")).items()
-    }
-    assert longest[0] != longest[2], longest
+def test_layer_by_layer_gathering(assets, world2):
+    """A small memory capacity: the weights gathered layer by layer (every rank steps until the
+    slowest share ends; the shares here end at different steps) and the run equals stock (see
+    test_sp2_equals_stock_dp1[layer]); multi-turn rollouts are refused then (their ranks make
+    different numbers of generation calls), with the numbers."""
+    calls = R.counts(str(assets["root"] / "u12_layer.count"))
+    assert any(a[1] != b[1] for a, b in zip(calls[0], calls[1])), calls
+    refused = world2["refused"]["error"]
+    assert "multi-turn rollouts" in refused and "per rank" in refused, refused
 
 
 def test_refusals(assets, tmp_path):
@@ -177,34 +297,30 @@ def test_refusals(assets, tmp_path):
 
     from dtensor_ulysses.hf import UnsupportedTrainerError, with_ulysses
 
-    tok = tf.AutoTokenizer.from_pretrained(assets["tok"])
+    tok = tf.AutoTokenizer.from_pretrained(str(assets["root"] / "tok"))
     data = Dataset.from_list([{"prompt": p} for p in R.PROMPTS])
+    model = str(assets["root"] / "llama")
     cases = {
         "use_vllm=True": dict(use_vllm=True),
         "use_adaptive_entropy=True": dict(use_adaptive_entropy=True),
         "sync_ref_model=True": dict(sync_ref_model=True, beta=0.1),
+        "use_transformers_continuous_batching=True": dict(use_transformers_paged=True),
     }
     for match, kw in cases.items():
         args = trl.GRPOConfig(str(tmp_path), use_cpu=True, report_to=[], num_generations=4,
                               per_device_train_batch_size=4, **kw)  # fmt: skip
-        with pytest.raises(UnsupportedTrainerError, match=match.split("=")[0]):
+        with pytest.raises(UnsupportedTrainerError, match=match.split("=")[0]) as e:
             with_ulysses(trl.GRPOTrainer, sp=2)(
-                model=assets["model"], reward_funcs=R.reward_the, args=args,
-                train_dataset=data, processing_class=tok,
+                model=model, reward_funcs=R.reward_the, args=args, train_dataset=data,
+                processing_class=tok,
             )  # fmt: skip
+        assert "with_ulysses(GRPOTrainer)" in str(e.value)  # the user's class, not ours
     # the generation batch over dp (here 1 process: world 1, sp 1) must hold whole groups
     args = trl.GRPOConfig(str(tmp_path), use_cpu=True, report_to=[], num_generations=4,
                           per_device_train_batch_size=2, steps_per_generation=2)  # fmt: skip
     args.steps_per_generation = 1  # as a config resolved over 2 processes would have it
     with pytest.raises(ValueError, match=r"2 x 1 x 1 = 2 rows does not hold whole groups"):
         with_ulysses(trl.GRPOTrainer, sp=1)(
-            model=assets["model"], reward_funcs=R.reward_the, args=args, train_dataset=data,
+            model=model, reward_funcs=R.reward_the, args=args, train_dataset=data,
             processing_class=tok,
-        )  # fmt: skip
-    args = trl.GRPOConfig(str(tmp_path), use_cpu=True, report_to=[], num_generations=4,
-                          per_device_train_batch_size=4)  # fmt: skip
-    with pytest.raises(UnsupportedTrainerError, match="tools: tool calling"):
-        with_ulysses(trl.GRPOTrainer, sp=2)(
-            model=assets["model"], reward_funcs=R.reward_the, args=args, train_dataset=data,
-            processing_class=tok, tools=[len],
         )  # fmt: skip

@@ -222,3 +222,30 @@ def test_cli_trace_step_bad_input(capsys):
     assert "GRPO's" in capsys.readouterr().err
     assert main(["trace", "--model", "qwen3.5-9b", "--seq-len", "8192", "--step", "dpo"]) == 2
     assert "hybrid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gathering", ["round", "layer"])
+def test_generation_round_holds_the_gathered_weights_and_the_kv_cache(gathering):
+    """The ``generate`` phase traced before a GRPO step (tiny with 4 blocks, CPU, sp=2, G=4,
+    S=1024): FSDP2's unsharded weights (every unit once per round; or all but two blocks
+    sharded), the KV cache of this rank's ``ceil(G / sp) = 2`` rows at ``S`` tokens and one
+    decoding step's logits, in closed form; at most one block more while FSDP2 gathers (its
+    all-gather buffer beside the copies)."""
+    from dtensor_ulysses.memtrace import trace_train_step
+    from dtensor_ulysses.models import build_model as build
+    from dtensor_ulysses.plan.presets import get_shape
+
+    shape, L = get_shape("tiny"), 4
+    model = build("tiny", device="cpu")
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    outside = sum(p.numel() for p in model.parameters()) - shape.n_layers * block
+    held = outside + (L if gathering == "round" else 2) * block
+    rows, S = 2, 1024
+    kv = 2 * L * rows * S * shape.n_kv_heads * shape.head_dim * 4
+    expect = 4 * held + kv + 4 * rows * shape.vocab_size
+    t = trace_train_step("tiny", S, sp=2, device="cpu", layers=L,
+                         step=StepSpec("grpo", generations=4, generation=gathering))  # fmt: skip
+    got = t.to_dict()["phases"]["generate"]["by_category"]["activations_and_buffers"]
+    assert 0 <= got - expect <= 4 * block, (got, expect)
+    with pytest.raises(ValueError, match="GRPO step only"):
+        StepSpec("dpo", generation="round")

@@ -97,6 +97,7 @@ from dtensor_ulysses.hf.models.vision import (
     language_model,
     route_vision,
     vision_family,
+    whole_rows,
 )
 from dtensor_ulysses.plan.splits import SeqLayout, check_sp_for_heads
 
@@ -666,7 +667,7 @@ def plain_attention(model: nn.Module) -> Iterator[nn.Module]:
             changed for slices).
     """
     hf = unwrap(model)
-    state: _State | None = hf.base_model.__dict__.get(_STATE)
+    state: _State | None = language_model(hf)[1].__dict__.get(_STATE)  # a VLM's: its decoder's
     if state is None:
         yield model
         return
@@ -677,13 +678,18 @@ def plain_attention(model: nn.Module) -> Iterator[nn.Module]:
             f"generation) of a model whose sequence mixers or latent attention were routed for "
             f"slices are not supported; generate with the saved checkpoint on one device"
         )
-    hf.set_attn_implementation(state.original or "sdpa")
+    # a vision-language model: only its text config was routed (the tower keeps its attention)
+    vl = is_vision_language(hf)
+    hf.set_attn_implementation({"text_config": state.original or "sdpa"} if vl
+                               else state.original or "sdpa")  # fmt: skip
     state.plain = True
     try:
-        yield model
+        with whole_rows(hf):  # a VLM's images encoded here, its decoder on the full rows
+            yield model
     finally:
         state.plain = False
-        hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+        hf.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION} if vl
+                                   else ATTN_IMPLEMENTATION)  # fmt: skip
 
 
 def _layout_from_slices(

@@ -49,8 +49,9 @@ adapter for (:func:`vision_family`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ __all__ = [
     "route_vision",
     "vision_family",
     "vision_model_inputs",
+    "whole_rows",
 ]
 
 # batch keys of the image inputs the model takes whole (never cut into sequence slices)
@@ -226,11 +228,14 @@ class VisionSplitState:
         group: the sp group.
         encoded: the indices of the images this rank encoded in the last forward.
         calls: vision tower calls made by the split (one per forward with an image of its own).
+        plain: inside :func:`whole_rows` (generation on whole rows, one rank at a time): the
+            decoder takes the full rows.
     """
 
     group: dist.ProcessGroup
     encoded: list[int] = field(default_factory=list)
     calls: int = 0
+    plain: bool = False
     hooks: list = field(default_factory=list)
     load: list[int] = field(default_factory=list)  # this forward's work per rank (images first)
 
@@ -410,6 +415,8 @@ def _no_video(*args: Any, **kwargs: Any) -> Any:
 # ----------------------------------------------------------------------------------------------
 def _slice_pre_forward(lm: nn.Module, args: tuple, kwargs: dict, params: list[str]):
     state: VisionSplitState = lm.__dict__[_STATE]
+    if state.plain:
+        return None
     kwargs = dict(kwargs)
     for name, value in zip(params, args):
         kwargs[name] = value
@@ -504,6 +511,27 @@ def route_vision(model: Any, group: dist.ProcessGroup) -> VisionSplitState:
     lm.__dict__[_STATE] = state
     base.__dict__[_STATE] = state
     return state
+
+
+@contextlib.contextmanager
+def whole_rows(model: Any) -> Iterator[bool]:
+    """While inside, a model :func:`route_vision` prepared runs as it did before: its class's
+    image / video / audio features (every image of a call encoded here) and its decoder on the
+    full rows, with no collective (generation, one rank at a time). Yields whether the model
+    was routed."""
+    base = getattr(model, "base_model", model)
+    state: VisionSplitState | None = base.__dict__.get(_STATE)
+    if state is None:
+        yield False
+        return
+    names = ("get_image_features", "get_video_features", "get_audio_features")
+    split = {k: base.__dict__.pop(k) for k in names if k in base.__dict__}
+    state.plain = True
+    try:
+        yield True
+    finally:
+        state.plain = False
+        base.__dict__.update(split)
 
 
 def refuse_video(batch: Mapping[str, Any], model: Any) -> None:

@@ -124,7 +124,7 @@ class _UlyssesDistillation(_Rollouts):
         dp = self._du_dims.dp
         size = self.args.per_device_train_batch_size * dp * self.args.gradient_accumulation_steps
         self._logs = {key: deque(maxlen=size) for key in self._logs}
-        self._du_seed_as_stock_rank()
+        self._du_init_rollouts(multi_turn=False)  # tools are refused above
 
     def _du_trl_module(self) -> Any:
         # TRL's own module (deprecated aliases of the class, e.g. trl.experimental's, subclass it)
