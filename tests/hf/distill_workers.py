@@ -118,21 +118,25 @@ def run(spec: dict) -> dict:
 
 def comm(spec: dict) -> dict:
     """The collectives of one rollout and of one loss (forward, backward) on the sp group."""
+    from torch.distributed.fsdp import FSDPModule
+
     from dtensor_ulysses.debug import CommCounter
 
     trainer = build(spec)
     trainer.model.train()
     group = trainer._du_dims.sp_mesh.get_group()
     sp = group.group_name
-    batch = next(iter(trainer.get_train_dataloader()))
+    batches = iter(trainer.get_train_dataloader())
+    trainer._prepare_inputs(next(batches))  # the first round (FSDP2's lazy initialization)
     with CommCounter() as rollout:
-        inputs = trainer._prepare_inputs(batch)
+        inputs = trainer._generate_and_score_completions(next(batches))
     with CommCounter() as forward:
         loss = trainer.compute_loss(trainer.model, inputs)
     with CommCounter() as backward:
         loss.backward()
     return {
-        "rollout_broadcasts": rollout.count("broadcast", group),
+        "rollout_sp": [rollout.count("all_gather", group), rollout.count(None, group)],
+        "fsdp_units": sum(isinstance(m, FSDPModule) for m in trainer.model.modules()),
         "rollout_sp_kinds": _kinds(rollout, sp),
         "loss_all_reduce": [forward.count("all_reduce", group), forward.bytes("all_reduce", group)],
         "loss_sp_kinds": _kinds(forward, sp),

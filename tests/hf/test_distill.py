@@ -155,14 +155,16 @@ def test_the_cases_differ(refs, world2):
 
 
 def test_collectives_on_the_sp_group(world2):
-    """Per rollout: one object broadcast of sp rank 0's completions (its size, then its bytes),
-    no all-to-all (generation runs the model's own attention on whole prompts); per loss: the
-    attention's all-to-alls and one all-reduce of three float64 sums (divergence, entropy, token
-    count), none in backward."""
+    """Per rollout round (after the first): on the sp group, the exchange of each rank's share
+    of the completions (one ``all_gather_object``: two all-gathers) and nothing else (no
+    all-to-all: generation runs the model's own attention on whole prompts); per loss: the
+    attention's all-to-alls and one all-reduce of three float64 sums (divergence, entropy,
+    token count), none in backward."""
     c = world2["comm"]
-    # (at dp = 1 the sp group spans the world: FSDP2's weight all-gathers are left out, and
-    # generate's synced_gpus all-reduces of its "done" flag run on it)
-    assert c["rollout_broadcasts"] == 2 and "all_to_all" not in c["rollout_sp_kinds"], c
+    # (at dp = 1 the sp group is the world's, as FSDP2's group is: the round's one all-gather
+    # of each FSDP2 unit, the weights gathered once, runs on it too; none per decoding step)
+    n = 2 + c["fsdp_units"]
+    assert c["rollout_sp"] == [n, n] and "all_to_all" not in c["rollout_sp_kinds"], c
     assert c["loss_all_reduce"] == [1, 3 * 8], c
     assert c["loss_sp_kinds"] == ["all_reduce", "all_to_all"], c
     assert c["backward_all_reduce"] == 0, c

@@ -194,12 +194,14 @@ def test_dpo_step_sp_collectives(world2):
     """The sp group's all-reduces of a DPO step at (1, 2): the reference's rows of
     log-probabilities (``B x S`` floats), then the policy's rows with TRL's three token
     statistics (``B x S x 4`` floats), for ``B`` = chosen + rejected rows; none in backward
-    (with activation checkpointing recomputing each layer)."""
+    (with activation checkpointing recomputing each layer). At dp = 1 the sp group is the
+    world's, so the Trainer door's stop agreement at the end of each step (one int32: every
+    rank stops after the same step) runs on it too, between the steps."""
     comm = world2["ipo"]["comm"]
     assert len(comm["shapes"]) == 3, comm["shapes"]
     want = []
-    for B, S in comm["shapes"]:
-        want += [B * S * 4, B * S * 4 * 4]
+    for i, (B, S) in enumerate(comm["shapes"]):
+        want += [4] * (i > 0) + [B * S * 4, B * S * 4 * 4]  # (the agreement between steps)
     assert comm["sp_all_reduce"] == want, (comm, want)
 
 

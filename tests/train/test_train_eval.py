@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from dtensor_ulysses.data import PackedCorpus
-from dtensor_ulysses.launch import run_local_world
+from dtensor_ulysses.launch import WORLD_START_ENV, run_local_world
 from tests.train import eval_workers
 from tests.train.test_train import CFG, reference_run
 
@@ -37,8 +37,10 @@ def reference(heldout):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_eval_loss_at_every_layout_equals_one_process_without_transformers(
-    world_size, heldout, reference
+    world_size, heldout, reference, monkeypatch
 ):
+    # fresh processes (spawn): the suite's forkserver has transformers imported already
+    monkeypatch.setenv(WORLD_START_ENV, "spawn")
     ref_losses, ref_evals = reference
     runs = [
         dict(CFG, dp=dp, ring=ring, sp=sp, steps=STEPS, eval_data=[heldout], eval_every=1)
