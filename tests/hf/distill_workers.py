@@ -20,6 +20,7 @@ LOGGED = ("loss", "entropy", "completions/mean_length", "completions/min_length"
           "completions/max_length", "completions/clipped_ratio",
           "completions/mean_terminated_length", "completions/min_terminated_length",
           "completions/max_terminated_length", "grad_norm", "num_tokens")  # fmt: skip
+TOOL_LOGGED = ("tools/call_frequency", "tools/failure_frequency")
 EVAL_LOGGED = ("eval_loss", "eval_entropy", "eval_completions/mean_length",
                "eval_completions/max_length")  # fmt: skip
 
@@ -46,19 +47,49 @@ def save_teacher(directory: Path, seed: int = 5) -> str:
     return str(directory)
 
 
+def _recording(cls: type) -> type:
+    """``cls`` that keeps each round's completions and tool masks."""
+
+    class Recording(cls):  # type: ignore[valid-type, misc]
+        def _generate_and_score_completions(self, inputs: Any) -> Any:
+            out = super()._generate_and_score_completions(inputs)
+            mask = out.get("tool_mask")
+            self.__dict__.setdefault("_du_test_rounds", []).append({
+                "completion_ids": out["completion_ids"].tolist(),
+                "tool_mask": None if mask is None else mask.tolist(),
+            })  # fmt: skip
+            return out
+
+    Recording.__name__ = f"Recording{cls.__name__}"
+    return Recording
+
+
 def build(spec: dict) -> Any:
-    """A trainer as the spec says (``sp`` None: the stock class)."""
+    """A trainer as the spec says (``sp`` None: the stock class). ``tools``: the RL tests'
+    agent (tests/hf/rl_agents.py: its tokenizer, a student scripted to call the counting ``add``
+    tool, chat prompts)."""
     import transformers as tf
     import trl
     from datasets import Dataset
 
     from dtensor_ulysses.hf import with_ulysses
+    from tests.hf import rl_agents as A
 
     tok = tf.AutoTokenizer.from_pretrained(spec["tok"])
     tok.padding_side = "left"
     model = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    # many stop tokens: completions of unequal lengths
-    model.generation_config.eos_token_id = [tok.eos_token_id, *range(10, 40)]
+    extra: dict = {}
+    if spec.get("tools"):
+        A.Script(model, tok)
+        extra.update(tools=[A.add])
+        kw_tools = {"max_tool_calling_iterations": spec["tools"]}
+        rows = [{"prompt": [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": q}]} for q in A.QUESTIONS]  # fmt: skip
+    else:
+        # many stop tokens: completions of unequal lengths
+        model.generation_config.eos_token_id = [tok.eos_token_id, *range(10, 40)]
+        kw_tools = {}
+        rows = [{"prompt": p} for p in spec.get("prompts", R.PROMPTS)]
     teacher: Any = spec["teacher"]
     kw: dict = {}
     if spec.get("teacher_as_model"):
@@ -72,20 +103,20 @@ def build(spec: dict) -> Any:
         max_completion_length=spec.get("max_completion_length", 6),
         temperature=spec.get("temperature", 1.0), beta=spec["beta"], disable_tqdm=True,
         gradient_checkpointing=False, generation_kwargs={"do_sample": False},
-        gradient_accumulation_steps=spec.get("accumulation", 1), **kw,
+        gradient_accumulation_steps=spec.get("accumulation", 1), **kw, **kw_tools,
     )  # fmt: skip
     if spec.get("eval"):  # evaluation at step 2, on the prompts
         common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     args = trl.DistillationConfig(**common)
-    cls: Any = trl.DistillationTrainer
+    cls: Any = _recording(trl.DistillationTrainer)
     if spec.get("sp"):
         cls = with_ulysses(cls, sp=spec["sp"])
-    data = Dataset.from_list([{"prompt": p} for p in spec.get("prompts", R.PROMPTS)])
+    data = Dataset.from_list(rows)
     grads = R._Grads()
     trainer = cls(model=model, teacher_model=teacher, args=args, train_dataset=data,
                   processing_class=tok, callbacks=[grads],
                   eval_dataset=data if spec.get("eval") else None,
-                  peft_config=R._lora() if spec.get("lora") else None)  # fmt: skip
+                  peft_config=R._lora() if spec.get("lora") else None, **extra)  # fmt: skip
     trainer._du_test_grads = grads
     return trainer
 
@@ -93,14 +124,22 @@ def build(spec: dict) -> Any:
 def run(spec: dict) -> dict:
     """Train; the logged history, every step's full gradients of a few parameters, and (under
     with_ulysses) what the teacher holds."""
-    trainer = build(spec)
-    trainer.train()
+    if spec.get("count"):  # the agent's tool counts its calls per rank
+        os.environ["DU_RL_COUNT"] = spec["count"]
+    try:
+        trainer = build(spec)
+        trainer.train()
+    finally:
+        os.environ.pop("DU_RL_COUNT", None)
     hist = [h for h in trainer.state.log_history if "loss" in h]
     out: dict = {k: [h.get(k) for h in hist] for k in LOGGED}
     out["grads"] = [{k: v.tolist() for k, v in row.items()} for row in trainer._du_test_grads.steps]
     out["eval"] = [{k: v for k, v in h.items() if k in EVAL_LOGGED}
                    for h in trainer.state.log_history if "eval_loss" in h]  # fmt: skip
     out["tokens_seen"] = trainer.state.num_input_tokens_seen
+    out["rounds"] = trainer.__dict__.get("_du_test_rounds", [])
+    for k in TOOL_LOGGED:
+        out[k] = [h.get(k) for h in hist]
     assert all(math.isfinite(x) for x in out["loss"]), out["loss"]
     if spec.get("sp"):
         from torch.distributed.fsdp import FSDPModule
@@ -150,11 +189,28 @@ def _kinds(counter: Any, group_name: str) -> list[str]:
     return sorted({c.kind for c in counter.calls if c.group_name == group_name} - {"all_gather"})
 
 
+def refused(spec: dict) -> dict:
+    """The message of the refusal building the trainer raises under the memory capacity
+    ``spec["capacity"]`` (the preflight's override)."""
+    from dtensor_ulysses.hf import UnsupportedTrainerError
+    from dtensor_ulysses.plan import CAPACITY_ENV
+
+    os.environ[CAPACITY_ENV] = spec["capacity"]
+    try:
+        build(spec)
+    except UnsupportedTrainerError as e:
+        return {"error": str(e)}
+    finally:
+        os.environ.pop(CAPACITY_ENV, None)
+    raise AssertionError("the trainer was built")
+
+
 def run_specs(rank: int, world: int, specs: list) -> list:
     """Several runs in one spawned world; rank 0's results."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ["RANK"] = str(rank)
     torch.set_num_threads(1)
-    results = [comm(spec) if spec.get("comm") else run(spec) for spec in specs]
+    results = [refused(spec) if spec.get("refused") else comm(spec) if spec.get("comm")
+               else run(spec) for spec in specs]  # fmt: skip
     return results if rank == 0 else [None] * len(results)

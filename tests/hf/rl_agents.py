@@ -176,7 +176,7 @@ class Script:
 
     def _inputs(self, module: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None or ids.dim() != 2:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:  # e.g. TRL's redirected loss
             self.rows = None
         elif ids.shape[1] > 1:  # a prefill (or a training forward: no logits read then)
             self.rows = ids.tolist()

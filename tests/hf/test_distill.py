@@ -10,10 +10,14 @@ LoRA student, with evaluation at step 2; reverse KL (``beta`` 1) from a Llama te
 student's size. The stock trainer at dp = 1 runs in this process, at dp = 2 on 2 spawned gloo
 ranks; Ulysses runs at (dp, sp) = (1, 2) in that 2-rank world, and at (2, 2) and (1, 4) in one
 4-rank world, where rows shorter than sp (one-token prompts, completions of at most two
-tokens: some ranks hold an empty slice) are trained too. Compared at rtol 1e-4: every logged
-metric (loss, entropy, completion lengths and clipped ratio, grad norm, tokens) and the full
-gradients of four parameters (two LoRA matrices) at every step; the teacher is sharded, frozen
-and outside the optimizer; the collectives on the sp group are counted.
+tokens: some ranks hold an empty slice) are trained too. A fourth case, over 2 steps at all
+three layouts, calls a tool: the RL tests' agent (tests/hf/rl_agents.py: a chat-template
+tokenizer, a student scripted to call the counting ``add`` tool twice per rollout) with a
+teacher of its size. Compared at rtol 1e-4: every logged metric (loss, entropy, completion
+lengths and clipped ratio, tool-call and failure frequencies, grad norm, tokens), every round's
+completions and tool masks (exactly) and the full gradients of four parameters (two LoRA
+matrices) at every step; each tool call runs once per rollout per dp group; the teacher is
+sharded, frozen and outside the optimizer; the collectives on the sp group are counted.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ pytest.importorskip("datasets")
 from dtensor_ulysses.launch import run_local_world  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
 from tests.hf import distill_workers as D  # noqa: E402
+from tests.hf import rl_agents as A  # noqa: E402
 from tests.hf import trainer_workers as T  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -39,13 +44,20 @@ CASES = {
     ),  # fmt: skip
     "reverse_kl": dict(beta=1.0, teacher="same"),
 }
+# tool calling (TRL's tool loop, inside the shared rollouts): the RL tests' agent, a student
+# scripted to call the counting `add` tool twice per rollout, 2 steps; at (1, 2), (2, 2), (1, 4)
+TOOL = dict(beta=0.5, tools=3, max_completion_length=96, steps=2)
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_distill")
     W.make_tokenizer(root / "tok", " ".join(T.TEXTS) * 5)
+    vocab = len(A.make_tokenizer(root / "agent_tok"))
     return {
+        "agent": A.save_model(root / "agent", vocab),
+        "agent_teacher": A.save_model(root / "agent_teacher", vocab, seed=1),
+        "agent_tok": str(root / "agent_tok"),
         "root": root,
         "model": str(W.save_model("llama", root / "llama")),
         "large": D.save_teacher(root / "teacher_qwen3"),
@@ -57,7 +69,10 @@ def assets(tmp_path_factory):
 def _spec(assets, case: str, name: str, per_device: int = 4, **kw) -> dict:
     spec = dict(model=assets["model"], tok=assets["tok"], out=str(assets["root"] / name),
                 per_device=per_device, steps=STEPS)  # fmt: skip
-    if case == "short":  # rows shorter than sp = 4
+    if case == "tool":
+        spec.update(TOOL, model=assets["agent"], tok=assets["agent_tok"],
+                    teacher=assets["agent_teacher"], count=spec["out"] + ".count")  # fmt: skip
+    elif case == "short":  # rows shorter than sp = 4
         spec.update(beta=0.5, teacher=assets["large"], prompts=D.SHORT_PROMPTS,
                     max_completion_length=2)  # fmt: skip
     else:
@@ -70,42 +85,49 @@ def _spec(assets, case: str, name: str, per_device: int = 4, **kw) -> dict:
 def refs(assets):
     """The stock trainer at dp = 1, in this process."""
     torch.set_num_threads(1)
-    return {case: D.run(_spec(assets, case, f"ref1_{case}")) for case in (*CASES, "short")}
+    return {case: D.run(_spec(assets, case, f"ref1_{case}")) for case in (*CASES, "short", "tool")}
 
 
 @pytest.fixture(scope="module")
 def world2(assets):
     """One 2-rank world: the stock trainer at dp = 2, then Ulysses at (dp, sp) = (1, 2)."""
-    specs = [_spec(assets, c, f"ref2_{c}", per_device=2) for c in CASES]
-    specs += [_spec(assets, c, f"u12_{c}", sp=2) for c in CASES]
-    specs += [_spec(assets, "jsd", "comm", sp=2, comm=True)]
+    cases = (*CASES, "tool")
+    specs = [_spec(assets, c, f"ref2_{c}", per_device=2) for c in cases]
+    specs += [_spec(assets, c, f"u12_{c}", sp=2) for c in cases]
+    specs += [_spec(assets, "jsd", "comm", sp=2, comm=True),
+              _spec(assets, "tool", "refused", sp=2, capacity="1000", refused=True)]  # fmt: skip
     res = run_local_world(D.run_specs, 2, specs, timeout_s=400)[0]
-    n = len(CASES)
+    n = len(cases)
     return {
-        "stock_dp2": dict(zip(CASES, res[:n])),
-        "u12": dict(zip(CASES, res[n : 2 * n])),
-        "comm": res[-1],
+        "stock_dp2": dict(zip(cases, res[:n])),
+        "u12": dict(zip(cases, res[n : 2 * n])),
+        "comm": res[-2],
+        "refused": res[-1],
     }
 
 
 @pytest.fixture(scope="module")
 def world4(assets):
     """One 4-rank world: Ulysses at (2, 2), then at (1, 4) (also the rows shorter than sp)."""
-    specs = [_spec(assets, c, f"u22_{c}", per_device=2, sp=2) for c in CASES]
-    specs += [_spec(assets, c, f"u14_{c}", sp=4) for c in (*CASES, "short")]
+    at22 = (*CASES, "tool")
+    specs = [_spec(assets, c, f"u22_{c}", per_device=2, sp=2) for c in at22]
+    at14 = (*CASES, "short", "tool")
+    specs += [_spec(assets, c, f"u14_{c}", sp=4) for c in at14]
     res = run_local_world(D.run_specs, 4, specs, timeout_s=400)[0]
-    n = len(CASES)
-    return {"u22": dict(zip(CASES, res[:n])), "u14": dict(zip((*CASES, "short"), res[n:]))}
+    n = len(at22)
+    return {"u22": dict(zip(at22, res[:n])), "u14": dict(zip(at14, res[n:]))}
 
 
-def _close(got: dict, ref: dict) -> None:
-    for k in D.LOGGED:
-        assert len(got[k]) == len(ref[k]) == STEPS, (k, got[k], ref[k])
+def _close(got: dict, ref: dict, steps: int = STEPS) -> None:
+    tools = D.TOOL_LOGGED if ref["tools/call_frequency"][0] is not None else ()
+    for k in D.LOGGED + tools:
+        assert len(got[k]) == len(ref[k]) == steps, (k, got[k], ref[k])
         for a, b in zip(got[k], ref[k]):
             assert b is not None, (k, ref[k])
             assert a == pytest.approx(b, rel=RTOL, abs=ATOL), (k, got[k], ref[k])
     assert got["tokens_seen"] == ref["tokens_seen"]
-    assert len(got["grads"]) == len(ref["grads"]) == STEPS
+    assert got["rounds"] == ref["rounds"]  # every round's completions and tool masks, exactly
+    assert len(got["grads"]) == len(ref["grads"]) == steps
     for step, (g, r) in enumerate(zip(got["grads"], ref["grads"])):
         assert g.keys() == r.keys()
         for name in r:
@@ -134,6 +156,41 @@ def test_dp2_sp2_equals_stock_dp2(case, world2, world4):
 @pytest.mark.parametrize("case", [*CASES, "short"])
 def test_sp4_equals_stock_dp1(case, refs, world4):
     _close(world4["u14"][case], refs[case])
+
+
+def test_tools_sp2_equals_stock_dp1(refs, world2):
+    _close(world2["u12"]["tool"], refs["tool"], steps=TOOL["steps"])
+
+
+def test_tools_dp2_sp2_equals_stock_dp2(world2, world4):
+    _close(world4["u22"]["tool"], world2["stock_dp2"]["tool"], steps=TOOL["steps"])
+
+
+def test_tools_sp4_equals_stock_dp1(refs, world4):
+    _close(world4["u14"]["tool"], refs["tool"], steps=TOOL["steps"])
+
+
+def test_tools_called_once_per_rollout_per_dp_group(assets, refs, world2, world4):
+    """The student calls the tool ``A.CALLS`` times per rollout, the results are masked out of
+    the loss (TRL's tool mask), and each call runs once per dp group: on the sp rank that owns
+    the rollout, each rank its share of the group's rollouts."""
+    ref = refs["tool"]
+    assert ref["tools/call_frequency"] == [A.CALLS] * TOOL["steps"], ref
+    for rnd in ref["rounds"]:
+        assert all(m.count(0) > 0 and m[0] == 1 for m in rnd["tool_mask"]), rnd
+
+    def calls(name: str) -> dict[int, int]:
+        counts = A.agent_counts(str(assets["root"] / f"{name}.count"))
+        return {rank: sum(what == "tool" for what, _ in lines) for rank, lines in counts.items()}
+
+    rollouts = TOOL["steps"] * 4  # 4 prompts per step and dp group (per_device 4, or 2 x dp 2)
+    assert calls("ref1_tool") == {0: rollouts * A.CALLS}
+    assert calls("u12_tool") == {0: rollouts * A.CALLS // 2, 1: rollouts * A.CALLS // 2}
+    stock2 = calls("ref2_tool")
+    assert stock2 == {0: rollouts * A.CALLS // 2, 1: rollouts * A.CALLS // 2}, stock2
+    for name in ("u22_tool", "u14_tool"):  # (2, 2): dp rank 0 on ranks 0, 1; 1 on 2, 3
+        got = calls(name)
+        assert got == dict.fromkeys(range(4), rollouts * A.CALLS // 4), (name, got)
 
 
 def test_the_cases_differ(refs, world2):
@@ -170,6 +227,14 @@ def test_collectives_on_the_sp_group(world2):
     assert c["backward_all_reduce"] == 0, c
 
 
+def test_tools_need_the_weights_gathered_once(world2):
+    """Tool calling makes multi-turn rollouts (each sp rank its own number of generation
+    calls): with a memory capacity too small to gather the weights once per round, the trainer
+    is refused at construction, with the numbers."""
+    refused = world2["refused"]["error"]
+    assert "multi-turn rollouts" in refused and "per rank" in refused, refused
+
+
 def test_refusals(assets, tmp_path):
     import transformers as tf
     import trl
@@ -182,13 +247,9 @@ def test_refusals(assets, tmp_path):
     args = trl.DistillationConfig(str(tmp_path), use_cpu=True, report_to=[],
                                   per_device_train_batch_size=2)  # fmt: skip
     cls = with_ulysses(trl.DistillationTrainer, sp=2)
-    cases = {
-        "teacher_model=None": dict(teacher_model=None),
-        "tools: tool calling": dict(teacher_model=assets["same"], tools=[len]),
-    }
-    for match, kw in cases.items():
-        with pytest.raises(UnsupportedTrainerError, match=match):
-            cls(model=assets["model"], args=args, train_dataset=data, processing_class=tok, **kw)
+    with pytest.raises(UnsupportedTrainerError, match="teacher_model=None"):
+        cls(model=assets["model"], teacher_model=None, args=args, train_dataset=data,
+            processing_class=tok)  # fmt: skip
 
     class OwnLoss(trl.DistillationTrainer):
         def _compute_loss(self, *args, **kwargs):

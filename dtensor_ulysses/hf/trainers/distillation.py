@@ -8,12 +8,17 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
 
 * **Rollouts** as the RL trainers make them (:mod:`~dtensor_ulysses.hf.trainers.rollouts`):
   every rank of an sp group reads the same prompts and draws from the random stream of the
-  stock rank with its dp index; the student generates on whole prompts with its own attention
-  and one set of completions per sp group is kept (sp rank 0's). Everything the stock step
-  reduces over its ranks (completion lengths, the global count of completion tokens,
-  ``num_tokens``, the completions it logs) is reduced over dp, and the generation batch the
-  sampler groups is ``per_device_train_batch_size x dp x gradient_accumulation_steps``, the
-  stock trainer's at this dp.
+  stock rank with its dp index; each rank generates its share of the group's rollouts with the
+  student's own attention on whole prompts (the weights gathered once per round) and the shares
+  are exchanged. With ``tools``, TRL's own tool loop (``_tool_call_loop``, up to
+  ``max_tool_calling_iterations``) runs inside each share, so every tool call happens once per
+  rollout per dp group, on the rank that owns the rollout; its outputs (tool masks,
+  completions, token ids, call and failure counts) are merged in rollout order and the stock
+  bookkeeping replays them on the whole round. Everything the stock step reduces over its
+  ranks (completion lengths, the global count of completion tokens, ``num_tokens``, the tool
+  metrics, the completions it logs) is reduced over dp, and the generation batch the sampler
+  groups is ``per_device_train_batch_size x dp x gradient_accumulation_steps``, the stock
+  trainer's at this dp.
 * **The teacher on the same mesh.** Loaded by the stock trainer (a path, with
   ``teacher_model_init_kwargs``, or a model), then prepared like the student
   (:meth:`~dtensor_ulysses.hf.trainers.base._UlyssesTrainer._du_parallelize_reference`:
@@ -44,10 +49,10 @@ The stock trainer's step, on ``dp x sp`` ranks, is the one of its rank for the s
   one FSDP2 already holds) from the divergence's forward to its backward, which recomputes the
   tiles.
 
-Refused at construction, with the reason: tool calling (its tool loop would run on every sp
-rank; the shared rollout path runs tools once per rollout per dp group only after the
-rollouts issue), vision-language processors, vLLM generation (no GPU test covers it here yet),
-a teacher supplied another way (``teacher_model=None``).
+Refused at construction, with the reason: vision-language processors, vLLM generation (no GPU
+test covers it here yet), a teacher supplied another way (``teacher_model=None``), and tools
+whose rounds cannot gather the weights once (multi-turn rollouts: each sp rank makes its own
+number of generation calls).
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ class _UlyssesDistillation(_Rollouts):
     model: Any
     accelerator: Any
     teacher_model: Any
+    tools: list
     beta: float
     temperature: float
     _forward_redirection: Any
@@ -124,7 +130,8 @@ class _UlyssesDistillation(_Rollouts):
         dp = self._du_dims.dp
         size = self.args.per_device_train_batch_size * dp * self.args.gradient_accumulation_steps
         self._logs = {key: deque(maxlen=size) for key in self._logs}
-        self._du_init_rollouts(multi_turn=False)  # tools are refused above
+        # tools: TRL's tool loop inside the shared rollout path (each call on the rollout's owner)
+        self._du_init_rollouts(multi_turn=bool(self.tools))
 
     def _du_trl_module(self) -> Any:
         # TRL's own module (deprecated aliases of the class, e.g. trl.experimental's, subclass it)
@@ -278,11 +285,6 @@ def _refuse_distillation(cls: type, bound: dict) -> None:
         problems.append(
             "teacher_model=None: a teacher supplied another way does not run on the mesh; "
             "pass teacher_model (a path or a model)"
-        )
-    if bound.get("tools"):
-        problems.append(
-            "tools: tool calling (its tool loop would call every tool on each sp rank); train "
-            "without tools for now"
         )
     processing = bound.get("processing_class")
     if processing is not None and hasattr(processing, "image_processor"):
