@@ -7,7 +7,8 @@ before ``prepare``, ``accumulate`` over 2 micro-batches, ``model(**batch).loss``
 ``tokens``, the model's loss over accelerate's documented global token count),
 ``accelerator.backward``, ``clip_grad_norm_`` at each synchronizing step, evaluation with
 ``gather_for_metrics`` (an evaluation set whose last batch is short), ``save_state`` after a
-step, ``get_state_dict`` and ``unwrap_model(...).save_pretrained`` at the end. A resumed run
+step, ``get_state_dict`` and ``unwrap_model(...).save_pretrained`` at the end; optionally a
+LoRA adapter (peft) added to the model before ``prepare``. A resumed run
 builds everything anew, ``load_state`` and ``skip_first_batches``, and runs the remaining steps.
 
 What each rank returns (its dp group's view, which is what a stock process at the same dp
@@ -33,6 +34,15 @@ S = 19  # uneven over sp = 2 ([10, 9]) and sp = 4 ([5, 5, 5, 4])
 ROWS, EVAL_ROWS = 12, 5  # 3 optimizer steps of 4 rows; eval batches of 2: the last one short
 GA, LR = 2, 5e-3
 STEPS = ROWS // (2 * GA)  # the global micro-batch is 2 rows (per_device * dp)
+
+
+def lora_config() -> Any:
+    """A LoRA adapter on the attention's query and value projections (B not zero: the
+    adapter changes the forward from the first step)."""
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+                      target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # fmt: skip
 
 
 def rows(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -79,6 +89,7 @@ def _grads(model: Any) -> dict[str, list[float]]:
     return {
         n.removeprefix("module."): _full(p.grad).flatten().tolist()
         for n, p in model.named_parameters()
+        if p.requires_grad  # a LoRA model's: the adapter's
     }  # DDP (the stock loop) adds "module."
 
 
@@ -116,7 +127,7 @@ def run(spec: dict) -> dict:
     stock one, ``model`` (directory), ``per_device`` rows, ``steps`` to run, ``save_at`` /
     ``ckpt`` (``save_state`` after that step), ``resume`` (a checkpoint: load it and run the
     steps after it), ``tokens`` (the loss over the global token count), ``final`` (a
-    directory for ``save_pretrained``)."""
+    directory for ``save_pretrained``), ``lora`` (a LoRA adapter added before ``prepare``)."""
     from accelerate import Accelerator
     from accelerate.utils import ParallelismConfig
     from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
@@ -139,6 +150,13 @@ def run(spec: dict) -> dict:
             os.environ.update(saved)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    if spec.get("lora"):  # a LoRA adapter added before prepare, as peft's examples do
+        from peft import get_peft_model
+
+        # initialized from a stream per process: under the door the ranks differ until prepare
+        # makes them rank 0's (as DDP does), which is the stock process's
+        torch.manual_seed(1 + acc.process_index)
+        model = get_peft_model(model, lora_config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     # accelerate's scheduler steps once per process per optimizer step: lengths scaled by
     # num_processes, as transformers' no_trainer examples scale them
@@ -251,6 +269,7 @@ def main(argv: list[str]) -> None:
 def probe(spec: dict) -> dict:
     """At (1, 2): the collectives of one training and one evaluation forward (which, on which
     group, how many bytes), and the refusals of prepare and of the model's forward, as text."""
+    from peft import PromptTuningConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from dtensor_ulysses.debug import CommCounter
@@ -291,6 +310,8 @@ def probe(spec: dict) -> dict:
         AutoConfig.for_model("llama", **W.SMALL, pad_token_id=0)
     )
     iterable = torch.utils.data.DataLoader(_Stream(), batch_size=2)
+    virtual = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    prompt_tuned = get_peft_model(AutoModelForCausalLM.from_pretrained(spec["model"]), virtual)
     out["refusals"] = {
         "batch key": refused(lambda: model(**batch, token_type_ids=batch["input_ids"] * 0)),
         "left padding": refused(lambda: model(**left)),
@@ -298,6 +319,7 @@ def probe(spec: dict) -> dict:
         "dropout": refused(lambda: acc.prepare(AutoModelForCausalLM.from_config(cfg))),
         "classifier": refused(lambda: acc.prepare(classifier)),
         "dispatch": refused(lambda: acc.prepare(iterable)),
+        "prompt tuning": refused(lambda: acc.prepare(prompt_tuned)),
     }
     return out
 

@@ -117,6 +117,31 @@ def _recording(cls: type) -> type:
     return Recording
 
 
+MEMBER_WORDS = ("", " please", " now", " in short")
+
+
+def _members(batch: dict) -> dict:
+    """The vision-language rows as a fetched batch holds them (TRL's sampler repeats each prompt
+    ``num_generations`` times): its ``j``-th copy of a prompt asks with the ``j``-th word of
+    :data:`MEMBER_WORDS` and sees its image turned the ``j``-th way, so that greedy decoding
+    differs within a group, and so do the rewards and advantages. Depends on the batch alone:
+    the stock rank and each sp rank of its group fetch the same batch."""
+    from PIL import Image
+
+    turns = (None, Image.Transpose.FLIP_LEFT_RIGHT, Image.Transpose.ROTATE_90,
+             Image.Transpose.ROTATE_270)  # fmt: skip
+    seen: dict[str, int] = {}
+    prompts, images = [], []
+    for prompt, image in zip(batch["prompt"], batch["image"]):
+        key = repr(prompt)
+        j = seen[key] = seen.get(key, -1) + 1
+        last = {**prompt[-1], "content": prompt[-1]["content"] + MEMBER_WORDS[j % 4]}
+        prompts.append([*prompt[:-1], last])
+        turn = turns[j % 4]
+        images.append(image if turn is None else image.transpose(turn))
+    return {**batch, "prompt": prompts, "image": images}
+
+
 def _data(spec: dict) -> Any:
     from datasets import Dataset
 
@@ -130,7 +155,7 @@ def _data(spec: dict) -> Any:
             q = ["what is this", "describe it", "what color", "name it"][i]
             rows.append({"image": r["images"][0],
                          "prompt": [{"role": "user", "content": q}]})  # fmt: skip
-        return Dataset.from_list(rows * 2)
+        return Dataset.from_list(rows * 2).with_transform(_members)
     if spec.get("tools") or spec.get("env") or spec.get("rollout") == "chat":
         rows = [{"prompt": [{"role": "system", "content": "be brief"},
                             {"role": "user", "content": q}]} for q in A.QUESTIONS] * 2  # fmt: skip

@@ -9,7 +9,8 @@ set whose last batch is short, ``save_state`` after step 2. The stock loop at dp
 this process. ``accelerate launch --config_file`` (FSDP2 and ``parallelism_config_cp_size: 2``,
 as accelerate configures its own context parallelism) starts 2 CPU processes that run the
 stock loop at dp = 2, then the door at (dp, sp) = (1, 2) with the degree from that config
-(straight, resumed from its checkpoint, Mixtral). One 4-rank world runs the door at (2, 2)
+(straight, resumed from its checkpoint, Mixtral, a LoRA adapter added with peft before
+``prepare``, straight and resumed). One 4-rank world runs the door at (2, 2)
 (straight, resumed) and at (1, 4) (the degree as a ``ParallelismConfig``'s ``cp_size``, the
 loss over a token count gathered by hand as accelerate documents, no attention mask), and
 examples/accelerate_loop.py. Compared at rtol 1e-5: every micro-batch loss of every rank
@@ -67,7 +68,10 @@ def stock1(assets):
     torch.set_num_threads(1)
     out = {}
     try:
-        for name, kw in {"plain": {}, "tokens": {"tokens": True}, "moe": {}}.items():
+        root = assets["root"]
+        lora = dict(lora=True, final=str(root / "final_lora_stock"), save_at=2,
+                    ckpt=str(root / "ck1_lora_stock"))  # fmt: skip
+        for name, kw in {"plain": {}, "tokens": {"tokens": True}, "moe": {}, "lora": lora}.items():
             model = assets["moe" if name == "moe" else "llama"]
             out[name] = A.run(dict(model=model, per_device=2, eval_at=(2, 3), **kw))
             _reset_accelerate()
@@ -91,15 +95,18 @@ def world2(assets):
     """2 processes started by ``accelerate launch --config_file`` (FSDP2 and
     ``parallelism_config_cp_size: 2``, on CPU): the stock loop at dp = 2 (a plain multi-process
     accelerator), then the door at (1, 2) with the degree from the config: straight (checkpoint
-    after step 2, save_pretrained at the end), resumed, Mixtral; then the collectives and
-    refusals."""
+    after step 2, save_pretrained at the end), resumed, Mixtral, a LoRA model straight and
+    resumed; then the collectives and refusals."""
     root, llama = assets["root"], assets["llama"]
     door = dict(door=True, model=llama, per_device=2)
+    lora = dict(door, lora=True, eval_at=(3,), save_at=2)
     specs = [
         dict(model=llama, per_device=1, eval_at=(2, 3)),
         dict(door, eval_at=(2, 3), save_at=2, ckpt=str(root / "ck12"), final=str(root / "final")),
         dict(door, eval_at=(3,), save_at=2, resume=str(root / "ck12")),
         dict(door, model=assets["moe"], eval_at=(2, 3)),
+        dict(lora, ckpt=str(root / "ck12_lora"), final=str(root / "final_lora")),
+        dict(lora, resume=str(root / "ck12_lora")),
         dict(probe=True, model=llama),
     ]
     (root / "specs2.json").write_text(json.dumps(specs))
@@ -126,7 +133,10 @@ def world2(assets):
         "u12": [r[1] for r in res],
         "u12_resumed": [r[2] for r in res],
         "u12_moe": [r[3] for r in res],
-        "probe": res[0][4],
+        "u12_lora": [r[4] for r in res],
+        "u12_lora_resumed": [r[5] for r in res],
+        "probe": res[0][6],
+        "stdout": run.stdout,
     }
 
 
@@ -229,6 +239,40 @@ def test_unwrap_model_save_pretrained_writes_the_full_weights(assets, stock1):
         assert (state[name].flatten() - torch.tensor(w)).abs().max() <= 1e-5, name
 
 
+def test_lora_adapter_equals_the_loop_on_one_process(assets, stock1, world2):
+    """A LoRA model (peft's ``get_peft_model`` before ``prepare``; its adapter initialized
+    differently on each rank) at (1, 2): every loss, gradient norm, evaluation metric, the
+    adapter's full gradients (nothing else has one) and the final weights equal the stock loop
+    on one process, straight and resumed from ``save_state``; ``unwrap_model(model)
+    .save_pretrained`` writes the adapter files the stock loop writes, and ``save_state`` the
+    weights (base and adapter) it writes."""
+    from safetensors.torch import load_file
+
+    ref = stock1["lora"]
+    assert all(".lora_" in name for name in ref["grads"][0]) and len(ref["grads"][0]) == 8
+    for got in world2["u12_lora"]:
+        _equal(got, ref)
+    for got in world2["u12_lora_resumed"]:
+        _equal(got, ref, first_step=2)
+    # each rank drew its own adapter; prepare started every rank from rank 0's (8 tensors)
+    assert "UlyssesAccelerator: 8 tensor(s) differed between ranks" in world2["stdout"]
+    root = Path(assets["root"])
+    door, stock = root / "final_lora", root / "final_lora_stock"
+    assert sorted(p.name for p in door.iterdir()) == sorted(p.name for p in stock.iterdir())
+    assert not (door / "model.safetensors").exists()  # the adapter only
+    config = [json.loads((d / "adapter_config.json").read_text()) for d in (door, stock)]
+    assert config[0] == config[1]
+    saved, expected = (load_file(str(d / "adapter_model.safetensors")) for d in (door, stock))
+    assert saved.keys() == expected.keys() and len(saved) == 8
+    for name, w in expected.items():
+        assert (saved[name] - w).abs().max() <= 1e-5, name
+    saved, expected = (load_file(str(root / d / "model.safetensors"))
+                       for d in ("ck12_lora", "ck1_lora_stock"))  # fmt: skip
+    assert saved.keys() == expected.keys() and any(".lora_" in k for k in saved)
+    for name, w in expected.items():
+        assert (saved[name] - w).abs().max() <= 1e-5, name
+
+
 def test_collectives_of_a_training_and_an_evaluation_forward(world2):
     """At (1, 2), besides the engine's all-to-alls and FSDP2's gathers and reduce-scatters:
     one all-reduce of the loss (one float32), and in evaluation one all-gather of the logits
@@ -252,6 +296,8 @@ def test_prepare_and_forward_refusals(world2):
     assert "attention dropout" in r["dropout"] and "UnsupportedModelError" in r["dropout"]
     assert "LlamaForSequenceClassification" in r["classifier"]
     assert "dispatch_batches=False" in r["dispatch"]
+    assert "prompt-learning adapter 'default' (PROMPT_TUNING)" in r["prompt tuning"]
+    assert "LoRA" in r["prompt tuning"] and "UnsupportedModelError" in r["prompt tuning"]
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,10 @@ step's rollouts come from the updated policy, so the updates are checked too). D
 does not depend on how a round's rollouts are split over the sp group: greedy, or a
 ``rollout_func`` that samples each completion from its own seeded generator (it runs once per
 dp group with the stock rank's prompts). The agents' policy is scripted to call a tool twice
-per rollout (``rl_agents.Script``: greedy decoding follows the script).
+per rollout (``rl_agents.Script``: greedy decoding follows the script). The image prompts vary
+within a group (``rl_workers.MEMBER_WORDS``: each copy of a prompt in a batch asks with its own
+word and sees its image turned its own way), so greedy completions, rewards and advantages
+differ within a group and the policy gradient is not zero.
 
 The stock trainer at dp = 1 runs in this process, at dp = 2 on 2 spawned gloo ranks; Ulysses
 runs at (dp, sp) = (1, 2) in that 2-rank world, at (2, 2) and (1, 4) in one 4-rank world.
@@ -36,7 +39,9 @@ from tests.hf import trainer_workers as T  # noqa: E402
 RTOL, ATOL = 1e-4, 1e-6
 AGENT = dict(agent=True, greedy=True, entropy_coef=0.05, max_completion_length=96,
              max_tool_calling_iterations=3)  # fmt: skip
-VL = dict(greedy=True, beta=0.05, max_completion_length=4)
+# image prompts that vary within a group (advantages not zero); a small step: at lr 0.5 the tiny
+# models' second-step greedy completions collapse to one
+VL = dict(greedy=True, beta=0.05, max_completion_length=4, lr=0.005)
 # compared at (1, 2), (2, 2) and (1, 4)
 CASES = {
     # a rollout_func sampling each completion from its own generator (advantages not zero)
@@ -187,9 +192,10 @@ def test_sp4_equals_stock_dp1(case, refs, world4):
     _close(world4["u14"][case], refs[case])
 
 
-def test_the_cases_exercise_what_they_claim(refs):
+def test_the_cases_exercise_what_they_claim(refs, world2):
     """Tool calls made and masked, environment rewards logged, advantages that are not zero
-    (the sampling rollout_func), rows shorter than sp=4."""
+    (the sampling rollout_func; the image prompts in every round, at dp = 1 and 2), rows
+    shorter than sp=4."""
     tool = refs["tool"]
     assert tool["tools/call_frequency"] == [A.CALLS] * 2
     for rnd in tool["rounds"] + refs["env"]["rounds"]:
@@ -197,6 +203,10 @@ def test_the_cases_exercise_what_they_claim(refs):
     for kind in ("Calculator", "Tally"):  # a step of each kind
         assert any(r is not None for r in refs["env"][f"rewards/{kind}/mean"]), kind
     assert any(abs(a) > 0.1 for rnd in refs["grpo"]["rounds"] for a in rnd["advantages"])
+    for case in ("vl", "vl_rloo"):
+        for run in (refs[case], world2["stock_dp2"][case]):
+            assert all(any(abs(a) > 0.05 for a in rnd["advantages"]) for rnd in run["rounds"])
+            assert any(abs(a) > 0.1 for rnd in run["rounds"] for a in rnd["advantages"]), case
     for rnd in refs["short"]["rounds"]:
         assert len(rnd["completion_ids"][0]) == 1  # + a one-token prompt: 2 < sp = 4
 

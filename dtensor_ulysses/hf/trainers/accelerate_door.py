@@ -33,7 +33,8 @@ norm and evaluation metric, and the same updates.
   accelerator (``MULTI_GPU``, or ``MULTI_CPU`` on a machine without GPUs): its
   ``parallelism_config`` is ``None`` and its FSDP plugin unused; an FSDP2 plugin's
   ``activation_checkpointing`` and ``cpu_offload`` are honoured.
-* **prepare**: each model (a transformers causal LM) is checked
+* **prepare**: each model (a transformers causal LM, or a PEFT model around one: LoRA and the
+  other adapters on the layers' weights, added before ``prepare``) is checked
   (:func:`~dtensor_ulysses.hf.models.routing.check_supported`: refused with the reason),
   starts from rank 0's weights, and goes through
   :func:`~dtensor_ulysses.hf.models.parallelize.parallelize_root` (every attention layer through
@@ -64,7 +65,8 @@ norm and evaluation metric, and the same updates.
   last batch's duplicates dropped as stock), ``get_state_dict`` (the full state on the main
   process), ``save_state`` / ``load_state`` (the full weights, as a single-process run writes
   them, and the full optimizer state keyed by parameter name; each rank loads its shard), and
-  ``unwrap_model(model).save_pretrained(dir)`` called on every rank (full weights gathered).
+  ``unwrap_model(model).save_pretrained(dir)`` called on every rank (full weights gathered; a
+  PEFT model writes its adapter, as stock).
 * **The data-parallel view**: ``num_processes`` is ``dp``, and ``gather`` / ``reduce`` run over
   the dp ranks, so what a loop computes from them (schedule lengths scaled by
   ``num_processes``, token counts gathered by hand for ``num_items_in_batch``, gathered
@@ -80,7 +82,9 @@ autocast), tensor parallelism, accelerate's DeepSpeed sequence parallelism (``sp
 parallelism already on in this process, a process count that the degrees do not fit (both
 numbers named), a launch that started one process (``accelerate launch`` without
 ``--multi_gpu`` on a machine without GPUs: the fix named), batches dispatched by rank 0,
-models the routing refuses, models other than causal LMs (vision-language models: use
+models the routing refuses, PEFT's prompt learning (virtual tokens or a key/value prefix per
+sequence; LoRA and the other adapters on the layers run), models other than causal LMs
+(vision-language models: use
 :func:`~dtensor_ulysses.hf.with_ulysses`), and batch keys or model arguments a slice cannot
 honour.
 """
@@ -412,6 +416,7 @@ class UlyssesAccelerator(_accel._UlyssesAccelerator, Accelerator):
                 f"{name}: the door trains causal language models (...ForCausalLM), whose loss is "
                 f"the token cross entropy of the labels"
             )
+        _refuse_prompt_learning(model, name)
         check_supported(hf)
         _refuse_attention_dropout(model, None)
         options = self._du_options
@@ -833,6 +838,26 @@ def _load_full(model: nn.Module, full: dict[str, torch.Tensor], where: str) -> N
         raise ValueError(f"{where!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
     kept: dict[str, Any] = {k: v for k, v in full.items() if k in own}
     set_model_state_dict(model, kept, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _refuse_prompt_learning(model: nn.Module, name: str) -> None:
+    """PEFT's prompt learning (prompt tuning, P-tuning, prefix tuning, ...) adds virtual tokens,
+    or a key/value prefix, to every sequence inside the model's forward: a rank's slice would get
+    its own copy. Adapters on the layers (LoRA and the like) are token-wise and run as they are.
+
+    Raises:
+        UnsupportedModelError: a prompt-learning adapter on ``model``.
+    """
+    configs = getattr(model, "peft_config", None) if _state.is_peft(model) else None
+    found = [f"{adapter!r} ({getattr(cfg.peft_type, 'value', cfg.peft_type)})"
+             for adapter, cfg in (configs or {}).items()
+             if getattr(cfg, "is_prompt_learning", False)]  # fmt: skip
+    if found:
+        raise UnsupportedModelError(
+            f"{name} has the PEFT prompt-learning adapter {', '.join(found)}: it adds virtual "
+            f"tokens (or a key/value prefix) to every sequence, which a rank's sequence slice "
+            f"cannot hold; use an adapter on the layers' weights (LoRA, IA3, ...)"
+        )
 
 
 def _refuse_backends(kwargs: dict) -> None:
