@@ -47,23 +47,6 @@ def save_teacher(directory: Path, seed: int = 5) -> str:
     return str(directory)
 
 
-def _recording(cls: type) -> type:
-    """``cls`` that keeps each round's completions and tool masks."""
-
-    class Recording(cls):  # type: ignore[valid-type, misc]
-        def _generate_and_score_completions(self, inputs: Any) -> Any:
-            out = super()._generate_and_score_completions(inputs)
-            mask = out.get("tool_mask")
-            self.__dict__.setdefault("_du_test_rounds", []).append({
-                "completion_ids": out["completion_ids"].tolist(),
-                "tool_mask": None if mask is None else mask.tolist(),
-            })  # fmt: skip
-            return out
-
-    Recording.__name__ = f"Recording{cls.__name__}"
-    return Recording
-
-
 def build(spec: dict) -> Any:
     """A trainer as the spec says (``sp`` None: the stock class). ``tools``: the RL tests'
     agent (tests/hf/rl_agents.py: its tokenizer, a student scripted to call the counting ``add``
@@ -108,7 +91,7 @@ def build(spec: dict) -> Any:
     if spec.get("eval"):  # evaluation at step 2, on the prompts
         common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     args = trl.DistillationConfig(**common)
-    cls: Any = _recording(trl.DistillationTrainer)
+    cls: Any = R.recording(trl.DistillationTrainer)
     if spec.get("sp"):
         cls = with_ulysses(cls, sp=spec["sp"])
     data = Dataset.from_list(rows)
@@ -189,28 +172,12 @@ def _kinds(counter: Any, group_name: str) -> list[str]:
     return sorted({c.kind for c in counter.calls if c.group_name == group_name} - {"all_gather"})
 
 
-def refused(spec: dict) -> dict:
-    """The message of the refusal building the trainer raises under the memory capacity
-    ``spec["capacity"]`` (the preflight's override)."""
-    from dtensor_ulysses.hf import UnsupportedTrainerError
-    from dtensor_ulysses.plan import CAPACITY_ENV
-
-    os.environ[CAPACITY_ENV] = spec["capacity"]
-    try:
-        build(spec)
-    except UnsupportedTrainerError as e:
-        return {"error": str(e)}
-    finally:
-        os.environ.pop(CAPACITY_ENV, None)
-    raise AssertionError("the trainer was built")
-
-
 def run_specs(rank: int, world: int, specs: list) -> list:
     """Several runs in one spawned world; rank 0's results."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ["RANK"] = str(rank)
     torch.set_num_threads(1)
-    results = [refused(spec) if spec.get("refused") else comm(spec) if spec.get("comm")
+    results = [R.refused(spec, build) if spec.get("refused") else comm(spec) if spec.get("comm")
                else run(spec) for spec in specs]  # fmt: skip
     return results if rank == 0 else [None] * len(results)

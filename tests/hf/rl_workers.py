@@ -99,8 +99,9 @@ def reward_chat(completions: list, **_: Any) -> list[float]:
 SHORT_PROMPTS = ["the", "a", "heads", "every"]  # one token each: prompt + completion < sp=4
 
 
-def _recording(cls: type) -> type:
-    """``cls`` that keeps each round's completions, tool masks and advantages."""
+def recording(cls: type) -> type:
+    """``cls`` that keeps each round's completions, tool masks and advantages (where the trainer
+    has them: the distillation trainer has none)."""
 
     class Recording(cls):  # type: ignore[valid-type, misc]
         def _generate_and_score_completions(self, inputs: Any) -> Any:
@@ -109,7 +110,7 @@ def _recording(cls: type) -> type:
             self.__dict__.setdefault("_du_test_rounds", []).append({
                 "completion_ids": out["completion_ids"].tolist(),
                 "tool_mask": None if mask is None else mask.tolist(),
-                "advantages": out["advantages"].tolist(),
+                **({"advantages": out["advantages"].tolist()} if "advantages" in out else {}),
             })  # fmt: skip
             return out
 
@@ -225,7 +226,7 @@ def build(spec: dict) -> Any:
     if spec.get("eval"):  # evaluation at step 2, on the prompts
         common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     args = cfg_cls(**common)
-    cls = _recording(cls)
+    cls = recording(cls)
     if spec.get("sp"):
         cls = with_ulysses(cls, sp=spec["sp"])
     data = _data(spec)
@@ -346,14 +347,15 @@ def comm(spec: dict) -> dict:
     }  # fmt: skip
 
 
-def refused(spec: dict) -> dict:
-    """The message of the refusal building the trainer raises."""
+def refused(spec: dict, make: Any = None) -> dict:
+    """The message of the refusal that building the trainer (``make``, this module's
+    :func:`build` by default) raises under the spec's memory capacity."""
     from dtensor_ulysses.hf import UnsupportedTrainerError
     from dtensor_ulysses.plan import CAPACITY_ENV
 
     os.environ[CAPACITY_ENV] = spec["capacity"]
     try:
-        build(spec)
+        (make or build)(spec)
     except UnsupportedTrainerError as e:
         return {"error": str(e)}
     finally:

@@ -224,39 +224,6 @@ class _UlyssesDistillation(_Rollouts):
             loss = total / num_items_in_batch
         return loss, sums[1].detach().to(ent_sum.dtype), n_total.to(n_valid.dtype)
 
-    # ------------------------------------------------------------------------------------------
-    # the loss
-    # ------------------------------------------------------------------------------------------
-    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any):
-        # the stock trainer's (its batches are prompts, not token rows)
-        return super(_UlyssesTrainer, self).get_batch_samples(  # type: ignore[misc]
-            epoch_iterator, num_batches, device
-        )
-
-    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: Any = None):  # fmt: skip
-        with self._du_dp_view():
-            out = super(_UlyssesTrainer, self).compute_loss(  # type: ignore[misc]
-                model, inputs, return_outputs=return_outputs,
-                num_items_in_batch=num_items_in_batch,
-            )  # fmt: skip
-        loss = out[0] if return_outputs else out
-        dp = self._du_dims.dp
-        # the value is the stock rank's loss; FSDP2 sums gradients over dp where DDP averages
-        loss = loss.detach() + (loss - loss.detach()) / dp
-        return (loss, out[1]) if return_outputs else loss
-
-    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
-                        ignore_keys: Any = None):  # fmt: skip
-        # the stock trainer's (rollouts and loss as in training, through the methods above)
-        return super(_UlyssesTrainer, self).prediction_step(  # type: ignore[misc]
-            model, inputs, prediction_loss_only, ignore_keys
-        )
-
-    def _track_num_input_tokens(self, inputs: Any) -> None:
-        # the stock trainer counts prompt + completion tokens itself (over dp)
-        super(_UlyssesTrainer, self)._track_num_input_tokens(inputs)  # type: ignore[misc]
-
 
 def _trl_class(cls: type) -> type:
     """TRL's ``DistillationTrainer`` in ``cls``'s bases (the last of the name: aliases subclass

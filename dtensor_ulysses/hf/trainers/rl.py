@@ -78,7 +78,6 @@ from dtensor_ulysses.hf.models.vision import (
     vision_model_inputs,
 )
 from dtensor_ulysses.hf.trainers import _state
-from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError, _refusals_in_one_line
 from dtensor_ulysses.hf.trainers.rollouts import _dp_gather_same, _patched, _Rollouts
 from dtensor_ulysses.plan.splits import padded_seq_len
@@ -227,37 +226,6 @@ class _UlyssesRL(_Rollouts):
                 ent_BS = all_reduce_sum(F.pad(out.entropy.float(), (left, right)), group)[:, :S]
                 entropies.append(ent_BS[:, -logits_to_keep - 1 : -1])
         return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None)
-
-    # ------------------------------------------------------------------------------------------
-    # the loss
-    # ------------------------------------------------------------------------------------------
-    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any):
-        # the stock trainer's (its batches are prompts, not token rows)
-        return super(_UlyssesTrainer, self).get_batch_samples(  # type: ignore[misc]
-            epoch_iterator, num_batches, device
-        )
-
-    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: Any = None):  # fmt: skip
-        with self._du_dp_view():
-            loss = super(_UlyssesTrainer, self).compute_loss(  # type: ignore[misc]
-                model, inputs, return_outputs=return_outputs,
-                num_items_in_batch=num_items_in_batch,
-            )  # fmt: skip
-        dp = self._du_dims.dp
-        # the value is the stock rank's loss; FSDP2 sums gradients over dp where DDP averages
-        return loss.detach() + (loss - loss.detach()) / dp
-
-    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
-                        ignore_keys: Any = None):  # fmt: skip
-        # the stock trainer's (rollouts and loss as in training, through the methods above)
-        return super(_UlyssesTrainer, self).prediction_step(  # type: ignore[misc]
-            model, inputs, prediction_loss_only, ignore_keys
-        )
-
-    def _track_num_input_tokens(self, inputs: Any) -> None:
-        # the RL trainers count their tokens themselves (prompt + completion, over dp)
-        super(_UlyssesTrainer, self)._track_num_input_tokens(inputs)  # type: ignore[misc]
 
 
 def _init_names(cls: type) -> list[str]:

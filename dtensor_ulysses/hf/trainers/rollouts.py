@@ -44,7 +44,9 @@ What a family provides: the TRL class names (:attr:`_Rollouts._du_trl_classes`, 
 ``gather`` functions the dp view replaces) and a call to :meth:`_Rollouts._du_init_rollouts`
 after the stock ``__init__``; it inherits ``_generate_and_score_completions`` (the dp view and
 the round), ``_generate`` (the shares and the replay), ``_generate_single_turn`` and
-``_tool_call_loop`` (the shares' decoding and tools; the replay), and the helpers
+``_tool_call_loop`` (the shares' decoding and tools; the replay), the stock step past the shared
+base's token-row methods (``get_batch_samples``, ``prediction_step``, ``compute_loss`` in the dp
+view with its gradient divided by dp, as FSDP2 sums over dp where DDP averages), and the helpers
 :meth:`_Rollouts._du_own_rows`, :meth:`_Rollouts._du_owned_rollouts`,
 :meth:`_Rollouts._du_sp_gather_object`.
 """
@@ -63,6 +65,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from dtensor_ulysses._torch_private import fsdp_param_dtype, fsdp_reshards_after_forward
@@ -70,6 +73,7 @@ from dtensor_ulysses.hf.models.causal_lm import config_head_dim
 from dtensor_ulysses.hf.models.routing import plain_attention
 from dtensor_ulysses.hf.trainers import _state
 from dtensor_ulysses.hf.trainers._accel import dp_gather
+from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError
 from dtensor_ulysses.parallel.mesh import ParallelDims
 from dtensor_ulysses.plan.generation import (
@@ -418,6 +422,38 @@ class _Rollouts:
         parts: list[Any] = [None] * self._du_dims.sp
         dist.all_gather_object(parts, obj, group=self._du_sp_group())
         return parts
+
+    # ------------------------------------------------------------------------------------------
+    # the stock step (its batches are prompts, not token rows)
+    # ------------------------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any):
+        # the stock trainer's, past the shared base's token-row version
+        return super(_UlyssesTrainer, self).get_batch_samples(  # type: ignore[misc]
+            epoch_iterator, num_batches, device
+        )
+
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None):  # fmt: skip
+        with self._du_dp_view():
+            out = super(_UlyssesTrainer, self).compute_loss(  # type: ignore[misc]
+                model, inputs, return_outputs=return_outputs,
+                num_items_in_batch=num_items_in_batch,
+            )  # fmt: skip
+        loss = out[0] if return_outputs else out
+        # the value is the stock rank's loss; FSDP2 sums gradients over dp where DDP averages
+        loss = loss.detach() + (loss - loss.detach()) / self._du_dims.dp
+        return (loss, out[1]) if return_outputs else loss
+
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: Any = None):  # fmt: skip
+        # the stock trainer's (rollouts and loss as in training, through the methods above)
+        return super(_UlyssesTrainer, self).prediction_step(  # type: ignore[misc]
+            model, inputs, prediction_loss_only, ignore_keys
+        )
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        # the stock trainer counts prompt + completion tokens itself (over dp)
+        super(_UlyssesTrainer, self)._track_num_input_tokens(inputs)  # type: ignore[misc]
 
     # ------------------------------------------------------------------------------------------
     # a round
