@@ -214,6 +214,25 @@ def hf_features(rank: int, world: int, dirs: dict, out_dir: str, tok_dir: str, d
         except hf.UnsupportedModelError as e:
             res["refused"][arch] = str(e)
 
+    # dropout on the hidden states (a LoRA adapter's, injected with peft into the model):
+    # parallelize warns once, from rank 0; a model without it does not warn
+    import warnings
+
+    from peft import LoraConfig, inject_adapter_in_model
+
+    res["dropout_warnings"] = {}
+    for lora_dropout in (0.05, 0.0):
+        model = AutoModelForCausalLM.from_pretrained(dirs["llama"], dtype=torch.float32)
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout,
+                          target_modules=["q_proj", "v_proj"])  # fmt: skip
+        model = inject_adapter_in_model(lora, model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf.parallelize(model, mesh)
+        res["dropout_warnings"][lora_dropout] = [
+            str(w.message) for w in caught if "dropout" in str(w.message)
+        ]
+
     # the plain path: apply_ulysses, feed the slice (position ids filled in / packed), twice
     ids, _, pos, _ = global_batch(packed=True)
     sizes = [10, 9] if world == 2 else [5, 5, 5, 4]

@@ -112,6 +112,41 @@ def test_refused_architectures_name_layer_and_feature(world2):
     assert "bidirectional (non-causal) attention" in bidi and "model.layers.1.self_attn" in bidi
 
 
+def test_dropout_on_slices_is_said_once_from_rank_0(world2):
+    """A LoRA adapter's dropout runs with masks drawn per slice: ``hf.parallelize`` says so in
+    one warning on rank 0 (naming the modules and the fix); without dropout, nothing."""
+    ranks = [f["dropout_warnings"] for f in world2["features"]]
+    (said,) = ranks[0][0.05]
+    assert "lora_dropout.default p=0.05" in said and "and 2 more" in said, said
+    assert "not bit for bit" in said and "--lora_dropout 0" in said, said
+    assert ranks[1][0.05] == [] and ranks[0][0.0] == [] == ranks[1][0.0]
+
+
+def test_sliced_dropout_finds_modules_and_config_keys():
+    """The detector: ``nn.Dropout`` modules with ``p > 0`` and a config's hidden-dropout keys
+    (GPT-2's ``resid_pdrop`` / ``embd_pdrop``); nothing once TRL's ``disable_dropout_in_model``
+    (``disable_dropout=True``) has set the modules to 0 and the config has none."""
+    import transformers as tf
+    from trl.trainer.utils import disable_dropout_in_model
+
+    from dtensor_ulysses.hf.models.routing import sliced_dropout
+
+    cfg = tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, attn_pdrop=0.0)
+    gpt2 = tf.GPT2LMHeadModel(cfg)
+    said = sliced_dropout(gpt2, gpt2)
+    assert said is not None and "transformer.drop p=0.1" in said, said
+    assert "config.resid_pdrop p=0.1" in said or "more" in said, said
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(**W.SMALL))
+    assert sliced_dropout(llama, llama) is None
+    cfg = tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, attn_pdrop=0.0,
+                        resid_pdrop=0.0, embd_pdrop=0.0, summary_first_dropout=0.0)  # fmt: skip
+    quiet = tf.GPT2LMHeadModel(cfg)
+    assert sliced_dropout(quiet, quiet) is None
+    disable_dropout_in_model(gpt2)
+    said = sliced_dropout(gpt2, gpt2)  # the modules are off; the config keys still say 0.1
+    assert said is not None and "transformer.drop" not in said and "config.resid_pdrop" in said
+
+
 def test_guard_names_the_unrouted_layer(world2):
     msg = world2["features"][0]["guard"]
     assert msg.startswith("1 of 2 attention layers") and "model.layers.1.self_attn" in msg

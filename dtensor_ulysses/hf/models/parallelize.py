@@ -6,16 +6,23 @@ with_ulysses` and a user's own loop all call it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from dtensor_ulysses.hf.models.causal_lm import HFCausalLM
-from dtensor_ulysses.hf.models.routing import apply_ulysses, decoder_layers, unwrap
+from dtensor_ulysses.hf.models.routing import (
+    apply_ulysses,
+    decoder_layers,
+    sliced_dropout,
+    unwrap,
+)
 from dtensor_ulysses.parallel.apply import (
     checkpoint_blocks,
     default_mixed_precision,
@@ -81,6 +88,10 @@ def parallelize_root(
     """:func:`parallelize`'s steps on ``hf`` inside ``root`` (the module FSDP2 shards last: the
     model itself, an :class:`HFCausalLM`, or a trainer's wrapper such as a PEFT model), with
     ``options`` already checked by the caller's front door."""
+    # 0. dropout that would train on slices: said once (rank 0), for a model that trains
+    dropout = sliced_dropout(root, hf)
+    if dropout and any(p.requires_grad for p in root.parameters()) and dist.get_rank() == 0:
+        warnings.warn(f"dtensor_ulysses: {dropout}", UserWarning, stacklevel=2)
     mixed_precision = options.mixed_precision
     if mixed_precision == "auto":
         mixed_precision = default_mixed_precision(mesh.device_type)

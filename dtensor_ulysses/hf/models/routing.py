@@ -109,6 +109,7 @@ __all__ = [
     "apply_ulysses",
     "attention_dropout",
     "attention_modules",
+    "sliced_dropout",
     "check_supported",
     "decoder_layers",
     "layer_features",
@@ -371,6 +372,41 @@ def attention_dropout(
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                 found[f"module.{key}"] = float(value)
     return found
+
+
+# config keys of dropout on the hidden states (residual, embeddings) that families apply with
+# ``F.dropout`` rather than an ``nn.Dropout`` module
+_HIDDEN_DROPOUT_CONFIG = ("hidden_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob")
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                    nn.FeatureAlphaDropout)  # fmt: skip
+
+
+def sliced_dropout(root: nn.Module, hf: Any) -> str | None:
+    """What dropout a training step of ``root`` draws on sequence slices, in one line; ``None``
+    when there is none. Dropout on the hidden states (an ``nn.Dropout`` module with ``p > 0``
+    anywhere in ``root``, a PEFT adapter's ``lora_dropout`` among them, or a text config's
+    hidden-dropout key) runs under Ulysses, but each rank draws the masks of its own slice from
+    the stock rank's random stream, so the step equals the single-process step in distribution,
+    not bit for bit, and its masks change with sp. (Attention dropout is refused:
+    :func:`attention_dropout`.)"""
+    found = {name or "(root)": float(m.p) for name, m in root.named_modules()
+             if isinstance(m, _DROPOUT_MODULES) and m.p > 0}  # fmt: skip
+    cfg = hf.config.get_text_config()
+    for key in _HIDDEN_DROPOUT_CONFIG:
+        value = getattr(cfg, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found[f"config.{key}"] = float(value)
+    if not found:
+        return None
+    items = [f"{k} p={v:g}" for k, v in found.items()]
+    more = f" and {len(items) - 2} more" if len(items) > 2 else ""
+    return (
+        f"dropout on sequence slices ({', '.join(items[:2])}{more}): each rank draws the masks "
+        f"of its own slice, so training equals the single-process run in distribution, not bit "
+        f"for bit, and the masks change with sp; for the exact run set the dropout to 0.0 "
+        f"(LoraConfig(lora_dropout=0.0), TRL's --lora_dropout 0, disable_dropout=True, or the "
+        f"model config's)"
+    )
 
 
 def _problems(module: nn.Module, cfg: Any) -> list[str]:
