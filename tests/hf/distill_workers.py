@@ -101,6 +101,10 @@ def build(spec: dict) -> Any:
                   eval_dataset=data if spec.get("eval") else None,
                   peft_config=R._lora() if spec.get("lora") else None, **extra)  # fmt: skip
     trainer._du_test_grads = grads
+    if spec.get("eval"):  # TRL's LogCompletionsCallback: sampled completions at every eval step
+        gen = tf.GenerationConfig(max_new_tokens=4, do_sample=True, temperature=0.7)
+        trainer._du_test_logged = trl.LogCompletionsCallback(trainer, gen, num_prompts=3)
+        trainer.add_callback(trainer._du_test_logged)
     return trainer
 
 
@@ -120,6 +124,8 @@ def run(spec: dict) -> dict:
     out["eval"] = [{k: v for k, v in h.items() if k in EVAL_LOGGED}
                    for h in trainer.state.log_history if "eval_loss" in h]  # fmt: skip
     out["tokens_seen"] = trainer.state.num_input_tokens_seen
+    logged = trainer.__dict__.get("_du_test_logged")
+    out["logged_completions"] = None if logged is None else [list(r) for r in logged.table]
     out["rounds"] = trainer.__dict__.get("_du_test_rounds", [])
     for k in TOOL_LOGGED:
         out[k] = [h.get(k) for h in hist]

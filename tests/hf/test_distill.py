@@ -6,11 +6,12 @@ decoding with many stop tokens (completions of unequal lengths, and steps 2 and 
 the updated student, so the updates are checked too), SGD. Three cases, one per divergence:
 forward KL (``beta`` 0) from a larger Qwen3 teacher given as a path, with gradient accumulation;
 the JSD (``beta`` 0.5, ``temperature`` 0.7) from the larger teacher given as a model, into a
-LoRA student, with evaluation at step 2; reverse KL (``beta`` 1) from a Llama teacher of the
+LoRA student, with evaluation at step 2 and TRL's ``LogCompletionsCallback`` (sampled
+completions from the gathered student); reverse KL (``beta`` 1) from a Llama teacher of the
 student's size. The stock trainer at dp = 1 runs in this process, at dp = 2 on 2 spawned gloo
 ranks; Ulysses runs at (dp, sp) = (1, 2) in that 2-rank world, and at (2, 2) and (1, 4) in one
 4-rank world, where rows shorter than sp (one-token prompts, completions of at most two
-tokens: some ranks hold an empty slice) are trained too. A fourth case, over 2 steps at all
+tokens: padded so that no rank holds an empty slice) are trained too. A fourth case, over 2 steps at all
 three layouts, calls a tool: the RL tests' agent (tests/hf/rl_agents.py: a chat-template
 tokenizer, a student scripted to call the counting ``add`` tool twice per rollout) with a
 teacher of its size. Compared at rtol 1e-4: every logged metric (loss, entropy, completion
@@ -127,6 +128,8 @@ def _close(got: dict, ref: dict, steps: int = STEPS) -> None:
             assert a == pytest.approx(b, rel=RTOL, abs=ATOL), (k, got[k], ref[k])
     assert got["tokens_seen"] == ref["tokens_seen"]
     assert got["rounds"] == ref["rounds"]  # every round's completions and tool masks, exactly
+    # TRL's LogCompletionsCallback (the evaluation case): its sampled completions, exactly
+    assert got["logged_completions"] == ref["logged_completions"]
     assert len(got["grads"]) == len(ref["grads"]) == steps
     for step, (g, r) in enumerate(zip(got["grads"], ref["grads"])):
         assert g.keys() == r.keys()
@@ -204,6 +207,9 @@ def test_the_cases_differ(refs, world2):
     assert u12["forward_kl"]["teacher"]["class"] == "Qwen3Config"
     assert u12["reverse_kl"]["teacher"]["class"] == "LlamaConfig"
     assert max(refs["short"]["completions/max_length"]) <= 2
+    logged = refs["jsd"]["logged_completions"]  # LogCompletionsCallback at the step-2 eval
+    assert len(logged) == 3 and {row[0] for row in logged} == {"2"}, logged
+    assert all(row[2] for row in logged), logged
     for c in CASES:
         ref = refs[c]
         assert any(a < b for a, b in zip(ref["completions/min_length"],

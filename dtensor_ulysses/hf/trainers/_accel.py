@@ -1,7 +1,7 @@
 """The Trainer's accelerator under Ulysses: data by dp rank, no DDP wrap, the DTensor grad norm.
 
 :func:`install` changes the class of the ``accelerate.Accelerator`` a ``Trainer`` built, in
-place, to a subclass that overrides four public methods:
+place, to a subclass that overrides five public methods:
 
 * ``prepare_data_loader``: the loader is sharded over the ``dp`` ranks only (every rank of an
   sp group reads the same rows), by handing accelerate's own ``prepare_data_loader`` the dp
@@ -9,6 +9,8 @@ place, to a subclass that overrides four public methods:
   sampler, ``set_epoch``, ``skip_first_batches`` on resume, even batches) is unchanged.
 * ``prepare_model``: the model is already FSDP2-sharded: autocast and compile only, never DDP.
 * ``clip_grad_norm_``: the norm of DTensor gradients as a plain tensor (logged as a float).
+* ``split_between_processes``: over the dp ranks (accelerate's own rule, with ``dp`` processes),
+  so every rank of an sp group gets its dp rank's share, as the loaders do.
 * ``gather_for_metrics`` (the Trainer's ``gather_function``: evaluation losses, logits,
   labels): :func:`dp_gather`, across the dp ranks only, since the sp ranks of a group hold the
   same rows; the last batch cut to the dataset's remaining rows as accelerate's own does, so
@@ -17,6 +19,7 @@ place, to a subclass that overrides four public methods:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -25,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ulysses.parallel.mesh import ParallelDims
 
-__all__ = ["dp_gather", "install"]
+__all__ = ["dp_gather", "dp_gather_object", "install"]
 
 
 class _UlyssesAccelerator:
@@ -67,6 +70,17 @@ class _UlyssesAccelerator:
         if state.end_of_dataloader and state.remainder > 0:
             return _first_rows(data, state.remainder)
         return data
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Any:
+        # by dp rank, as the loaders: every rank of an sp group gets its dp rank's share (what
+        # TRL's generation callbacks split), accelerate's own rule over dp processes
+        from accelerate.state import PartialState
+
+        dims, device = self._du_dims, getattr(self, "device", None)
+        view: Any = SimpleNamespace(
+            num_processes=dims.dp, process_index=dims.dp_rank, device=device
+        )
+        return PartialState.split_between_processes(view, inputs, apply_padding=apply_padding)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2):
         self.unscale_gradients()  # type: ignore[attr-defined]
@@ -119,3 +133,13 @@ def dp_gather(data: Any, *, group: dist.ProcessGroup, **_: Any) -> Any:
         length = max(p.shape[1] for p in parts)
         parts = [_pad_dim1(p, length) for p in parts]
     return torch.cat([p if p.dim() else p.reshape(1) for p in parts]).to(data.device)
+
+
+def dp_gather_object(obj: Any, group: dist.ProcessGroup) -> list:
+    """accelerate's ``gather_object`` over ``group`` (the dp ranks): the ranks' lists,
+    concatenated in rank order."""
+    if dist.get_world_size(group) == 1:
+        return list(obj)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return [x for part in parts for x in part]

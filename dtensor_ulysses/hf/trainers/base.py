@@ -127,6 +127,7 @@ from dtensor_ulysses.hf.models.vision import (
     vision_model_inputs,
 )
 from dtensor_ulysses.hf.trainers import _accel, _state, _stops
+from dtensor_ulysses.hf.trainers._generation import tracked_generation_callbacks
 from dtensor_ulysses.hf.trainers.refusals import (
     UnsupportedTrainerError,
     _refusals_in_one_line,
@@ -358,7 +359,14 @@ class _UlyssesTrainer:
         """The stock ``train``; a stop signal, Ctrl-C or a dead launcher ends it after the same
         step on every rank with the Trainer's checkpoint, and the process with status 75
         (:mod:`~dtensor_ulysses.hf.trainers._stops`)."""
-        return _stops.train_until_stopped(self, super().train, *args, **kwargs)  # type: ignore[misc]
+        with tracked_generation_callbacks(self):
+            return _stops.train_until_stopped(self, super().train, *args, **kwargs)  # type: ignore[misc]
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock ``evaluate``; TRL's generation callbacks (``on_evaluate``) generate from
+        the gathered model (:mod:`~dtensor_ulysses.hf.trainers._generation`)."""
+        with tracked_generation_callbacks(self):
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
 
     # ------------------------------------------------------------------------------------------
     # construction

@@ -68,11 +68,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from dtensor_ulysses._torch_private import fsdp_param_dtype, fsdp_reshards_after_forward
+from dtensor_ulysses._torch_private import fsdp_param_dtype
 from dtensor_ulysses.hf.models.causal_lm import config_head_dim
 from dtensor_ulysses.hf.models.routing import plain_attention
 from dtensor_ulysses.hf.trainers import _state
-from dtensor_ulysses.hf.trainers._accel import dp_gather
+from dtensor_ulysses.hf.trainers._accel import dp_gather, dp_gather_object
+from dtensor_ulysses.hf.trainers._generation import all_gathered, set_up, synced_steps
 from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError
 from dtensor_ulysses.parallel.mesh import ParallelDims
@@ -142,15 +143,6 @@ def _dp_gather_same(data: Any, group: dist.ProcessGroup) -> Any:
     if not isinstance(data, torch.Tensor):
         return data
     return dp_gather(data if data.dim() else data.reshape(1), group=group)
-
-
-def _dp_gather_object(obj: Any, group: dist.ProcessGroup) -> list:
-    """accelerate's ``gather_object`` over ``group``: the ranks' lists, concatenated."""
-    if dist.get_world_size(group) == 1:
-        return list(obj)
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, obj, group=group)
-    return [x for part in parts for x in part]
 
 
 @contextlib.contextmanager
@@ -402,7 +394,7 @@ class _Rollouts:
         try:
             with (
                 _patched(module, "gather", lambda t: _dp_gather_same(t, group)),
-                _patched(module, "gather_object", lambda o: _dp_gather_object(o, group)),
+                _patched(module, "gather_object", lambda o: dp_gather_object(o, group)),
             ):
                 yield
         finally:
@@ -700,37 +692,19 @@ class _Rollouts:
         random stream."""
         hf: Any = _state.base_model(self.model)
         root: Any = self.model
-        units = [m for m in root.modules() if isinstance(m, FSDPModule)]
         with plain_attention(hf), torch.no_grad(), _fork_rng(self.accelerator.device):
-            if not getattr(self, "_du_root_ready", False):  # FSDP2 sets up from the root's
-                root(input_ids=torch.zeros((1, 1), dtype=torch.long,  # first forward
-                                           device=self.accelerator.device))  # fmt: skip
-                self._du_root_ready = True
-            reshard = {}
-            # transformers' generate steps every rank in sync (synced_gpus) for a module
-            # fully_shard marked as managed: only while layers are gathered per step
-            managed = hf.__dict__.get("_is_fsdp_managed_module")
-            hf._is_fsdp_managed_module = self._du_gathering == "layer"
-            if self._du_gathering == "round":
-                for m in units:  # every unit all-gathered once, kept until the round ends
-                    reshard[m] = fsdp_reshards_after_forward(m)
-                    m.set_reshard_after_forward(False, recurse=False)
-                    m.unshard()
-            else:  # the root for the round, each layer per step: every rank steps in sync
+            if self._du_gathering == "round":  # every unit gathered once, until the round ends
+                with all_gathered(root, hf, self.accelerator.device):
+                    yield
+                return
+            # the root for the round, each layer per step: every rank steps in sync
+            set_up(root, self.accelerator.device)
+            with synced_steps(hf, True):
                 root.unshard()
-            try:
-                yield
-            finally:
-                if self._du_gathering == "round":
-                    for m in units:
-                        m.reshard()
-                        m.set_reshard_after_forward(reshard[m], recurse=False)
-                else:
+                try:
+                    yield
+                finally:
                     root.reshard()
-                if managed is None:
-                    del hf._is_fsdp_managed_module
-                else:
-                    hf._is_fsdp_managed_module = managed
 
 
 def _compute_bytes(model: Any) -> int:
