@@ -11,8 +11,8 @@ completions from the gathered student); reverse KL (``beta`` 1) from a Llama tea
 student's size. The stock trainer at dp = 1 runs in this process, at dp = 2 on 2 spawned gloo
 ranks; Ulysses runs at (dp, sp) = (1, 2) in that 2-rank world, and at (2, 2) and (1, 4) in one
 4-rank world, where rows shorter than sp (one-token prompts, completions of at most two
-tokens: padded so that no rank holds an empty slice) are trained too. A fourth case, over 2 steps at all
-three layouts, calls a tool: the RL tests' agent (tests/hf/rl_agents.py: a chat-template
+tokens: padded so that no rank holds an empty slice) are trained too. A fourth case, over 2
+steps at all three layouts, calls a tool: the RL tests' agent (tests/hf/rl_agents.py: a chat-template
 tokenizer, a student scripted to call the counting ``add`` tool twice per rollout) with a
 teacher of its size. Compared at rtol 1e-4: every logged metric (loss, entropy, completion
 lengths and clipped ratio, tool-call and failure frequencies, grad norm, tokens), every round's
