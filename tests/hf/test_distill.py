@@ -4,21 +4,22 @@ parallelism.
 A tiny local Llama student, the RL tests' BPE tokenizer and prompts of unequal lengths, greedy
 decoding with many stop tokens (completions of unequal lengths, and steps 2 and 3 generate with
 the updated student, so the updates are checked too), SGD. Three cases, one per divergence:
-forward KL (``beta`` 0) from a larger Qwen3 teacher given as a path, with gradient accumulation;
-the JSD (``beta`` 0.5, ``temperature`` 0.7) from the larger teacher given as a model, into a
-LoRA student, with evaluation at step 2 and TRL's ``LogCompletionsCallback`` (sampled
-completions from the gathered student); reverse KL (``beta`` 1) from a Llama teacher of the
-student's size. The stock trainer at dp = 1 runs in this process, at dp = 2 on 2 spawned gloo
-ranks; Ulysses runs at (dp, sp) = (1, 2) in that 2-rank world, and at (2, 2) and (1, 4) in one
-4-rank world, where rows shorter than sp (one-token prompts, completions of at most two
+forward KL (``beta`` 0) from a larger Qwen3 teacher given as a path, with gradient
+accumulation; the JSD (``beta`` 0.5, ``temperature`` 0.7) from the larger teacher given as a
+model, into a LoRA student, with evaluation at step 2 and TRL's ``LogCompletionsCallback``
+(sampled completions from the gathered student); reverse KL (``beta`` 1) from a Llama teacher
+of the student's size. The stock trainer at dp = 1 runs in this process, at dp = 2 on 2 spawned
+gloo ranks; Ulysses runs at (dp, sp) = (1, 2) in that 2-rank world, and at (2, 2) and (1, 4) in
+one 4-rank world, where rows shorter than sp (one-token prompts, completions of at most two
 tokens: padded so that no rank holds an empty slice) are trained too. A fourth case, over 2
-steps at all three layouts, calls a tool: the RL tests' agent (tests/hf/rl_agents.py: a chat-template
-tokenizer, a student scripted to call the counting ``add`` tool twice per rollout) with a
-teacher of its size. Compared at rtol 1e-4: every logged metric (loss, entropy, completion
-lengths and clipped ratio, tool-call and failure frequencies, grad norm, tokens), every round's
-completions and tool masks (exactly) and the full gradients of four parameters (two LoRA
-matrices) at every step; each tool call runs once per rollout per dp group; the teacher is
-sharded, frozen and outside the optimizer; the collectives on the sp group are counted.
+steps at all three layouts, calls a tool: the RL tests' agent (tests/hf/rl_agents.py: a
+chat-template tokenizer, a student scripted to call the counting ``add`` tool twice per
+rollout) with a teacher of its size. Compared at rtol 1e-4: every logged metric (loss, entropy,
+completion lengths and clipped ratio, tool-call and failure frequencies, grad norm, tokens),
+every round's completions and tool masks (exactly) and the full gradients of four parameters
+(two LoRA matrices) at every step; each tool call runs once per rollout per dp group; the
+teacher is sharded, frozen and outside the optimizer; the collectives on the sp group are
+counted.
 """
 
 from __future__ import annotations
