@@ -30,8 +30,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from dtensor_ulysses._exit import EXIT_PREEMPTED  # noqa: E402
-from tests.train.test_guard import _gone  # noqa: E402
-from tests.train.test_train import _descendants  # noqa: E402
+from tests.processes import descendants, gone, kill_trees  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/hf/stop_script.py"
@@ -63,7 +62,7 @@ def _cmd(*runs: list) -> list[str]:
 def _workers(root_pid: int) -> list[int]:
     """The pids of the script's ranks below torchrun ``root_pid``."""
     out = []
-    for pid in _descendants(root_pid):
+    for pid in descendants(root_pid):
         with contextlib.suppress(OSError):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             if SCRIPT.encode() in cmdline and b"torch.distributed.run" not in cmdline:
@@ -104,18 +103,12 @@ def test_trainer_door_stops_after_the_same_step_with_its_checkpoint_and_resumes(
                 os.killpg(proc.pid, sig)  # start_new_session: torchrun leads its group
         outs = {case: proc.communicate(timeout=200) for case, proc in procs.items()}
         deadline = time.monotonic() + 90
-        while any(not _gone(p) for pids in workers.values() for p in pids):
+        while any(not gone(p) for pids in workers.values() for p in pids):
             assert time.monotonic() < deadline, "workers still running 90 s after the stop"
             time.sleep(0.2)
     finally:
-        for proc in procs.values():
-            for pid in [proc.pid, *_descendants(proc.pid)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        for pids in workers.values():
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        kill_trees((proc.pid for proc in procs.values()),
+                   also=(pid for pids in workers.values() for pid in pids))  # fmt: skip
     stops, resumes = {}, []
     for case, (_, stderr) in outs.items():
         label = f"{case}:\n{stderr[-4000:]}"

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dtensor_ulysses.train import checkpoint as ckpt
-from tests.train.test_train import _descendants
+from tests.processes import descendants, kill_trees
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--seq-len", "64", "--batch-size", "2"]
@@ -143,7 +143,7 @@ def test_damaged_newest_checkpoint_falls_back_or_stops(three_checkpoints, tmp_pa
 def _worker_pids(root_pid: int) -> dict[int, int]:
     """rank -> pid of the torchrun workers below ``root_pid`` (from their environment)."""
     out = {}
-    for pid in _descendants(root_pid):
+    for pid in descendants(root_pid):
         with contextlib.suppress(OSError):
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -187,9 +187,7 @@ def test_kill_a_rank_during_a_checkpoint_write_then_resume(tmp_path):
         assert re.search(r"rank 1 \(pid \d+\) had finished step \d+ of 100000, peak memory "
                          r"[\d.]+ [KMG]iB", stderr), stderr[-3000:]  # fmt: skip
     finally:
-        for pid in [proc.pid, *_descendants(proc.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_trees([proc.pid])
     complete = sorted(p.name for p in ck.iterdir() if not p.name.endswith(".tmp"))
     last = int(complete[-1].removeprefix("step_"))
     [res] = _run_all([([*TINY, "--steps", str(last + 1), "--resume", "--checkpoint-dir",

@@ -11,7 +11,6 @@ its headroom of the capacity.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -29,8 +28,8 @@ import pytest
 from dtensor_ulysses.plan.preflight import HEADROOM, check_fits, estimate_memory
 from dtensor_ulysses.plan.presets import get_shape
 from dtensor_ulysses.train.guard import EXIT_NONFINITE, EXIT_PREEMPTED, NAN_HOOK_ENV
+from tests.processes import gone, kill_trees
 from tests.train.test_faults import ROOT, TINY, _cmd, _env, _errors, _run_all, _worker_pids
-from tests.train.test_train import _descendants
 
 COMMON = [*TINY, "--lr", "3e-3", "--warmup-steps", "2", "--decay-steps", "20"]
 
@@ -272,14 +271,6 @@ def _launch_cmd(args: list[str]) -> list[str]:
             "-m", "dtensor_ulysses.train", *args]  # fmt: skip
 
 
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (absent, or a zombie waiting for its parent)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 # (how the job is launched, the signal, sent to the launcher's pid alone or to its group; the
 # groups of `launch ... | tee log`: tee dies with the group, rank 0's stdout has no reader)
 _STOPS = {
@@ -330,10 +321,7 @@ def test_preempt_then_resume_equals_straight_run(tmp_path):
                 os.kill(workers[how][1], sig)
         outs = {how: proc.communicate(timeout=150) for how, proc in procs.items()}
     finally:
-        for proc in procs.values():
-            for pid in [proc.pid, *_descendants(proc.pid)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        kill_trees(proc.pid for proc in procs.values())
     resume_jobs, stops = [], {}
     for how, (_, stderr) in outs.items():
         launcher, sig, _ = _STOPS[how]
@@ -347,7 +335,7 @@ def test_preempt_then_resume_equals_straight_run(tmp_path):
         assert sorted(_losses(tmp_path / f"{how}.jsonl")) == list(range(1, stop + 1)), label
         ck = tmp_path / how
         assert _written(ck) == [f"step_{stop:08d}"], label
-        left = [pid for pid in workers[how].values() if not _gone(pid)]
+        left = [pid for pid in workers[how].values() if not gone(pid)]
         assert not left, f"workers {left} still running; {label}"
         if launcher == "launch_tee":  # its stdout closed: noticed once, every step recorded
             assert len(re.findall(r"^warning: rank 0: stdout is closed", stderr, re.M)) == 1, label

@@ -25,7 +25,6 @@ newest complete one gives the straight run's losses exactly.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -39,9 +38,9 @@ import pytest
 
 from dtensor_ulysses._exit import EXIT_INTERRUPTED
 from dtensor_ulysses.train.guard import EXIT_PREEMPTED, SLOW_STOP_ENV
+from tests.processes import descendants, gone, kill_trees
 from tests.train.test_faults import ROOT, _cmd, _env, _run_all, _worker_pids
-from tests.train.test_guard import COMMON, _gone, _losses, _wait_for_step, _written
-from tests.train.test_train import _descendants
+from tests.train.test_guard import COMMON, _losses, _wait_for_step, _written
 
 PIPE_JOB = str(Path(__file__).with_name("pipe_job.py"))
 # how the job is launched, and what reaches it
@@ -121,7 +120,7 @@ def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_
         deadline = time.monotonic() + 120
         while len(gone_by) < len(workers):
             for case, pids in workers.items():
-                if case not in gone_by and all(_gone(p) for p in pids):
+                if case not in gone_by and all(gone(p) for p in pids):
                     gone_by[case] = time.monotonic()
             assert time.monotonic() < deadline, (
                 f"workers still running: {set(workers) - set(gone_by)}"
@@ -129,15 +128,8 @@ def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_
             time.sleep(0.1)
         outs = {c: [a.communicate(timeout=120) for a in agents] for c, agents in procs.items()}
     finally:
-        for agents in procs.values():
-            for a in agents:
-                for pid in [a.pid, *_descendants(a.pid)]:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-        for pids in workers.values():
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        kill_trees((a.pid for agents in procs.values() for a in agents),
+                   also=(pid for pids in workers.values() for pid in pids))  # fmt: skip
     stops, resume_jobs = {}, []
     for case, streams in outs.items():
         stderr = "\n".join(err for _, err in streams)
@@ -161,7 +153,7 @@ def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_
             m = re.match(r"preempted: (.*): stopped after step (\d+) of 1000; checkpoint (\S+) "
                          r"written", lines[0])  # fmt: skip
             assert m, label
-            gone = m.group(1).startswith("a rank's launcher (torchrun) is gone")
+            launcher_gone = m.group(1).startswith("a rank's launcher (torchrun) is gone")
             if sig == signal.SIGTERM:
                 assert m.group(1) == "SIGTERM received", label
             elif sig == signal.SIGINT:
@@ -169,9 +161,9 @@ def test_plain_torchrun_stopped_or_killed_leaves_a_checkpoint_and_no_worker(tmp_
                 assert "exit status 75 on every rank; plain torchrun itself exits 1" in lines[0]
             elif how == "two_agents":  # the second torchrun loses the rendezvous store the
                 # first one hosted and SIGTERMs its worker; whichever a step boundary sees first
-                assert gone or m.group(1) == "SIGTERM received", label
+                assert launcher_gone or m.group(1) == "SIGTERM received", label
             else:  # torchrun died at once: its workers saw their launcher go
-                assert gone, label
+                assert launcher_gone, label
             stop = int(m.group(2))
             assert statuses == [("rank0", str(EXIT_PREEMPTED)), ("rank1", str(EXIT_PREEMPTED))], (
                 statuses, label)  # fmt: skip
@@ -217,19 +209,17 @@ def test_a_second_ctrl_c_to_the_launcher_kills_everything_and_says_so(tmp_path):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in _descendants(proc.pid)}
+        cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in descendants(proc.pid)}
         [worker] = [p for p, c in cmdlines.items() if b"stubborn" in c and b"distributed" not in c]
         proc.send_signal(signal.SIGINT)
         time.sleep(2.0)
-        assert proc.poll() is None and not _gone(worker), "the first Ctrl-C only forwards"
+        assert proc.poll() is None and not gone(worker), "the first Ctrl-C only forwards"
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=30)  # a hang guard: torchrun alone waits 600 s
     finally:
-        for pid in [proc.pid, *_descendants(proc.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_trees([proc.pid])
     assert "launch: second interrupt: killing torchrun and its workers now" in stderr, stderr
-    assert _gone(worker), "the worker outlived the second Ctrl-C"
+    assert gone(worker), "the worker outlived the second Ctrl-C"
 
 
 def test_launch_help_says_what_it_adds_to_torchrun():

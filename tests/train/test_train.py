@@ -7,12 +7,10 @@ warmup+cosine schedule and clipping written out here), on the same weights and g
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from dtensor_ulysses.data import PackedCorpus, get_batch
 from dtensor_ulysses.launch import run_local_world
 from dtensor_ulysses.models import build_model, init_weights
 from tests import train_workers
+from tests.processes import kill_trees
 from tests.reference import reference_adamw
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,21 +151,6 @@ def test_resume_equals_straight_run(tmp_path):
     assert first_half + second_half == straight, "resumed losses differ from the straight run"
 
 
-def _descendants(pid: int) -> list[int]:
-    """All processes below ``pid``, from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _torchrun(args: list[str], nproc: int = 2, timeout: float = 240, **popen_kw):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "dtensor_ulysses.train", *args]  # fmt: skip
@@ -198,9 +182,7 @@ def test_kill_and_resume_with_torchrun(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.05)
     # torchrun starts each worker in a session of its own: kill the whole tree, as a crash would
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    kill_trees([proc.pid])
     proc.wait(timeout=60)
     done = sorted(p.name for p in ck.iterdir() if not p.name.endswith(".tmp"))
     last = int(done[-1].removeprefix("step_"))
