@@ -118,6 +118,18 @@ def recording(cls: type) -> type:
     return Recording
 
 
+def assert_grads_close(got: list[dict], ref: list[dict], steps: int, rtol: float) -> None:
+    """Every step's recorded gradients (:class:`_Grads` rows, as lists) of ``got`` equal
+    ``ref``'s: the same parameters, each within ``rtol`` of ``ref``'s largest entry (+ 1e-7)."""
+    assert len(got) == len(ref) == steps
+    for step, (g, r) in enumerate(zip(got, ref)):
+        assert g.keys() == r.keys()
+        for name in r:
+            x, y = torch.tensor(g[name]), torch.tensor(r[name])
+            tol = rtol * y.abs().max().item() + 1e-7
+            assert (x - y).abs().max().item() <= tol, (step, name)
+
+
 MEMBER_WORDS = ("", " please", " now", " in short")
 
 

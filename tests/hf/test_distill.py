@@ -35,6 +35,7 @@ from dtensor_ulysses.launch import run_local_world  # noqa: E402
 from tests import hf_workers as W  # noqa: E402
 from tests.hf import distill_workers as D  # noqa: E402
 from tests.hf import rl_agents as A  # noqa: E402
+from tests.hf import rl_workers as R  # noqa: E402
 from tests.hf import trainer_workers as T  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -131,13 +132,7 @@ def _close(got: dict, ref: dict, steps: int = STEPS) -> None:
     assert got["rounds"] == ref["rounds"]  # every round's completions and tool masks, exactly
     # TRL's LogCompletionsCallback (the evaluation case): its sampled completions, exactly
     assert got["logged_completions"] == ref["logged_completions"]
-    assert len(got["grads"]) == len(ref["grads"]) == steps
-    for step, (g, r) in enumerate(zip(got["grads"], ref["grads"])):
-        assert g.keys() == r.keys()
-        for name in r:
-            x, y = torch.tensor(g[name]), torch.tensor(r[name])
-            tol = RTOL * y.abs().max().item() + 1e-7
-            assert (x - y).abs().max().item() <= tol, (step, name)
+    R.assert_grads_close(got["grads"], ref["grads"], steps, RTOL)
     assert len(got["eval"]) == len(ref["eval"])
     for g, r in zip(got["eval"], ref["eval"]):
         assert g.keys() == r.keys() == set(D.EVAL_LOGGED), (g, r)

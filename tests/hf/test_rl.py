@@ -163,13 +163,7 @@ def _close(got: dict, ref: dict) -> None:
         assert g["completion_ids"] == r["completion_ids"]
         assert g["tool_mask"] == r["tool_mask"]
         assert g["advantages"] == pytest.approx(r["advantages"], rel=RTOL, abs=ATOL)
-    assert len(got["grads"]) == len(ref["grads"]) == steps
-    for step, (g, r) in enumerate(zip(got["grads"], ref["grads"])):
-        assert g.keys() == r.keys()
-        for name in r:
-            x, y = torch.tensor(g[name]), torch.tensor(r[name])
-            tol = RTOL * y.abs().max().item() + 1e-7
-            assert (x - y).abs().max().item() <= tol, (step, name)
+    R.assert_grads_close(got["grads"], ref["grads"], steps, RTOL)
     assert len(got["eval"]) == len(ref["eval"])
     for g, r in zip(got["eval"], ref["eval"]):
         assert g.keys() == r.keys()
