@@ -109,11 +109,11 @@ __all__ = [
     "apply_ulysses",
     "attention_dropout",
     "attention_modules",
-    "sliced_dropout",
     "check_supported",
     "decoder_layers",
     "layer_features",
     "plain_attention",
+    "sliced_dropout",
     "unwrap",
 ]
 

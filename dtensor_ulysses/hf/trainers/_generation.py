@@ -32,7 +32,7 @@ from dtensor_ulysses.hf.models.routing import plain_attention
 from dtensor_ulysses.hf.trainers import _state
 from dtensor_ulysses.hf.trainers._accel import dp_gather_object
 
-__all__ = ["all_gathered", "set_up", "synced_steps", "tracked_generation_callbacks"]
+__all__ = ["all_gathered", "patched", "set_up", "synced_steps", "tracked_generation_callbacks"]
 
 # the TRL module whose callbacks generate, and the names it imported that are replaced
 _CALLBACKS_MODULE = "trl.trainer.callbacks"
@@ -129,15 +129,24 @@ def tracked_generation_callbacks(trainer: Any) -> Iterator[None]:
         yield
         return
     group = trainer._du_dims.dp_mesh.get_group()
-    replaced = {
-        "unwrap_model_for_generation": _unwrap_for_generation,
-        "gather_object": lambda obj: dp_gather_object(obj, group),
-    }
-    old = {name: getattr(module, name) for name in replaced if hasattr(module, name)}
-    for name in old:
-        setattr(module, name, replaced[name])
+    with (
+        patched(module, "unwrap_model_for_generation", _unwrap_for_generation),
+        patched(module, "gather_object", lambda obj: dp_gather_object(obj, group)),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    """``module.name`` is ``value`` for the block (a name the module imported from elsewhere:
+    a TRL module's ``gather``, ``unwrap_model_for_generation``); nothing when the module does
+    not have the name (distillation's imports no ``gather``)."""
+    if not hasattr(module, name):
+        yield
+        return
+    old = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        for name, value in old.items():
-            setattr(module, name, value)
+        setattr(module, name, old)

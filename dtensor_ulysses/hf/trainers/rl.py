@@ -78,8 +78,9 @@ from dtensor_ulysses.hf.models.vision import (
     vision_model_inputs,
 )
 from dtensor_ulysses.hf.trainers import _state
+from dtensor_ulysses.hf.trainers._generation import patched
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError, _refusals_in_one_line
-from dtensor_ulysses.hf.trainers.rollouts import _dp_gather_same, _patched, _Rollouts
+from dtensor_ulysses.hf.trainers.rollouts import _dp_gather_same, _Rollouts
 from dtensor_ulysses.plan.splits import padded_seq_len
 
 __all__: list[str] = []
@@ -142,7 +143,7 @@ class _UlyssesRL(_Rollouts):
         device = self.accelerator.device
         lo, hi = self._du_own_rows(len(prompts))
         if hi > lo:
-            with self._du_owned_rollouts(lo, hi), _patched(self._du_trl_module(), "gather",
+            with self._du_owned_rollouts(lo, hi), patched(self._du_trl_module(), "gather",
                                                             lambda t: t):  # fmt: skip
                 local = super()._calculate_rewards(  # type: ignore[misc]
                     inputs[lo:hi], prompts[lo:hi], completions[lo:hi], completion_ids_list[lo:hi]

@@ -73,7 +73,7 @@ from dtensor_ulysses.hf.models.causal_lm import config_head_dim
 from dtensor_ulysses.hf.models.routing import plain_attention
 from dtensor_ulysses.hf.trainers import _state
 from dtensor_ulysses.hf.trainers._accel import dp_gather, dp_gather_object
-from dtensor_ulysses.hf.trainers._generation import all_gathered, set_up, synced_steps
+from dtensor_ulysses.hf.trainers._generation import all_gathered, patched, set_up, synced_steps
 from dtensor_ulysses.hf.trainers.base import _UlyssesTrainer
 from dtensor_ulysses.hf.trainers.refusals import UnsupportedTrainerError
 from dtensor_ulysses.parallel.mesh import ParallelDims
@@ -143,19 +143,6 @@ def _dp_gather_same(data: Any, group: dist.ProcessGroup) -> Any:
     if not isinstance(data, torch.Tensor):
         return data
     return dp_gather(data if data.dim() else data.reshape(1), group=group)
-
-
-@contextlib.contextmanager
-def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
-    if not hasattr(module, name):  # a module that does not import it (distillation: no gather)
-        yield
-        return
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,8 +380,8 @@ class _Rollouts:
         acc.__class__ = type(f"Dp{base.__name__}", (_DpAccelerator, base), {})
         try:
             with (
-                _patched(module, "gather", lambda t: _dp_gather_same(t, group)),
-                _patched(module, "gather_object", lambda o: dp_gather_object(o, group)),
+                patched(module, "gather", lambda t: _dp_gather_same(t, group)),
+                patched(module, "gather_object", lambda o: dp_gather_object(o, group)),
             ):
                 yield
         finally:
